@@ -1,0 +1,289 @@
+"""One error tree for everything cloudckpt raises.
+
+Every error says what happened and what the user should do next. Errors never carry
+credentials: URLs are redacted before they reach a message (see ``redact_url``).
+
+    CloudCkptError
+    ├── ConfigurationError            bad URL, bad option, missing extra
+    │   └── UnsupportedBackendError   the store cannot do what writing needs
+    ├── StoreError                    a store call failed (normalised across backends)
+    │   ├── ObjectNotFoundError       the key does not exist
+    │   ├── BucketNotFoundError       the bucket/container/root does not exist
+    │   ├── PreconditionFailedError   a create-only or compare-and-swap write lost (HTTP 412)
+    │   ├── StoreConflictError        concurrent conditional writes collided; retry (HTTP 409)
+    │   ├── PermissionDeniedError     credentials are valid but not allowed (HTTP 403)
+    │   ├── CredentialsError          no credentials, or the store rejected them
+    │   ├── TransientStoreError       failed before any effect; safe to retry
+    │   │   └── ChecksumMismatchError the store received bytes that do not match their CRC32C
+    │   └── OutcomeUnknownError       a write may or may not have been applied
+    ├── FencedError                   a newer writer claimed the run; this writer must stop
+    ├── CommitConflictError           the commit kept losing to concurrent edits
+    ├── CommitStateUnknownError       cannot tell whether the commit landed
+    ├── StaleAttemptError             an attempt is too old to commit safely (GC may own it)
+    ├── CorruptionError               data does not match its recorded digest; nothing usable
+    ├── NeedsRepairError              checkpoints exist but LATEST is missing or unreadable
+    ├── CheckpointNotFoundError       no committed checkpoint matches the request
+    ├── DestinationNotEmptyError      a restore target already holds files
+    ├── StagingError                  local staging failed (disk full, files changed under us)
+    ├── SaveDroppedError              a queued save was replaced by a newer one (backpressure)
+    └── UnsafePathError               a manifest path would escape the destination
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import urlsplit, urlunsplit
+
+__all__ = [
+    "BucketNotFoundError",
+    "CheckpointNotFoundError",
+    "ChecksumMismatchError",
+    "CloudCkptError",
+    "CommitConflictError",
+    "CommitStateUnknownError",
+    "ConfigurationError",
+    "CorruptionError",
+    "CredentialsError",
+    "DestinationNotEmptyError",
+    "FencedError",
+    "NeedsRepairError",
+    "ObjectNotFoundError",
+    "OutcomeUnknownError",
+    "PermissionDeniedError",
+    "PreconditionFailedError",
+    "SaveDroppedError",
+    "StagingError",
+    "StaleAttemptError",
+    "StoreConflictError",
+    "StoreError",
+    "TransientStoreError",
+    "UnsafePathError",
+    "UnsupportedBackendError",
+    "redact_url",
+]
+
+_SECRET_QUERY = re.compile(
+    r"(?i)(x-amz-(signature|credential|security-token)|signature|sig|token|key|secret"
+    r"|password|access_token|credential)=[^&]*"
+)
+
+
+def redact_url(url: str) -> str:
+    """Return ``url`` with any user-info and secret-looking query values removed."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable url>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    query = _SECRET_QUERY.sub(lambda m: m.group(1) + "=***", parts.query)
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+class CloudCkptError(Exception):
+    """Base class of every error cloudckpt raises on purpose.
+
+    ``hint`` says what to do next; it is appended to the message.
+    """
+
+    default_hint: str = ""
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        self.message = message
+        self.hint = self.default_hint if hint is None else hint
+        super().__init__(f"{message}. {self.hint}" if self.hint else message)
+
+
+class ConfigurationError(CloudCkptError):
+    """A URL, option or environment setting is wrong or incomplete."""
+
+
+class UnsupportedBackendError(ConfigurationError):
+    """The store behind a URL lacks a capability that safe writing needs."""
+
+    default_hint = (
+        "Use s3://, gs://, file:// or memory:// for writing; any fsspec URL can still be read. "
+        "If exactly one process ever writes this run, you may opt in with "
+        "unsafe_single_writer=True (CLI: --unsafe-single-writer)"
+    )
+
+    def __init__(self, message: str, *, capability: str = "", hint: str | None = None) -> None:
+        self.capability = capability
+        super().__init__(message, hint=hint)
+
+
+class StoreError(CloudCkptError):
+    """A call to the object store failed. Subclasses say how."""
+
+    def __init__(self, message: str, *, key: str | None = None, hint: str | None = None) -> None:
+        self.key = key
+        super().__init__(message, hint=hint)
+
+
+class ObjectNotFoundError(StoreError):
+    """The object does not exist."""
+
+
+class BucketNotFoundError(StoreError):
+    """The bucket (or root directory) does not exist.
+
+    Deliberately not an ObjectNotFoundError: a missing bucket must never look like an
+    empty run, or a writer would start a new history somewhere nobody can read.
+    """
+
+    default_hint = "Check the bucket name in the URL, or create the bucket first"
+
+
+class PreconditionFailedError(StoreError):
+    """A create-only write found the key present, or a compare-and-swap found a newer version."""
+
+
+class StoreConflictError(StoreError):
+    """Concurrent conditional requests collided (S3 409 ConditionalRequestConflict).
+
+    Nothing was applied; the request can be retried."""
+
+
+class PermissionDeniedError(StoreError):
+    """The credentials are valid but lack permission for this call."""
+
+    default_hint = (
+        "Grant the training role the permissions listed in docs/iam.md "
+        "(terraform/aws creates a least-privilege policy)"
+    )
+
+
+class CredentialsError(StoreError):
+    """No credentials were found, or the store rejected them."""
+
+    default_hint = (
+        "Provide credentials the usual way for this store: for S3 the AWS_* environment "
+        "variables, a profile (storage_options={'profile': ...}) or key/secret options; for "
+        "GCS application default credentials or storage_options={'token': ...}"
+    )
+
+
+class TransientStoreError(StoreError):
+    """A request failed before it could have had any effect (timeout on a read, 5xx, reset).
+
+    Safe to retry."""
+
+    default_hint = "The store or network is having trouble; the operation can be retried"
+
+
+class ChecksumMismatchError(TransientStoreError):
+    """The store rejected an upload because the bytes it received do not match the checksum
+    sent with them (S3 BadDigest, GCS 400). Nothing was stored; the upload can be retried."""
+
+    default_hint = "The bytes were damaged in transit; retrying the upload re-sends them"
+
+
+class OutcomeUnknownError(StoreError):
+    """A write was sent but no answer came back: it may or may not have been applied."""
+
+    default_hint = "Read the object back to learn whether the write landed before retrying"
+
+
+class FencedError(CloudCkptError):
+    """A newer writer claimed the run (higher epoch). This writer must stop committing.
+
+    Raised when a preempted VM that kept running (a zombie) tries to commit after its
+    replacement called ``resume()``.
+    """
+
+    default_hint = (
+        "Another process now owns this run. Stop this training process; do not call "
+        "resume() again from it unless you are sure the other writer is gone"
+    )
+
+
+class CommitConflictError(CloudCkptError):
+    """The commit kept losing compare-and-swap races to concurrent edits of LATEST."""
+
+    default_hint = (
+        "Something is editing LATEST continuously (pins, GC, another tool). The checkpoint "
+        "data is uploaded and intact; retry the save, and check for runaway tools"
+    )
+
+
+class CommitStateUnknownError(CloudCkptError):
+    """The commit's outcome cannot be determined (the store stopped answering)."""
+
+    default_hint = (
+        "The uploaded data is kept. Run `cloudckpt ls URL` once the store answers to see "
+        "whether this step is committed; do not delete anything by hand"
+    )
+
+
+class StaleAttemptError(CloudCkptError):
+    """An attempt is older than the garbage-collection grace period allows to commit."""
+
+    default_hint = (
+        "Garbage collection may already own this attempt's files. Save again, or raise "
+        "gc_grace if uploads legitimately take this long"
+    )
+
+
+class CorruptionError(CloudCkptError):
+    """Stored data does not match its recorded size or digest, and nothing older verifies."""
+
+    default_hint = (
+        "Run `cloudckpt verify URL --all --read-data` to see which checkpoints are intact; "
+        "restore a specific one with --step"
+    )
+
+    def __init__(
+        self, message: str, *, skipped: list | None = None, hint: str | None = None
+    ) -> None:
+        self.skipped = list(skipped or [])
+        super().__init__(message, hint=hint)
+
+
+class NeedsRepairError(CloudCkptError):
+    """Checkpoint data exists under the run but LATEST is missing or unreadable."""
+
+    default_hint = (
+        "Run `cloudckpt repair URL` to rebuild LATEST from the commit records (it fences any "
+        "old writer); never start a new run over old data"
+    )
+
+
+class CheckpointNotFoundError(CloudCkptError):
+    """No committed checkpoint matches the request (step, pin, or the run is empty)."""
+
+    default_hint = "Run `cloudckpt ls URL` to list the committed checkpoints"
+
+
+class DestinationNotEmptyError(CloudCkptError):
+    """A restore destination already contains files."""
+
+    default_hint = "Restore into an empty or new directory, or pass overwrite=True (CLI: --force)"
+
+
+class StagingError(CloudCkptError):
+    """Local staging failed: the staging disk is full or unwritable, or a staged file
+    changed or vanished while it was being uploaded."""
+
+    default_hint = (
+        "Nothing was committed. Free space on (or point staging_dir at) a larger local "
+        "volume, and do not modify files after handing them to save()"
+    )
+
+
+class SaveDroppedError(CloudCkptError):
+    """A queued save was dropped in favour of a newer one (``backpressure="drop_oldest"``)."""
+
+    default_hint = (
+        "Saves arrive faster than uploads finish. Save less often, raise max_pending, or "
+        "use backpressure='block' so no save is dropped"
+    )
+
+
+class UnsafePathError(CloudCkptError):
+    """A path from a manifest would land outside the destination (absolute, '..', links)."""
+
+    default_hint = (
+        "The manifest is hostile or damaged; nothing was written outside the destination. "
+        "Restore an older checkpoint with --step, and check who can write to the bucket"
+    )

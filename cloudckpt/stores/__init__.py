@@ -1,0 +1,138 @@
+"""Stores: one narrow interface (``base.Store``), one adapter per backend, a URL registry.
+
+``open_store(url, storage_options)`` picks the adapter by URL scheme:
+
+======================  ===============================================================
+``memory://b/prefix``   ``MemoryStore``: in-process, exact semantics (tests, demos)
+``file:///abs/path``    ``LocalStore``: POSIX, create-only by ``os.link``, CAS by ``flock``
+``s3://bucket/prefix``  ``S3Store``: boto3 with s3fs-style storage options
+``gs://bucket/prefix``  ``GCSStore``: gcsfs session and credentials
+anything else fsspec    ``FsspecStore``: read-only unless ``unsafe_single_writer=True``
+======================  ===============================================================
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from cloudckpt.errors import ConfigurationError, UnsupportedBackendError, redact_url
+from cloudckpt.stores.base import (
+    CREATE,
+    OVERWRITE,
+    Capabilities,
+    Create,
+    MultipartUpload,
+    ObjectInfo,
+    Overwrite,
+    PartInfo,
+    PendingUpload,
+    PutMode,
+    Store,
+    Update,
+    crc32c_b64,
+)
+
+__all__ = [
+    "CREATE",
+    "OVERWRITE",
+    "Capabilities",
+    "Create",
+    "MultipartUpload",
+    "ObjectInfo",
+    "Overwrite",
+    "PartInfo",
+    "PendingUpload",
+    "PutMode",
+    "Store",
+    "Update",
+    "crc32c_b64",
+    "open_store",
+    "split_url",
+]
+
+
+def split_url(url: str) -> tuple[str, str, str]:
+    """Split ``url`` into (scheme, bucket-or-netloc, prefix). Plain paths become file://."""
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigurationError(
+            f"invalid run URL {url!r}",
+            hint="Pass a URL such as s3://bucket/runs/exp1, gs://bucket/run, "
+            "file:///data/run or a local path",
+        )
+    if "://" not in url:
+        return "file", "", os.path.abspath(os.path.expanduser(url))
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise ConfigurationError(
+                f"invalid file URL {redact_url(url)!r}: host {parts.netloc!r} is not local",
+                hint="Use file:///absolute/path (three slashes)",
+            )
+        return "file", "", os.path.abspath(parts.path or "/")
+    if scheme in ("s3", "s3a", "gs", "gcs", "memory") and not parts.netloc:
+        raise ConfigurationError(
+            f"invalid URL {redact_url(url)!r}: no bucket name",
+            hint=f"Write it as {scheme}://BUCKET/prefix",
+        )
+    if parts.query or parts.fragment:
+        raise ConfigurationError(
+            f"invalid URL {redact_url(url)!r}: query strings and fragments are not supported",
+            hint="Pass options through storage_options instead",
+        )
+    return scheme, parts.netloc, parts.path.strip("/")
+
+
+def open_store(
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    writable: bool = True,
+    unsafe_single_writer: bool = False,
+) -> Store:
+    """Open the store rooted at ``url``.
+
+    ``storage_options`` are passed to the backend the way fsspec users already pass them
+    (s3fs: ``key``, ``secret``, ``token``, ``endpoint_url``, ``client_kwargs``, ``profile``;
+    gcsfs: ``token``, ``project``, ``endpoint_url``; memory: ``clock``).
+
+    With ``writable=True`` (the default) a backend that cannot do create-only and
+    compare-and-swap writes is refused, unless ``unsafe_single_writer=True``.
+
+    Raises:
+        ConfigurationError: malformed URL or options.
+        UnsupportedBackendError: writing was asked of a backend that cannot do it safely.
+    """
+    scheme, netloc, prefix = split_url(url)
+    options = dict(storage_options or {})
+    if scheme == "memory":
+        from cloudckpt.stores.memory import MemoryStore
+
+        return MemoryStore(netloc, prefix, **options)
+    if scheme == "file":
+        from cloudckpt.stores.local import LocalStore
+
+        return LocalStore(prefix, **options)
+    if scheme in ("s3", "s3a"):
+        from cloudckpt.stores.s3 import S3Store
+
+        return S3Store(netloc, prefix, **options)
+    if scheme in ("gs", "gcs"):
+        from cloudckpt.stores.gcs import GCSStore
+
+        return GCSStore(netloc, prefix, **options)
+
+    from cloudckpt.stores.fsspec_store import FsspecStore
+
+    store = FsspecStore(url, options, unsafe_single_writer=unsafe_single_writer)
+    if writable and not unsafe_single_writer:
+        missing = store.capabilities.missing_for_writing()
+        raise UnsupportedBackendError(
+            f"cannot write checkpoints to {redact_url(url)}: the {scheme}:// backend lacks "
+            + " and ".join(missing),
+            capability=", ".join(missing),
+        )
+    return store
