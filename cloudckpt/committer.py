@@ -1,0 +1,288 @@
+"""Reading and writing LATEST: claims, fenced commits, and same-epoch edits (DESIGN §5, §6).
+
+Every write of LATEST is conditional: create-only for a new run, compare-and-swap from a
+known version otherwise. When a conditional write is refused or its answer is lost, the
+writer re-reads LATEST and decides:
+
+- its own ``commit_id`` is there: the write landed (an SDK retry can turn our own success
+  into a 412), so the commit succeeded;
+- a higher epoch (or another writer id) is there: a newer writer claimed the run: fenced;
+- otherwise the same writer's run was edited (a pin, GC): re-apply on the new LATEST.
+
+After an unknown outcome, nothing the attempt uploaded is deleted (DESIGN §6.7).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import logging
+import time
+from collections.abc import Callable
+
+from cloudckpt import protocol
+from cloudckpt.errors import (
+    CommitConflictError,
+    CommitStateUnknownError,
+    FencedError,
+    NeedsRepairError,
+    ObjectNotFoundError,
+    OutcomeUnknownError,
+    PreconditionFailedError,
+    StaleAttemptError,
+    StoreConflictError,
+    StoreError,
+    TransientStoreError,
+)
+from cloudckpt.failpoints import hit as failpoint
+from cloudckpt.protocol import CheckpointRecord, CorruptRecordError, Latest, Settings
+from cloudckpt.retry import call_with_retries
+from cloudckpt.stores import CREATE, PutMode, Store, Update
+
+log = logging.getLogger("cloudckpt.commit")
+
+MAX_CAS_ATTEMPTS = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class VersionedLatest:
+    """A parsed LATEST with the store version of the bytes it came from."""
+
+    latest: Latest
+    version: str
+
+
+def read_latest(store: Store) -> VersionedLatest | None:
+    """The current LATEST, or None if the run has none.
+
+    Raises:
+        CorruptRecordError: LATEST exists but does not parse or verify.
+        StoreError: the store failed (transient errors are retried first).
+    """
+    try:
+        data, info = call_with_retries(lambda: store.get(protocol.LATEST_KEY), what="read LATEST")
+    except ObjectNotFoundError:
+        return None
+    return VersionedLatest(protocol.parse_latest(data), info.version)
+
+
+def run_has_data(store: Store) -> bool:
+    """Whether anything (checkpoint attempts or commit records) exists under the run."""
+    for prefix in (protocol.CKPT_PREFIX, protocol.COMMITS_PREFIX):
+        for _ in store.list(prefix):
+            return True
+    return False
+
+
+def write_commit_record(store: Store, body: bytes, seq: int) -> None:
+    """Create ``commits/<seq>.json`` (best effort: LATEST is already durable)."""
+    key = protocol.commit_record_key(seq)
+    try:
+        call_with_retries(lambda: store.put(key, body, mode=CREATE), what="write commit record")
+    except PreconditionFailedError:
+        pass  # an SDK retry of our own write, or a record we wrote before a crash
+    except StoreError as exc:
+        log.warning("could not write the commit record %s (%s); LATEST is committed", key, exc)
+
+
+def _utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+class Committer:
+    """One writer's view of LATEST: claims the run, then commits with fencing.
+
+    Not thread-safe: the manager calls it from one thread.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        writer_id: str,
+        settings: Settings,
+        *,
+        clock: Callable[[], dt.datetime] = _utcnow,
+    ) -> None:
+        self.store = store
+        self.writer_id = writer_id
+        self.settings = settings
+        self._clock = clock
+        self._mine: VersionedLatest | None = None  # what this writer last wrote
+
+    @property
+    def epoch(self) -> int | None:
+        return self._mine.latest.writer.epoch if self._mine else None
+
+    @property
+    def latest(self) -> Latest | None:
+        return self._mine.latest if self._mine else None
+
+    def _reread(self) -> VersionedLatest:
+        try:
+            current = read_latest(self.store)
+        except CorruptRecordError as exc:
+            raise NeedsRepairError(f"LATEST of {self.store.url} became unreadable: {exc}") from None
+        except StoreError as exc:
+            raise CommitStateUnknownError(
+                f"cannot read LATEST of {self.store.url} to learn the commit's outcome ({exc})"
+            ) from None
+        if current is None:
+            raise NeedsRepairError(f"LATEST of {self.store.url} disappeared while writing")
+        return current
+
+    def _write(self, new: Latest, mode: PutMode) -> VersionedLatest:
+        body = new.to_bytes()
+        failpoint("commit.before_cas")
+        info = self.store.put(protocol.LATEST_KEY, body, mode=mode)
+        failpoint("commit.after_cas")
+        written = VersionedLatest(new, info.version)
+        write_commit_record(self.store, body, new.seq)
+        failpoint("commit.after_record")
+        return written
+
+    # -- claim --------------------------------------------------------------------------
+
+    def claim(self) -> Latest:
+        """Take over the run: bump the epoch (fencing older writers) or start a new run.
+
+        Raises:
+            NeedsRepairError: LATEST is missing or corrupt but checkpoints exist.
+            CommitConflictError: the claim kept losing races.
+            StoreError: the store failed.
+        """
+        for _ in range(MAX_CAS_ATTEMPTS):
+            try:
+                current = read_latest(self.store)
+            except CorruptRecordError as exc:
+                raise NeedsRepairError(f"LATEST of {self.store.url} is unreadable: {exc}") from None
+            now = self._clock()
+            if current is None:
+                if run_has_data(self.store):
+                    raise NeedsRepairError(f"{self.store.url} holds checkpoints but no LATEST")
+                writer = protocol.Writer(1, self.writer_id, protocol.iso(now))
+                new, mode = protocol.initial(writer, self.settings, now), CREATE
+            else:
+                new = protocol.claim(current.latest, self.writer_id, self.settings, now)
+                mode = Update(current.version)
+            try:
+                self._mine = self._write(new, mode)
+                log.info("claimed %s as epoch %d", self.store.url, new.writer.epoch)
+                return new
+            except (PreconditionFailedError, StoreConflictError, OutcomeUnknownError):
+                seen = self._reread_quietly()
+                if seen and seen.latest.writer.id == self.writer_id:
+                    self._mine = seen  # our claim landed; the answer was lost
+                    return seen.latest
+                time.sleep(0.05)
+        raise CommitConflictError(f"could not claim {self.store.url}: LATEST kept changing")
+
+    def _reread_quietly(self) -> VersionedLatest | None:
+        try:
+            return read_latest(self.store)
+        except (CorruptRecordError, StoreError):
+            return None
+
+    # -- commit -------------------------------------------------------------------------
+
+    def commit(self, record: CheckpointRecord, *, deadline: float | None = None) -> Latest:
+        """Make ``record`` current with a compare-and-swap from this writer's last version.
+
+        ``deadline`` (``time.monotonic()``): refuse to write after it (the attempt would be
+        old enough for GC to own its files).
+
+        Raises:
+            FencedError: a newer writer claimed the run.
+            CommitConflictError: same-epoch edits kept winning the race.
+            CommitStateUnknownError: the store stopped answering; the outcome is unknown.
+            StaleAttemptError: the deadline passed before the commit could be written.
+            NeedsRepairError: LATEST vanished or became corrupt.
+        """
+        if self._mine is None:
+            raise RuntimeError("claim() the run before committing")
+        base = self._mine
+        unknown_rounds = 0
+        for _ in range(MAX_CAS_ATTEMPTS):
+            self._check_fence(base.latest)
+            if deadline is not None and time.monotonic() > deadline:
+                raise StaleAttemptError(
+                    f"the save of step {record.step} took longer than the GC grace period "
+                    "allows; it was not committed"
+                )
+            new = protocol.commit(base.latest, record, self.settings, self._clock())
+            try:
+                self._mine = self._write(new, Update(base.version))
+                return new
+            except (PreconditionFailedError, StoreConflictError):
+                pass
+            except (OutcomeUnknownError, TransientStoreError):
+                unknown_rounds += 1
+                if unknown_rounds > 5:
+                    raise CommitStateUnknownError(
+                        f"the commit of step {record.step} to {self.store.url} got no answer "
+                        "after several tries"
+                    ) from None
+                time.sleep(min(0.2 * 2**unknown_rounds, 5.0))
+            seen = self._reread()
+            if seen.latest.find(record.commit_id):
+                # Our write landed; its answer was lost, or an SDK retry met our own write.
+                write_commit_record(self.store, new.to_bytes(), new.seq)
+                self._mine = seen
+                return seen.latest
+            if seen.version == base.version:
+                continue  # nothing changed: the write did not land; send it again
+            base = seen  # a same-epoch edit (pin, GC) or a newer writer: loop re-checks
+        raise CommitConflictError(
+            f"the commit of step {record.step} to {self.store.url} lost "
+            f"{MAX_CAS_ATTEMPTS} compare-and-swap races in a row"
+        )
+
+    def _check_fence(self, latest: Latest) -> None:
+        mine = self._mine.latest.writer if self._mine else None
+        w = latest.writer
+        if mine is not None and (w.epoch != mine.epoch or w.id != mine.id):
+            raise FencedError(
+                f"{self.store.url} was claimed by writer {w.id} (epoch {w.epoch}) after this "
+                f"writer (epoch {mine.epoch}); this writer may no longer commit"
+            )
+
+
+def edit_latest(
+    store: Store,
+    change: Callable[[Latest, dt.datetime], Latest | None],
+    *,
+    clock: Callable[[], dt.datetime] = _utcnow,
+) -> Latest | None:
+    """Apply a same-epoch edit (pin, unpin, GC bookkeeping) with compare-and-swap.
+
+    ``change(latest, now)`` returns the next LATEST, or None when nothing needs writing.
+    It must be idempotent: after a lost answer it is re-applied to whatever LATEST holds.
+    The writer's epoch is preserved, so editing never fences the training process.
+
+    Raises:
+        CheckpointNotFoundError-like errors from ``change``; NeedsRepairError (no or
+        corrupt LATEST); CommitConflictError; CommitStateUnknownError.
+    """
+    for _ in range(MAX_CAS_ATTEMPTS):
+        try:
+            current = read_latest(store)
+        except CorruptRecordError as exc:
+            raise NeedsRepairError(f"LATEST of {store.url} is unreadable: {exc}") from None
+        if current is None:
+            raise NeedsRepairError(f"{store.url} has no LATEST to edit")
+        new = change(current.latest, clock())
+        if new is None:
+            return current.latest
+        body = new.to_bytes()
+        try:
+            store.put(protocol.LATEST_KEY, body, mode=Update(current.version))
+        except (
+            PreconditionFailedError,
+            StoreConflictError,
+            OutcomeUnknownError,
+            TransientStoreError,
+        ):
+            time.sleep(0.05)
+            continue  # re-read and re-apply (change is idempotent)
+        write_commit_record(store, body, new.seq)
+        return new
+    raise CommitConflictError(f"could not edit LATEST of {store.url}: it kept changing")

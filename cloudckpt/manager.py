@@ -1,0 +1,683 @@
+"""``CheckpointManager``: stage locally, upload in the background, commit through LATEST.
+
+One background thread takes staged saves in order, uploads each through the shared transfer
+engine, writes its manifest and commits it with a fenced compare-and-swap of LATEST. The
+training loop blocks only to create the staging directory (``save()``) or to hard-link a
+directory (``save_dir()``).
+
+Backpressure: at most ``max_pending`` saves wait behind the one uploading. A further save
+either blocks until a slot frees (``backpressure="block"``, the default: nothing is lost)
+or drops the oldest waiting save with a warning (``"drop_oldest"``: newest state wins; the
+dropped save's handle raises ``SaveDroppedError``).
+
+``close()`` waits for every pending save to commit or fail: a save that ``save()``
+accepted is never silently discarded. ``close(timeout=...)`` bounds the wait.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import contextlib
+import dataclasses
+import datetime as dt
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+from cloudckpt import protocol
+from cloudckpt.committer import Committer
+from cloudckpt.errors import (
+    CloudCkptError,
+    ConfigurationError,
+    FencedError,
+    PreconditionFailedError,
+    SaveDroppedError,
+    StoreError,
+)
+from cloudckpt.failpoints import hit as failpoint
+from cloudckpt.gc import GCReport, collect_garbage
+from cloudckpt.protocol import CheckpointRecord, Latest, Manifest, Settings
+from cloudckpt.restore import RestoreResult, load_latest_for_reading, restore
+from cloudckpt.retry import IDEMPOTENT_RETRY, call_with_retries
+from cloudckpt.staging import COMMITTED, DURABLE, FAILED, STAGED, Attempt, StagingArea
+from cloudckpt.stores import CREATE, OVERWRITE, Store, open_store
+from cloudckpt.transfer import ProgressCallback, TransferConfig, TransferEngine
+
+log = logging.getLogger("cloudckpt")
+
+Backpressure = Literal["block", "drop_oldest"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitInfo:
+    """A committed save: what landed and what it cost.
+
+    ``blocking_seconds``: how long ``save()``/``save_dir()`` held the caller.
+    ``commit_seconds``: from the save being handed over to LATEST naming it.
+    """
+
+    step: int
+    commit_id: str
+    ckpt: str
+    epoch: int
+    seq: int
+    num_files: int
+    total_bytes: int
+    blocking_seconds: float
+    commit_seconds: float
+    metadata: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """A retained checkpoint, as ``list()`` reports it."""
+
+    step: int
+    commit_id: str
+    ckpt: str
+    epoch: int
+    committed_at: str
+    num_files: int
+    total_bytes: int
+    metadata: Mapping[str, Any]
+    current: bool
+    pins: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, latest: Latest, record: CheckpointRecord) -> CheckpointInfo:
+        return cls(
+            step=record.step,
+            commit_id=record.commit_id,
+            ckpt=record.ckpt,
+            epoch=record.epoch,
+            committed_at=record.committed_at,
+            num_files=record.num_files,
+            total_bytes=record.total_bytes,
+            metadata=dict(record.metadata),
+            current=latest.current is not None and latest.current.commit_id == record.commit_id,
+            pins=tuple(p.label for p in latest.pins if p.commit_id == record.commit_id),
+        )
+
+
+class SaveHandle:
+    """A save in progress. ``save()`` returns it as a context manager yielding the staging
+    directory; ``save_dir()`` returns it already handed over.
+
+    ``result(timeout)`` waits for the commit and returns ``CommitInfo``, or raises what the
+    save raised (``FencedError``, ``StoreError``, ``StagingError``, ``SaveDroppedError``...).
+    """
+
+    def __init__(self, manager: CheckpointManager, step: int, metadata: Mapping[str, Any]):
+        self._manager = manager
+        self.step = step
+        self.metadata = dict(metadata)
+        self._future: cf.Future[CommitInfo] = cf.Future()
+        self._attempt: Attempt | None = None
+        self.blocking_seconds = 0.0  # time spent in save()'s enter and exit, not the caller's
+        self.handed_over_at = 0.0
+
+    # -- context manager (save()) --
+
+    def __enter__(self) -> Path:
+        if self._attempt is not None:
+            raise RuntimeError("a SaveHandle can be entered only once")
+        started = time.perf_counter()
+        self._attempt = self._manager._open_attempt(self)
+        self.blocking_seconds = time.perf_counter() - started
+        return self._attempt.files_dir
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None:
+            self._manager._abandon(self, exc)
+            return
+        started = time.perf_counter()
+        self._manager._hand_over(self)
+        self.blocking_seconds += time.perf_counter() - started
+
+    # -- future-like --
+
+    def result(self, timeout: float | None = None) -> CommitInfo:
+        """Wait for the commit. Raises TimeoutError if it is not done within ``timeout``."""
+        try:
+            return self._future.result(timeout)
+        except cf.TimeoutError:
+            raise TimeoutError(f"the save of step {self.step} is not committed yet") from None
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._future.exception(timeout)
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.done() else ("failed" if self.exception() else "committed")
+        return f"<SaveHandle step={self.step} {state}>"
+
+
+@dataclasses.dataclass
+class _Job:
+    handle: SaveHandle
+    attempt: Attempt
+    recovered: bool = False
+
+
+class CheckpointManager:
+    """Checkpoints of one training run, stored under ``url``.
+
+    Args:
+        url: ``s3://bucket/prefix``, ``gs://bucket/prefix``, ``file:///path``,
+            ``memory://name/prefix`` or a local path; or a ``Store`` object.
+        staging_dir: a local directory for staging (fast local disk; ideally on the same
+            filesystem as directories passed to ``save_dir`` so snapshots are hard links).
+            Default: a fresh temporary directory (no crash recovery across restarts).
+        keep_last: keep the newest N committed checkpoints (None: keep all).
+        keep_every: also keep every checkpoint whose step is a multiple of K.
+        storage_options: passed to the store as fsspec users pass them (credentials,
+            ``endpoint_url``, ``client_kwargs``, ``profile``, ``token``...).
+        gc_grace: seconds before unreferenced data may be deleted; also the longest a save
+            may take to commit (minus a margin). Stored in LATEST for every GC to honour.
+        auto_gc: run garbage collection in the background after commits, at most every
+            ``gc_interval`` seconds.
+        max_pending / backpressure: see the module docstring.
+        transfer: concurrency and part sizes (``TransferConfig``).
+        progress: called with a byte count as uploads and downloads advance.
+        unsafe_single_writer: allow writing to stores without conditional writes.
+
+    Raises:
+        ConfigurationError, UnsupportedBackendError: bad URL or options.
+    """
+
+    def __init__(
+        self,
+        url: str | Store,
+        *,
+        staging_dir: str | os.PathLike[str] | None = None,
+        keep_last: int | None = 3,
+        keep_every: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        gc_grace: float = 2 * 3600,
+        auto_gc: bool = True,
+        gc_interval: float = 600,
+        max_pending: int = 1,
+        backpressure: Backpressure = "block",
+        transfer: TransferConfig | None = None,
+        progress: ProgressCallback | None = None,
+        unsafe_single_writer: bool = False,
+    ) -> None:
+        if backpressure not in ("block", "drop_oldest"):
+            raise ConfigurationError(
+                f"backpressure must be 'block' or 'drop_oldest', not {backpressure!r}"
+            )
+        if max_pending < 0:
+            raise ConfigurationError("max_pending must be >= 0")
+        if gc_grace < 1:
+            raise ConfigurationError("gc_grace must be at least 1 second")
+        self._owns_store = not isinstance(url, Store)
+        self.store: Store = (
+            open_store(url, storage_options, unsafe_single_writer=unsafe_single_writer)
+            if self._owns_store
+            else url
+        )
+        self.url = self.store.url
+        self.settings = Settings(
+            keep_last=keep_last, keep_every=keep_every, gc_grace_s=int(gc_grace)
+        )
+        protocol.RetentionPolicy(keep_last, keep_every)  # validates
+        self._tmp_staging = None
+        if staging_dir is None:
+            self._tmp_staging = tempfile.TemporaryDirectory(prefix="cloudckpt-staging-")
+            staging_dir = self._tmp_staging.name
+        self.staging = StagingArea(staging_dir)
+        self._leftovers = list(self.staging.journaled())
+        self.engine = TransferEngine(transfer)
+        self.writer_id = protocol.new_writer_id()
+        self.committer = Committer(self.store, self.writer_id, self.settings)
+        self._progress = progress
+        self._auto_gc = auto_gc
+        self._gc_interval = gc_interval
+        self._last_gc = time.monotonic()
+        self._max_pending = max_pending
+        self._backpressure = backpressure
+
+        self._cv = threading.Condition()
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._reserved = 0  # saves inside their with-block, holding a queue slot
+        self._inflight: _Job | None = None
+        self._handles: list[SaveHandle] = []
+        self._worker: threading.Thread | None = None
+        self._closing = False
+        self._closed = False
+        self._fenced: FencedError | None = None
+        self._commit_lock = threading.Lock()  # the committer is single-threaded
+
+    # ---------------------------------------------------------------- public API
+
+    def resume(
+        self, into: str | os.PathLike[str], *, step: int | None = None, overwrite: bool = False
+    ) -> RestoreResult | None:
+        """Claim the run (fencing any older writer) and restore the newest committed
+        checkpoint (or ``step``) into ``into``. Returns None for a new, empty run.
+
+        Staged saves left by a crashed process in ``staging_dir`` that are newer than the
+        committed checkpoint are uploaded and committed first (see ``staging``).
+
+        Raises:
+            NeedsRepairError: checkpoints exist but LATEST is missing or corrupt.
+            CorruptionError: no retained checkpoint verifies (``exc.skipped`` says why).
+            DestinationNotEmptyError, StoreError, CommitConflictError.
+        """
+        self._check_open()
+        with self._commit_lock:
+            latest = self.committer.claim()
+            recovered = self._recover(latest)
+        for job in recovered:
+            try:
+                job.handle.result()
+            except CloudCkptError as exc:
+                log.warning("could not commit recovered step %d: %s", job.handle.step, exc)
+        latest = self.committer.latest
+        if latest is None or latest.current is None:
+            return None
+        return restore(
+            self.store, into, self.engine, step=step, overwrite=overwrite, progress=self._progress
+        )
+
+    def save(self, step: int, metadata: Mapping[str, Any] | None = None) -> SaveHandle:
+        """Start a save. Use as a context manager; write the checkpoint's files into the
+        directory it yields. Leaving the block hands them to the background uploader::
+
+            with mgr.save(step=100, metadata={"loss": 0.3}) as d:
+                (d / "model.safetensors").write_bytes(...)
+
+        Raises (on entering): ConfigurationError (bad step/metadata), FencedError (a newer
+        writer owns the run), StagingError (staging disk).
+        """
+        self._check_open()
+        metadata = dict(metadata or {})
+        protocol.ckpt_prefix(step, 0, "x-0")  # validates step early
+        protocol.canonical_json(metadata)  # validates metadata early
+        return SaveHandle(self, step, metadata)
+
+    def save_dir(
+        self, step: int, src: str | os.PathLike[str], metadata: Mapping[str, Any] | None = None
+    ) -> SaveHandle:
+        """Save an existing directory (e.g. a Trainer's ``checkpoint-N``). Its files are
+        hard-linked into staging (copied across filesystems) before this returns, so the
+        caller may delete or rotate ``src`` at once.
+
+        Raises: as ``save()``, plus ConfigurationError if ``src`` is not a directory.
+        """
+        started = time.perf_counter()
+        handle = self.save(step, metadata)
+        handle.__enter__()
+        try:
+            self.staging.snapshot(src, handle._attempt)
+        except BaseException as exc:
+            handle.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        handle.__exit__(None, None, None)
+        handle.blocking_seconds = time.perf_counter() - started
+        return handle
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until every save handed over so far has committed or failed.
+
+        Raises: the first failed save's error (others are logged); TimeoutError.
+        """
+        with self._cv:
+            handles = list(self._handles)
+        _done, not_done = cf.wait([h._future for h in handles], timeout)
+        if not_done:
+            raise TimeoutError(f"{len(not_done)} save(s) still pending after {timeout}s")
+        errors = [h for h in handles if h.exception() is not None]
+        with self._cv:
+            self._handles = [h for h in self._handles if h not in handles]
+        for h in errors[1:]:
+            log.error("save of step %d failed: %s", h.step, h.exception())
+        if errors:
+            raise errors[0].exception()
+
+    def latest(self) -> CheckpointInfo | None:
+        """The current committed checkpoint (a fresh read of the store), or None."""
+        latest, _ = load_latest_for_reading(self.store)
+        if latest is None or latest.current is None:
+            return None
+        return CheckpointInfo.of(latest, latest.current)
+
+    def list(self) -> list[CheckpointInfo]:
+        """Every retained checkpoint, newest first."""
+        latest, _ = load_latest_for_reading(self.store)
+        return [] if latest is None else [CheckpointInfo.of(latest, r) for r in latest.retained()]
+
+    def restore(
+        self,
+        into: str | os.PathLike[str],
+        *,
+        step: int | None = None,
+        overwrite: bool = False,
+    ) -> RestoreResult:
+        """Restore without claiming the run (read-only; safe beside a running writer).
+
+        Raises: CheckpointNotFoundError, CorruptionError, DestinationNotEmptyError,
+        StagingError, StoreError (see ``cloudckpt.restore.restore``).
+        """
+        self._check_open()
+        return restore(
+            self.store, into, self.engine, step=step, overwrite=overwrite, progress=self._progress
+        )
+
+    def pin(self, step: int, label: str = "pinned") -> None:
+        """Keep the retained checkpoint of ``step`` regardless of retention.
+
+        Raises: CheckpointNotFoundError, NeedsRepairError, CommitConflictError.
+        """
+        from cloudckpt.admin import pin
+
+        pin(self.store, step, label)
+
+    def unpin(self, step: int) -> None:
+        """Remove the pins of ``step``; retention then decides whether it stays."""
+        from cloudckpt.admin import unpin
+
+        unpin(self.store, step)
+
+    def gc(self, *, dry_run: bool = False, grace: float | None = None) -> GCReport:
+        """Run garbage collection now (see ``cloudckpt.gc``)."""
+        return collect_garbage(self.store, grace_seconds=grace, dry_run=dry_run)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for pending saves (see ``wait``), then release threads, staging and store.
+
+        Raises: the first failed save's error, after everything is released.
+        """
+        if self._closed:
+            return
+        try:
+            self.wait(timeout)
+        finally:
+            self._shutdown()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:  # do not mask the exception already propagating
+            self.close()
+        except BaseException as close_exc:
+            log.error("while closing after an error: %s", close_exc)
+
+    # ---------------------------------------------------------------- internals
+
+    def _check_open(self) -> None:
+        if self._closing or self._closed:
+            raise ConfigurationError("this CheckpointManager is closed")
+
+    def _shutdown(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        if self._worker is not None:
+            self._worker.join()
+        self.engine.close()
+        self.staging.close()
+        if self._owns_store:
+            self.store.close()
+        if self._tmp_staging is not None:
+            self._tmp_staging.cleanup()
+        self._closed = True
+
+    def _open_attempt(self, handle: SaveHandle) -> Attempt:
+        with self._cv:
+            if self._fenced is not None:
+                raise self._fenced
+            while len(self._queue) + self._reserved >= self._max_pending and (
+                self._inflight is not None or self._queue
+            ):
+                if self._backpressure == "drop_oldest" and self._queue:
+                    self._drop(self._queue.popleft())
+                    continue
+                self._cv.wait()
+            self._reserved += 1
+        try:
+            attempt_id = protocol.new_attempt_id(dt.datetime.now(dt.timezone.utc))
+            return self.staging.new_attempt(attempt_id, handle.step, handle.metadata)
+        except BaseException:
+            with self._cv:
+                self._reserved -= 1
+                self._cv.notify_all()
+            raise
+
+    def _drop(self, job: _Job) -> None:
+        log.warning(
+            "dropping queued save of step %d: a newer save arrived (drop_oldest)", job.handle.step
+        )
+        job.attempt.remove()
+        job.handle._future.set_exception(
+            SaveDroppedError(f"the save of step {job.handle.step} was dropped for a newer one")
+        )
+
+    def _abandon(self, handle: SaveHandle, exc: BaseException) -> None:
+        if handle._attempt is not None:
+            handle._attempt.remove()
+        with self._cv:
+            self._reserved -= 1
+            self._cv.notify_all()
+        handle._future.set_exception(
+            CloudCkptError(
+                f"the save of step {handle.step} was abandoned: the block raised "
+                f"{type(exc).__name__}"
+            )
+        )
+
+    def _hand_over(self, handle: SaveHandle) -> None:
+        attempt = handle._attempt
+        attempt.set_state(STAGED)
+        handle.handed_over_at = time.perf_counter()
+        with self._cv:
+            self._reserved -= 1
+            self._queue.append(_Job(handle, attempt))
+            self._handles.append(handle)
+            self._ensure_worker()
+            self._cv.notify_all()
+
+    def _ensure_worker(self) -> None:
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._run, name="cloudckpt-saver", daemon=True)
+            self._worker.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closing:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                job = self._inflight = self._queue.popleft()
+                self._cv.notify_all()
+            try:
+                job.handle._future.set_result(self._save(job))
+            except Exception as exc:
+                job.handle._future.set_exception(exc)
+            except BaseException as exc:  # a simulated crash: stop like a dead process
+                job.handle._future.set_exception(exc)
+                with self._cv:
+                    self._inflight = None
+                    for queued in self._queue:
+                        queued.handle._future.set_exception(exc)
+                    self._queue.clear()
+                    self._cv.notify_all()
+                return
+            finally:
+                with self._cv:
+                    self._inflight = None
+                    self._cv.notify_all()
+            self._maybe_gc()
+
+    def _maybe_gc(self) -> None:
+        if not self._auto_gc or time.monotonic() - self._last_gc < self._gc_interval:
+            return
+        self._last_gc = time.monotonic()
+        try:
+            collect_garbage(self.store)
+        except CloudCkptError as exc:
+            log.warning("background garbage collection failed: %s", exc)
+
+    def _claim_if_needed(self) -> list[_Job]:
+        """Claim on the first save if resume() did not; return recovered jobs to run."""
+        if self.committer.latest is not None:
+            return []
+        return self._recover(self.committer.claim())
+
+    def _recover(self, latest: Latest) -> list[_Job]:
+        """Decide about attempts a crashed process left in staging (module doc of staging)."""
+        committed_step = latest.current.step if latest.current else -1
+        jobs = []
+        for attempt in self._leftovers:
+            if attempt.state == DURABLE and attempt.step > committed_step:
+                log.warning("recovering step %d staged by a crashed process", attempt.step)
+                handle = SaveHandle(self, attempt.step, attempt.metadata)
+                handle.handed_over_at = time.perf_counter()
+                job = _Job(handle, attempt, recovered=True)
+                jobs.append(job)
+            else:
+                if attempt.state != COMMITTED:
+                    log.info("abandoning step %d left in staging (%s)", attempt.step, attempt.state)
+                attempt.remove()
+        self._leftovers = []
+        if jobs and threading.current_thread() is not self._worker:
+            # resume(): the worker commits them first, resume() waits for their handles.
+            with self._cv:
+                self._queue.extendleft(reversed(jobs))
+                self._handles.extend(j.handle for j in jobs)
+                self._ensure_worker()
+                self._cv.notify_all()
+        return jobs
+
+    def _save(self, job: _Job) -> CommitInfo:
+        """Upload, write the manifest, commit (runs on the worker thread)."""
+        attempt, handle = job.attempt, job.handle
+        try:
+            if self._fenced is not None:
+                raise self._fenced
+            with self._commit_lock:
+                recovered = self._claim_if_needed()
+            for earlier in recovered:  # staged by a crashed process; older, so first
+                try:
+                    earlier.handle._future.set_result(self._save(earlier))
+                except Exception as exc:
+                    earlier.handle._future.set_exception(exc)
+                    log.warning("could not commit recovered step %d: %s", earlier.handle.step, exc)
+            epoch = self.committer.epoch
+            started = time.monotonic()
+            grace = self.settings.gc_grace_s
+            deadline = started + grace - min(600.0, grace * 0.1)
+            attempt.fsync_files()
+            attempt.set_state(DURABLE)
+            remote_id = protocol.new_attempt_id(dt.datetime.now(dt.timezone.utc))
+            prefix = protocol.ckpt_prefix(handle.step, epoch, remote_id)
+            self._put_idempotent(
+                prefix + protocol.ATTEMPT_NAME,
+                protocol.attempt_body(
+                    ckpt=prefix,
+                    step=handle.step,
+                    epoch=epoch,
+                    writer_id=self.writer_id,
+                    started_at=dt.datetime.now(dt.timezone.utc),
+                ),
+            )
+            failpoint("save.after_marker")
+            entries = self.engine.upload_files(
+                self.store, prefix + protocol.FILES_DIR, attempt.list_files(), self._progress
+            )
+            failpoint("save.after_upload")
+            now = dt.datetime.now(dt.timezone.utc)
+            manifest = Manifest(
+                ckpt=prefix,
+                step=handle.step,
+                epoch=epoch,
+                commit_id=remote_id,
+                writer_id=self.writer_id,
+                created_at=protocol.iso(now),
+                files=tuple(entries),
+                metadata=handle.metadata,
+            )
+            body = manifest.to_bytes()
+            self._put_create(prefix + protocol.MANIFEST_NAME, body)
+            failpoint("save.after_manifest")
+            with self._commit_lock:
+                latest = self.committer.commit(manifest.record(body, now), deadline=deadline)
+        except FencedError as exc:
+            self._fenced = exc
+            self._fail(attempt)
+            raise
+        except BaseException:
+            self._fail(attempt)
+            raise
+        attempt.set_state(COMMITTED)
+        attempt.remove()
+        info = CommitInfo(
+            step=handle.step,
+            commit_id=remote_id,
+            ckpt=prefix,
+            epoch=epoch,
+            seq=latest.seq,
+            num_files=len(entries),
+            total_bytes=manifest.total_bytes,
+            blocking_seconds=handle.blocking_seconds,
+            commit_seconds=time.perf_counter() - handle.handed_over_at,
+            metadata=handle.metadata,
+        )
+        log.info(
+            "committed step %d (%d files, %d bytes) in %.2fs",
+            info.step,
+            info.num_files,
+            info.total_bytes,
+            info.commit_seconds,
+        )
+        return info
+
+    def _fail(self, attempt: Attempt) -> None:
+        # Only the local copy goes; what reached the store stays for GC (DESIGN §6.7).
+        with contextlib.suppress(CloudCkptError):
+            attempt.set_state(FAILED)
+        attempt.remove()
+
+    def _put_idempotent(self, key: str, body: bytes) -> None:
+        call_with_retries(
+            lambda: self.store.put(key, body, mode=OVERWRITE),
+            retry_on=IDEMPOTENT_RETRY,
+            what=f"write {key}",
+        )
+
+    def _put_create(self, key: str, body: bytes) -> None:
+        """Create-only put that treats finding its own bytes (an SDK retry) as success."""
+        try:
+            call_with_retries(
+                lambda: self.store.put(key, body, mode=CREATE),
+                retry_on=IDEMPOTENT_RETRY,
+                what=f"write {key}",
+            )
+        except PreconditionFailedError:
+            existing, _ = self.store.get(key)
+            if existing != body:
+                raise StoreError(f"{self.url}{key} was written by someone else") from None

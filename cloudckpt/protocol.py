@@ -1,0 +1,662 @@
+"""The commit protocol's records and transitions. Pure: no I/O, no clocks read here.
+
+Object layout under a run URL (DESIGN §2; ``files/`` is our addition, see below)::
+
+    LATEST                                   the only mutable object (conditional puts only)
+    ckpt/<step:012d>-e<epoch>-<attempt>/     one prefix per save attempt, never reused
+        ATTEMPT.json                         written first: who started it, when (store clock)
+        files/<relative/path>                the checkpoint's files, each written once
+        MANIFEST.json                        written after all files, create-only
+    commits/<seq:020d>.json                  create-only copy of every LATEST body written
+
+User files live under ``files/`` so that no file a framework writes (a ``MANIFEST.json`` of
+its own, say) can collide with ours.
+
+``LATEST`` is canonical JSON (sorted keys, no NaN/inf) carrying ``seq`` (+1 on every
+write), the writer's fencing ``epoch``, the ``current`` checkpoint, its ``history``
+(newest first; retention decides its length), ``pins``, ``tombstones`` (dropped
+checkpoints waiting out the GC grace period) and ``self_sha256``. ``seq`` makes every body
+unique, which S3 needs: its ETag is the MD5 of the body, so two identical bodies would make
+``If-Match`` blind to a write in between.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import os
+import posixpath
+import re
+import secrets
+import socket
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from cloudckpt.digest import ALGORITHM, CHUNK_SIZE
+from cloudckpt.errors import ConfigurationError, CorruptionError, UnsafePathError
+
+LATEST_FORMAT = "cloudckpt.latest/1"
+MANIFEST_FORMAT = "cloudckpt.manifest/1"
+ATTEMPT_FORMAT = "cloudckpt.attempt/1"
+
+LATEST_KEY = "LATEST"
+CKPT_PREFIX = "ckpt/"
+COMMITS_PREFIX = "commits/"
+MANIFEST_NAME = "MANIFEST.json"
+ATTEMPT_NAME = "ATTEMPT.json"
+FILES_DIR = "files/"
+
+# Bounds on what a reader accepts from the store (hostile or damaged records).
+MAX_LATEST_BYTES = 64 * 1024 * 1024
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+MAX_FILE_SIZE = 1 << 50  # 1 PiB: S3's object limit is 5 TiB
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_CKPT_RE = re.compile(r"^ckpt/(\d{12})-e(\d+)-([0-9A-Za-z]+-[0-9a-f]+)/$")
+
+
+class CorruptRecordError(CorruptionError):
+    """A LATEST, commit record or manifest does not parse or verify."""
+
+
+# --- canonical JSON ----------------------------------------------------------------------
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Deterministic JSON bytes: sorted keys, no whitespace, no NaN/inf, UTF-8."""
+    try:
+        return json.dumps(
+            obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        ).encode("utf-8")
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(
+            f"value cannot be stored as checkpoint metadata: {exc}",
+            hint="Metadata must be JSON: dicts, lists, str, int, finite float, bool, None",
+        ) from None
+
+
+def _sealed(body: dict[str, Any]) -> bytes:
+    """``body`` plus ``self_sha256`` (the digest of the canonical body without it)."""
+    body = {k: v for k, v in body.items() if k != "self_sha256"}
+    body["self_sha256"] = hashlib.sha256(canonical_json(body)).hexdigest()
+    return canonical_json(body)
+
+
+def _unseal(data: bytes, what: str, limit: int) -> dict[str, Any]:
+    if len(data) > limit:
+        raise CorruptRecordError(f"{what} is {len(data)} bytes, over the {limit}-byte limit")
+    try:
+        body = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CorruptRecordError(f"{what} is not valid JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise CorruptRecordError(f"{what} is not a JSON object")
+    claimed = body.pop("self_sha256", None)
+    actual = hashlib.sha256(canonical_json(body)).hexdigest()
+    if claimed != actual:
+        raise CorruptRecordError(f"{what} fails its self-check (self_sha256 mismatch)")
+    return body
+
+
+def _get(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
+    value = d.get(key)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise CorruptRecordError(f"{what}: field {key!r} is missing or has the wrong type")
+    return value
+
+
+# --- identifiers ------------------------------------------------------------------------
+
+
+def new_attempt_id(now: dt.datetime) -> str:
+    """A unique, time-ordered attempt id such as ``20261202T120000123Z-9f3a0c1e``."""
+    stamp = now.astimezone(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    return f"{stamp}{now.microsecond // 1000:03d}Z-{secrets.token_hex(4)}"
+
+
+def new_writer_id() -> str:
+    """Identifies one writer process: host, pid and a random part."""
+    host = re.sub(r"[^0-9A-Za-z.-]", "-", socket.gethostname())[:40] or "host"
+    return f"{host}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+def ckpt_prefix(step: int, epoch: int, attempt_id: str) -> str:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0 or step >= 10**12:
+        raise ConfigurationError(
+            f"step must be an int in [0, 10**12), got {step!r}",
+            hint="Pass the training step (global step) as a non-negative int",
+        )
+    return f"{CKPT_PREFIX}{step:012d}-e{epoch}-{attempt_id}/"
+
+
+def parse_ckpt_prefix(prefix: str) -> tuple[int, int, str] | None:
+    """(step, epoch, attempt id) of an attempt prefix, or None if it is not one."""
+    m = _CKPT_RE.match(prefix)
+    return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+
+
+def commit_record_key(seq: int) -> str:
+    return f"{COMMITS_PREFIX}{seq:020d}.json"
+
+
+def iso(t: dt.datetime) -> str:
+    return t.astimezone(dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def parse_iso(s: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(s.replace("Z", "+00:00"))
+
+
+# --- records -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRecord:
+    """One committed checkpoint, as LATEST references it."""
+
+    ckpt: str
+    step: int
+    epoch: int
+    commit_id: str
+    manifest_sha256: str
+    manifest_size: int
+    committed_at: str
+    total_bytes: int
+    num_files: int
+    metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["metadata"] = dict(self.metadata)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, what: str = "checkpoint record") -> CheckpointRecord:
+        if not isinstance(d, dict):
+            raise CorruptRecordError(f"{what} is not an object")
+        rec = cls(
+            ckpt=_get(d, "ckpt", str, what),
+            step=_get(d, "step", int, what),
+            epoch=_get(d, "epoch", int, what),
+            commit_id=_get(d, "commit_id", str, what),
+            manifest_sha256=_get(d, "manifest_sha256", str, what),
+            manifest_size=_get(d, "manifest_size", int, what),
+            committed_at=_get(d, "committed_at", str, what),
+            total_bytes=_get(d, "total_bytes", int, what),
+            num_files=_get(d, "num_files", int, what),
+            metadata=_get(d, "metadata", dict, what),
+        )
+        if parse_ckpt_prefix(rec.ckpt) is None:
+            raise CorruptRecordError(f"{what}: {rec.ckpt!r} is not a checkpoint prefix")
+        if not _HEX64.match(rec.manifest_sha256):
+            raise CorruptRecordError(f"{what}: manifest_sha256 is not a SHA-256 hex digest")
+        if not 0 < rec.manifest_size <= MAX_MANIFEST_BYTES:
+            raise CorruptRecordError(f"{what}: manifest_size {rec.manifest_size} out of range")
+        return rec
+
+    @property
+    def manifest_key(self) -> str:
+        return self.ckpt + MANIFEST_NAME
+
+
+@dataclasses.dataclass(frozen=True)
+class Writer:
+    """Who owns the run: the fencing epoch and the writer's id."""
+
+    epoch: int
+    id: str
+    claimed_at: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Pin:
+    commit_id: str
+    step: int
+    label: str
+    pinned_at: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Tombstone:
+    """A checkpoint dropped by retention. ``dropped_seq`` is the LATEST seq that dropped it:
+    GC measures its age from when ``commits/<dropped_seq>.json`` landed (store clock)."""
+
+    record: CheckpointRecord
+    dropped_seq: int
+    state: str = "pending"  # "pending" -> "deleting" (GC started removing its objects)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "record": self.record.to_dict(),
+            "dropped_seq": self.dropped_seq,
+            "state": self.state,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class RetentionPolicy:
+    """Which committed checkpoints LATEST keeps. Pins are kept regardless.
+
+    ``keep_last``: the newest N (including current); None keeps everything.
+    ``keep_every``: also keep every checkpoint whose step is a multiple of K.
+    """
+
+    keep_last: int | None = 3
+    keep_every: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("keep_last", "keep_every"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigurationError(f"{name} must be a positive int or None, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Run-wide settings every writer and GC honour, carried in LATEST."""
+
+    keep_last: int | None = 3
+    keep_every: int | None = None
+    gc_grace_s: int = 2 * 3600
+
+    @property
+    def retention(self) -> RetentionPolicy:
+        return RetentionPolicy(self.keep_last, self.keep_every)
+
+
+@dataclasses.dataclass(frozen=True)
+class Latest:
+    """The parsed LATEST object."""
+
+    seq: int
+    parent_seq: int
+    writer: Writer
+    current: CheckpointRecord | None
+    history: tuple[CheckpointRecord, ...] = ()
+    pins: tuple[Pin, ...] = ()
+    tombstones: tuple[Tombstone, ...] = ()
+    settings: Settings = Settings()
+    op: str = "init"
+    updated_at: str = ""
+    nonce: str = ""  # random per write: no two LATEST bodies are ever identical
+
+    # -- serialisation --
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": LATEST_FORMAT,
+            "seq": self.seq,
+            "parent_seq": self.parent_seq,
+            "writer": dataclasses.asdict(self.writer),
+            "current": self.current.to_dict() if self.current else None,
+            "history": [r.to_dict() for r in self.history],
+            "pins": [dataclasses.asdict(p) for p in self.pins],
+            "tombstones": [t.to_dict() for t in self.tombstones],
+            "settings": dataclasses.asdict(self.settings),
+            "op": self.op,
+            "updated_at": self.updated_at,
+            "nonce": self.nonce,
+        }
+
+    def to_bytes(self) -> bytes:
+        return _sealed(self.to_dict())
+
+    # -- queries --
+
+    def retained(self) -> list[CheckpointRecord]:
+        """current, then history, newest first: every checkpoint a restore may use."""
+        return ([self.current] if self.current else []) + list(self.history)
+
+    def find(self, commit_id: str) -> str | None:
+        """Where ``commit_id`` appears: 'current', 'history', 'tombstone' or None."""
+        if self.current and self.current.commit_id == commit_id:
+            return "current"
+        if any(r.commit_id == commit_id for r in self.history):
+            return "history"
+        if any(t.record.commit_id == commit_id for t in self.tombstones):
+            return "tombstone"
+        return None
+
+    def referenced_prefixes(self) -> set[str]:
+        """Every checkpoint prefix LATEST points at, tombstones included."""
+        refs = {r.ckpt for r in self.retained()}
+        refs.update(t.record.ckpt for t in self.tombstones)
+        return refs
+
+    def pinned_ids(self) -> set[str]:
+        return {p.commit_id for p in self.pins}
+
+
+def parse_latest(data: bytes, what: str = "LATEST") -> Latest:
+    """Parse and verify LATEST (or a commit record). Raises CorruptRecordError."""
+    body = _unseal(data, what, MAX_LATEST_BYTES)
+    if body.get("format") != LATEST_FORMAT:
+        raise CorruptRecordError(
+            f"{what} has format {body.get('format')!r}; this cloudckpt reads {LATEST_FORMAT!r}"
+        )
+    try:
+        w = _get(body, "writer", dict, what)
+        writer = Writer(
+            _get(w, "epoch", int, what), _get(w, "id", str, what), _get(w, "claimed_at", str, what)
+        )
+        cur = body.get("current")
+        s = _get(body, "settings", dict, what)
+        settings = Settings(
+            keep_last=s.get("keep_last"),
+            keep_every=s.get("keep_every"),
+            gc_grace_s=_get(s, "gc_grace_s", int, what),
+        )
+        RetentionPolicy(settings.keep_last, settings.keep_every)  # validates
+        latest = Latest(
+            seq=_get(body, "seq", int, what),
+            parent_seq=_get(body, "parent_seq", int, what),
+            writer=writer,
+            current=None if cur is None else CheckpointRecord.from_dict(cur, f"{what} current"),
+            history=tuple(
+                CheckpointRecord.from_dict(r, f"{what} history")
+                for r in _get(body, "history", list, what)
+            ),
+            pins=tuple(
+                Pin(
+                    _get(p, "commit_id", str, what),
+                    _get(p, "step", int, what),
+                    _get(p, "label", str, what),
+                    _get(p, "pinned_at", str, what),
+                )
+                for p in _get(body, "pins", list, what)
+            ),
+            tombstones=tuple(
+                Tombstone(
+                    CheckpointRecord.from_dict(_get(t, "record", dict, what)),
+                    _get(t, "dropped_seq", int, what),
+                    _get(t, "state", str, what),
+                )
+                for t in _get(body, "tombstones", list, what)
+            ),
+            settings=settings,
+            op=_get(body, "op", str, what),
+            updated_at=_get(body, "updated_at", str, what),
+            nonce=_get(body, "nonce", str, what),
+        )
+    except (AttributeError, TypeError, ConfigurationError) as exc:
+        raise CorruptRecordError(f"{what} is malformed ({exc})") from None
+    if latest.seq < 1 or latest.parent_seq != latest.seq - 1:
+        raise CorruptRecordError(f"{what}: seq {latest.seq} / parent {latest.parent_seq} broken")
+    return latest
+
+
+# --- transitions (each returns the next LATEST; seq +1, parent_seq = base.seq) ------------
+
+
+def initial(writer: Writer, settings: Settings, now: dt.datetime) -> Latest:
+    """The first LATEST of a new run (epoch 1, nothing committed)."""
+    return Latest(
+        seq=1,
+        parent_seq=0,
+        writer=writer,
+        current=None,
+        settings=settings,
+        op="claim",
+        updated_at=iso(now),
+        nonce=secrets.token_hex(8),
+    )
+
+
+def _next(base: Latest, now: dt.datetime, op: str, **changes: Any) -> Latest:
+    return dataclasses.replace(
+        base,
+        seq=base.seq + 1,
+        parent_seq=base.seq,
+        op=op,
+        updated_at=iso(now),
+        nonce=secrets.token_hex(8),
+        **changes,
+    )
+
+
+def claim(base: Latest, writer_id: str, settings: Settings, now: dt.datetime) -> Latest:
+    """A new writer takes over: epoch +1 fences every older writer."""
+    writer = Writer(epoch=base.writer.epoch + 1, id=writer_id, claimed_at=iso(now))
+    return _next(base, now, "claim", writer=writer, settings=settings)
+
+
+def _apply_retention(
+    base: Latest,
+    current: CheckpointRecord | None,
+    history: Sequence[CheckpointRecord],
+    settings: Settings,
+    dropped_seq: int,
+) -> tuple[tuple[CheckpointRecord, ...], tuple[Tombstone, ...]]:
+    pinned = base.pinned_ids()
+    policy = settings.retention
+    keep, drop = [], []
+    slots = None if policy.keep_last is None else policy.keep_last - (1 if current else 0)
+    for rec in history:
+        recent = slots is None or slots > 0
+        if recent and slots is not None:
+            slots -= 1
+        milestone = policy.keep_every is not None and rec.step % policy.keep_every == 0
+        (keep if recent or milestone or rec.commit_id in pinned else drop).append(rec)
+    tombstones = base.tombstones + tuple(Tombstone(r, dropped_seq) for r in drop)
+    return tuple(keep), tombstones
+
+
+def commit(base: Latest, record: CheckpointRecord, settings: Settings, now: dt.datetime) -> Latest:
+    """``record`` becomes current; the old current moves to history; retention drops the
+    rest to tombstones (nothing is deleted here: GC does that after the grace period)."""
+    history = ((base.current,) if base.current else ()) + base.history
+    history, tombstones = _apply_retention(base, record, history, settings, base.seq + 1)
+    return _next(
+        base,
+        now,
+        "commit",
+        current=record,
+        history=history,
+        tombstones=tombstones,
+        settings=settings,
+    )
+
+
+def pin(base: Latest, commit_id: str, label: str, now: dt.datetime) -> Latest:
+    """Keep the retained checkpoint ``commit_id`` regardless of retention."""
+    rec = next((r for r in base.retained() if r.commit_id == commit_id), None)
+    if rec is None:
+        raise ConfigurationError(f"checkpoint {commit_id} is not retained; cannot pin it")
+    pins = tuple(p for p in base.pins if p.commit_id != commit_id)
+    pins += (Pin(commit_id, rec.step, label, iso(now)),)
+    return _next(base, now, "pin", pins=pins)
+
+
+def unpin(base: Latest, commit_id: str, now: dt.datetime) -> Latest:
+    """Remove a pin; retention then decides whether the checkpoint stays."""
+    pins = tuple(p for p in base.pins if p.commit_id != commit_id)
+    unpinned = dataclasses.replace(base, pins=pins)
+    history, tombstones = _apply_retention(
+        unpinned, base.current, base.history, base.settings, base.seq + 1
+    )
+    return _next(unpinned, now, "unpin", history=history, tombstones=tombstones)
+
+
+def mark_deleting(base: Latest, commit_ids: Iterable[str], now: dt.datetime) -> Latest:
+    """GC step 1: tombstones about to be deleted are marked so no one resurrects them."""
+    ids = set(commit_ids)
+    tombstones = tuple(
+        dataclasses.replace(t, state="deleting") if t.record.commit_id in ids else t
+        for t in base.tombstones
+    )
+    return _next(base, now, "gc-mark", tombstones=tombstones)
+
+
+def forget_tombstones(base: Latest, commit_ids: Iterable[str], now: dt.datetime) -> Latest:
+    """GC last step: the deleted tombstones leave LATEST."""
+    ids = set(commit_ids)
+    tombstones = tuple(t for t in base.tombstones if t.record.commit_id not in ids)
+    return _next(base, now, "gc-forget", tombstones=tombstones)
+
+
+# --- manifests ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FileEntry:
+    path: str
+    size: int
+    digest: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    ckpt: str
+    step: int
+    epoch: int
+    commit_id: str
+    writer_id: str
+    created_at: str
+    files: tuple[FileEntry, ...]
+    metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    algorithm: str = ALGORITHM
+    chunk_size: int = CHUNK_SIZE
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_bytes(self) -> bytes:
+        return _sealed(
+            {
+                "format": MANIFEST_FORMAT,
+                "ckpt": self.ckpt,
+                "step": self.step,
+                "epoch": self.epoch,
+                "commit_id": self.commit_id,
+                "writer_id": self.writer_id,
+                "created_at": self.created_at,
+                "metadata": dict(self.metadata),
+                "digest": {"algorithm": self.algorithm, "chunk_size": self.chunk_size},
+                "files": [dataclasses.asdict(f) for f in self.files],
+                "total_bytes": self.total_bytes,
+            }
+        )
+
+    def record(self, data: bytes, committed_at: dt.datetime) -> CheckpointRecord:
+        """The LATEST record of this manifest, whose serialised bytes are ``data``."""
+        return CheckpointRecord(
+            ckpt=self.ckpt,
+            step=self.step,
+            epoch=self.epoch,
+            commit_id=self.commit_id,
+            manifest_sha256=hashlib.sha256(data).hexdigest(),
+            manifest_size=len(data),
+            committed_at=iso(committed_at),
+            total_bytes=self.total_bytes,
+            num_files=len(self.files),
+            metadata=dict(self.metadata),
+        )
+
+
+def safe_relpath(path: str) -> str:
+    """Return ``path`` if it is a safe relative file path; raise UnsafePathError if not.
+
+    Refused: absolute paths, drive letters, backslashes, ``..``/``.``/empty segments,
+    control characters. What passes can only name a file below the destination.
+    """
+    if not isinstance(path, str) or not path or len(path) > 4096:
+        raise UnsafePathError(f"manifest path {path!r} is empty or too long")
+    if (
+        path.startswith("/")
+        or "\\" in path
+        or re.match(r"^[A-Za-z]:", path)
+        or any(ord(c) < 32 or ord(c) == 127 for c in path)
+    ):
+        raise UnsafePathError(f"manifest path {path!r} is absolute or has illegal characters")
+    segments = path.split("/")
+    if any(s in ("", ".", "..") for s in segments) or posixpath.normpath(path) != path:
+        raise UnsafePathError(f"manifest path {path!r} has '..', '.' or empty segments")
+    return path
+
+
+def validate_file_entries(entries: Sequence[FileEntry]) -> None:
+    """Paths safe and unique, no file that is also a directory of another, sane sizes."""
+    seen: set[str] = set()
+    dirs: set[str] = set()
+    for e in entries:
+        safe_relpath(e.path)
+        if e.path in seen:
+            raise UnsafePathError(f"manifest lists {e.path!r} twice")
+        seen.add(e.path)
+        parts = e.path.split("/")
+        dirs.update("/".join(parts[:i]) for i in range(1, len(parts)))
+        if not 0 <= e.size <= MAX_FILE_SIZE:
+            raise CorruptRecordError(f"manifest: size {e.size} of {e.path!r} out of range")
+        if not _HEX64.match(e.digest):
+            raise CorruptRecordError(f"manifest: digest of {e.path!r} is not a hex SHA-256")
+    clash = seen & dirs
+    if clash:
+        raise UnsafePathError(f"manifest path {sorted(clash)[0]!r} is both a file and a directory")
+
+
+def parse_manifest(data: bytes, record: CheckpointRecord | None = None) -> Manifest:
+    """Parse and verify a manifest (against its LATEST record when given).
+
+    Raises CorruptRecordError (damaged, or not the manifest ``record`` names) or
+    UnsafePathError (a path that would escape the destination).
+    """
+    what = f"manifest of {record.ckpt}" if record else "manifest"
+    if record is not None:
+        if len(data) != record.manifest_size:
+            raise CorruptRecordError(
+                f"{what} is {len(data)} bytes, LATEST recorded {record.manifest_size}"
+            )
+        if hashlib.sha256(data).hexdigest() != record.manifest_sha256:
+            raise CorruptRecordError(f"{what} does not match the digest LATEST recorded")
+    body = _unseal(data, what, MAX_MANIFEST_BYTES)
+    if body.get("format") != MANIFEST_FORMAT:
+        raise CorruptRecordError(f"{what} has unknown format {body.get('format')!r}")
+    digest = _get(body, "digest", dict, what)
+    files = []
+    for f in _get(body, "files", list, what):
+        if not isinstance(f, dict):
+            raise CorruptRecordError(f"{what}: file entry is not an object")
+        files.append(
+            FileEntry(
+                _get(f, "path", str, what), _get(f, "size", int, what), _get(f, "digest", str, what)
+            )
+        )
+    manifest = Manifest(
+        ckpt=_get(body, "ckpt", str, what),
+        step=_get(body, "step", int, what),
+        epoch=_get(body, "epoch", int, what),
+        commit_id=_get(body, "commit_id", str, what),
+        writer_id=_get(body, "writer_id", str, what),
+        created_at=_get(body, "created_at", str, what),
+        files=tuple(files),
+        metadata=_get(body, "metadata", dict, what),
+        algorithm=_get(digest, "algorithm", str, what),
+        chunk_size=_get(digest, "chunk_size", int, what),
+    )
+    if manifest.algorithm != ALGORITHM or not 0 < manifest.chunk_size <= 1 << 30:
+        raise CorruptRecordError(f"{what}: unsupported digest {manifest.algorithm!r}")
+    validate_file_entries(manifest.files)
+    if record is not None and (manifest.ckpt, manifest.commit_id) != (
+        record.ckpt,
+        record.commit_id,
+    ):
+        raise CorruptRecordError(f"{what} belongs to another checkpoint")
+    return manifest
+
+
+def attempt_body(
+    *, ckpt: str, step: int, epoch: int, writer_id: str, started_at: dt.datetime
+) -> bytes:
+    """The small ATTEMPT.json written first into every attempt prefix."""
+    return canonical_json(
+        {
+            "format": ATTEMPT_FORMAT,
+            "ckpt": ckpt,
+            "step": step,
+            "epoch": epoch,
+            "writer_id": writer_id,
+            "started_at": iso(started_at),
+        }
+    )

@@ -1,0 +1,216 @@
+"""Local staging: one directory per save attempt, a journal beside it, and snapshots.
+
+Layout under ``staging_dir``::
+
+    .lock                         flock held by the one manager using this directory
+    attempts/<attempt_id>/
+        journal.json              the attempt's plan and state (atomic replace + fsync)
+        files/...                 the checkpoint's files
+
+Journal states: ``open`` (the caller is writing), ``staged`` (files complete, handed to
+the uploader), ``durable`` (staged files fsynced), ``committed``, ``failed``. A manager
+started after a crash recovers ``durable`` attempts newer than the committed checkpoint
+(their files are complete and on disk, so uploading them loses nothing) and abandons the
+rest (an ``open`` attempt may be half-written by the caller; ``staged`` files may not have
+reached the disk before a power loss).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import json
+import logging
+import os
+import shutil
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from cloudckpt.errors import ConfigurationError, StagingError
+
+log = logging.getLogger("cloudckpt.staging")
+
+OPEN, STAGED, DURABLE, COMMITTED, FAILED = "open", "staged", "durable", "committed", "failed"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _staging_error(exc: OSError, action: str) -> StagingError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StagingError(f"the staging disk is full while trying to {action}")
+    return StagingError(f"could not {action}: {exc.strerror or exc}")
+
+
+@dataclasses.dataclass
+class Attempt:
+    """One save attempt's local state."""
+
+    dir: Path
+    id: str
+    step: int
+    metadata: dict[str, Any]
+    state: str = OPEN
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def files_dir(self) -> Path:
+        return self.dir / "files"
+
+    def set_state(self, state: str, **extra: Any) -> None:
+        """Record ``state`` durably (temp file, fsync, atomic replace)."""
+        self.state = state
+        self.extra.update(extra)
+        body = json.dumps(
+            {
+                "id": self.id,
+                "step": self.step,
+                "metadata": self.metadata,
+                "state": state,
+                "extra": self.extra,
+            },
+            sort_keys=True,
+        ).encode()
+        tmp = self.dir / "journal.json.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.dir / "journal.json")
+            _fsync_dir(self.dir)
+        except OSError as exc:
+            raise _staging_error(exc, f"write the journal of attempt {self.id}") from None
+
+    def list_files(self) -> list[tuple[str, Path]]:
+        """(relative '/'-path, local path) of every file, sorted. Symlinks to files are
+        followed (their content is the checkpoint's); anything else is refused."""
+        found = []
+        for dirpath, dirnames, filenames in os.walk(self.files_dir, followlinks=False):
+            linked_dirs = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+            if linked_dirs:
+                raise StagingError(
+                    f"{Path(dirpath, linked_dirs[0])} is a link to a directory",
+                    hint="Checkpoints hold regular files (and links to files) only",
+                )
+            for name in filenames:
+                path = Path(dirpath, name)
+                rel = path.relative_to(self.files_dir).as_posix()
+                try:
+                    mode = os.stat(path).st_mode
+                except OSError as exc:
+                    raise StagingError(f"cannot stat staged file {path}: {exc.strerror}") from None
+                if not stat.S_ISREG(mode):
+                    raise StagingError(
+                        f"{rel} in the checkpoint is not a regular file",
+                        hint="Checkpoints hold regular files (and links to them) only",
+                    )
+                found.append((rel, path))
+        return sorted(found)
+
+    def fsync_files(self) -> None:
+        """Make the staged files durable (so a crash-recovered attempt is never torn)."""
+        for dirpath, _dirnames, filenames in os.walk(self.files_dir):
+            for name in filenames:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            _fsync_dir(Path(dirpath))
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class StagingArea:
+    """The staging directory of one manager. Holds an exclusive lock while open, so two
+    live managers never share (and never recover each other's) attempts."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).expanduser().resolve()
+        self.attempts_dir = self.root / "attempts"
+        try:
+            self.attempts_dir.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise _staging_error(exc, f"create the staging directory {self.root}") from None
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise ConfigurationError(
+                f"staging directory {self.root} is in use by another cloudckpt manager",
+                hint="Give each training process (each rank) its own staging_dir",
+            ) from None
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def new_attempt(self, attempt_id: str, step: int, metadata: dict[str, Any]) -> Attempt:
+        attempt = Attempt(self.attempts_dir / attempt_id, attempt_id, step, dict(metadata))
+        try:
+            attempt.files_dir.mkdir(parents=True)
+        except OSError as exc:
+            raise _staging_error(exc, "create a staging directory") from None
+        attempt.set_state(OPEN)
+        return attempt
+
+    def snapshot(self, src: str | os.PathLike[str], attempt: Attempt) -> None:
+        """Hard-link every file of ``src`` into the attempt (copy across filesystems).
+
+        The links pin the bytes: the trainer deleting or rotating ``src`` afterwards cannot
+        change what is uploaded. (Rewriting a file *in place* would; the uploader detects
+        that by size/mtime/inode and fails the save rather than upload a torn file.)
+        """
+        src_path = Path(src)
+        if not src_path.is_dir():
+            raise ConfigurationError(f"{src} is not a directory")
+        copied = 0
+        try:
+            for dirpath, _dirnames, filenames in os.walk(src_path):
+                rel_dir = Path(dirpath).relative_to(src_path)
+                (attempt.files_dir / rel_dir).mkdir(parents=True, exist_ok=True)
+                for name in filenames:
+                    source = Path(dirpath, name)
+                    target = attempt.files_dir / rel_dir / name
+                    try:
+                        os.link(source, target)
+                    except OSError as exc:
+                        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+                            raise
+                        shutil.copy2(source, target)
+                        copied += 1
+        except StagingError:
+            raise
+        except OSError as exc:
+            raise _staging_error(exc, f"snapshot {src}") from None
+        if copied:
+            log.info("copied %d files of %s (staging_dir is on another filesystem)", copied, src)
+
+    def journaled(self) -> Iterator[Attempt]:
+        """Attempts left by an earlier process, oldest first."""
+        for path in sorted(self.attempts_dir.iterdir()):
+            try:
+                body = json.loads((path / "journal.json").read_bytes())
+                yield Attempt(
+                    path,
+                    body["id"],
+                    int(body["step"]),
+                    body.get("metadata", {}),
+                    body["state"],
+                    body.get("extra", {}),
+                )
+            except (OSError, ValueError, KeyError, TypeError):
+                log.warning("abandoning unreadable staging attempt %s", path.name)
+                shutil.rmtree(path, ignore_errors=True)

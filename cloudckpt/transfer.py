@@ -1,0 +1,387 @@
+"""The transfer engine: parallel multipart uploads and parallel ranged downloads.
+
+Uploads: each file above ``multipart_threshold`` goes up in parts sized from the file size
+within S3's limits (5 MiB..5 GiB, at most 10,000 parts), always a multiple of the 8 MiB
+digest chunk. Workers read their part with ``pread`` (no shared file position), compute the
+part's digest leaves and its CRC32C in the same pass, and upload it with the CRC32C the
+store verifies. Memory in flight is bounded by ``concurrency x part_size``.
+
+Downloads: files are fetched in chunk-aligned ranges by the same number of workers, hashed
+as they arrive, and written with ``pwrite`` into preallocated files; a file counts only
+when every leaf matches its recorded digest.
+
+Retries: transient errors and checksum mismatches are retried with backoff; part uploads
+and fresh-prefix puts are idempotent, so a lost answer is retried too.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import dataclasses
+import os
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from cloudckpt import digest
+from cloudckpt.errors import (
+    CloudCkptError,
+    CorruptionError,
+    ObjectNotFoundError,
+    StagingError,
+)
+from cloudckpt.protocol import FileEntry
+from cloudckpt.retry import IDEMPOTENT_RETRY, SAFE_TO_RETRY, call_with_retries
+from cloudckpt.stores import OVERWRITE, MultipartUpload, PartInfo, Store, crc32c_b64
+
+MiB = 1024 * 1024
+ProgressCallback = Callable[[int], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferConfig:
+    """Tuning for the transfer engine. The defaults suit a VM talking to S3/GCS.
+
+    ``concurrency``: parallel requests (and buffers in flight).
+    ``part_size``: preferred multipart part size; raised when a file would need more parts
+    than the store allows. ``multipart_threshold``: files at least this big go multipart.
+    ``range_size``: download range size. All sizes are rounded up to the 8 MiB chunk.
+    """
+
+    concurrency: int = 16
+    part_size: int = 16 * MiB
+    multipart_threshold: int = 16 * MiB
+    range_size: int = 16 * MiB
+    attempts: int = 6
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def choose_part_size(size: int, store: Store, preferred: int) -> int:
+    """A part size for a ``size``-byte file: a multiple of the digest chunk, at least the
+    store's minimum, and large enough to stay within its part-count limit."""
+    caps = store.capabilities
+    part = max(preferred, caps.min_part_size, -(-size // caps.max_parts))
+    part = _round_up(part, digest.CHUNK_SIZE)
+    if part > caps.max_part_size:
+        raise StagingError(
+            f"a {size}-byte file needs parts over the store's {caps.max_part_size}-byte limit",
+            hint="Split the file; S3 objects are limited to 5 TiB",
+        )
+    return part
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stat:
+    size: int
+    mtime_ns: int
+    ino: int
+
+    @classmethod
+    def of(cls, path: Path) -> _Stat:
+        st = os.stat(path)
+        return cls(st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+class _Progress:
+    def __init__(self, callback: ProgressCallback | None) -> None:
+        self._callback = callback
+        self._lock = threading.Lock()
+
+    def __call__(self, n: int) -> None:
+        if self._callback is not None and n:
+            with self._lock:
+                self._callback(n)
+
+
+def _read_at(path: Path, offset: int, length: int) -> bytes:
+    """``length`` bytes at ``offset``; each worker opens its own descriptor, so thousands
+    of files never hold thousands of descriptors open."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise StagingError(f"cannot read staged file {path}: {exc.strerror}") from None
+    try:
+        chunks, got = [], 0
+        while got < length:
+            chunk = os.pread(fd, length - got, offset + got)
+            if not chunk:
+                raise StagingError(f"staged file {path} shrank while it was being uploaded")
+            chunks.append(chunk)
+            got += len(chunk)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class TransferEngine:
+    """A pool of transfer workers shared by the saves and restores of one manager."""
+
+    def __init__(self, config: TransferConfig | None = None) -> None:
+        self.config = config or TransferConfig()
+        self._pool = cf.ThreadPoolExecutor(
+            self.config.concurrency, thread_name_prefix="cloudckpt-transfer"
+        )
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _retry(self, fn: Callable, what: str, idempotent: bool = True):
+        return call_with_retries(
+            fn,
+            retry_on=IDEMPOTENT_RETRY if idempotent else SAFE_TO_RETRY,
+            attempts=self.config.attempts,
+            what=what,
+        )
+
+    def _wait_all(self, futures: Sequence[cf.Future]) -> list:
+        """Results in order; on the first failure cancel the rest and raise it."""
+        try:
+            for f in cf.as_completed(futures):
+                f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            cf.wait(futures)
+            raise
+        return [f.result() for f in futures]
+
+    # -- upload -------------------------------------------------------------------------
+
+    def upload_files(
+        self,
+        store: Store,
+        prefix: str,
+        files: Sequence[tuple[str, Path]],
+        progress: ProgressCallback | None = None,
+    ) -> list[FileEntry]:
+        """Upload local ``files`` (relative path, local path) under ``prefix``; return
+        their manifest entries (size and digest of exactly the bytes uploaded).
+
+        Raises:
+            StagingError: a local file is unreadable or changed during the upload.
+            StoreError: the store failed after retries.
+        """
+        report = _Progress(progress)
+        jobs = [self._start_file(store, prefix + rel, rel, path, report) for rel, path in files]
+        try:
+            return [job() for job in jobs]
+        except BaseException:
+            for job in jobs:
+                job.abort()
+            raise
+
+    def _start_file(
+        self, store: Store, key: str, rel: str, path: Path, report: _Progress
+    ) -> _FileUpload:
+        try:
+            before = _Stat.of(path)
+        except OSError as exc:
+            raise StagingError(f"cannot read staged file {path}: {exc.strerror}") from None
+        multipart = store.capabilities.multipart and before.size >= self.config.multipart_threshold
+        upload = _FileUpload(self, store, key, rel, path, before, report)
+        upload.start(multipart)
+        return upload
+
+    # -- download -----------------------------------------------------------------------
+
+    def download_files(
+        self,
+        store: Store,
+        prefix: str,
+        entries: Sequence[FileEntry],
+        dest: Path,
+        chunk_size: int = digest.CHUNK_SIZE,
+        progress: ProgressCallback | None = None,
+    ) -> None:
+        """Download ``entries`` from under ``prefix`` into the directory ``dest``, verifying
+        every byte against the manifest. Paths must already be validated as safe.
+
+        Raises:
+            CorruptionError: a file is missing, has the wrong size, or fails its digest.
+            StoreError: the store failed after retries.
+        """
+        report = _Progress(progress)
+        range_size = _round_up(self.config.range_size, chunk_size)
+        tasks: list[cf.Future] = []
+        files: list[tuple[FileEntry, Path, list]] = []
+        for entry in entries:
+            target = dest.joinpath(*entry.path.split("/"))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # O_EXCL: never write through something that already exists (a planted link).
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                os.ftruncate(fd, entry.size)
+            finally:
+                os.close(fd)
+            leaves: list = [None] * -(-entry.size // chunk_size)
+            files.append((entry, target, leaves))
+            for offset in range(0, entry.size, range_size):
+                length = min(range_size, entry.size - offset)
+                tasks.append(
+                    self._pool.submit(
+                        self._download_range,
+                        store,
+                        prefix + entry.path,
+                        entry,
+                        target,
+                        offset,
+                        length,
+                        leaves,
+                        chunk_size,
+                        report,
+                    )
+                )
+        self._wait_all(tasks)
+        for entry, target, leaves in files:
+            if digest.root(leaves, entry.size, chunk_size) != entry.digest:
+                raise CorruptionError(f"{prefix}{entry.path} does not match its digest")
+            _fsync_path(target)
+
+    def _download_range(
+        self,
+        store: Store,
+        key: str,
+        entry: FileEntry,
+        target: Path,
+        offset: int,
+        length: int,
+        leaves: list,
+        chunk_size: int,
+        report: _Progress,
+    ) -> None:
+        try:
+            data = self._retry(lambda: store.get_range(key, offset, length), f"download {key}")
+        except ObjectNotFoundError:
+            raise CorruptionError(f"{key} is missing from the store") from None
+        if len(data) != length:
+            raise CorruptionError(
+                f"{key} is shorter than the {entry.size} bytes its manifest records"
+            )
+        for i, leaf in enumerate(digest.leaves_of(data, chunk_size)):
+            leaves[offset // chunk_size + i] = leaf
+        fd = os.open(target, os.O_WRONLY)
+        try:
+            view, written = memoryview(data), 0
+            while written < length:
+                written += os.pwrite(fd, view[written:], offset + written)
+        finally:
+            os.close(fd)
+        report(length)
+
+
+class _FileUpload:
+    """One file's upload: single put, or multipart with one pool task per part."""
+
+    def __init__(
+        self,
+        engine: TransferEngine,
+        store: Store,
+        key: str,
+        rel: str,
+        path: Path,
+        before: _Stat,
+        report: _Progress,
+    ) -> None:
+        self.engine, self.store, self.key, self.rel, self.path = engine, store, key, rel, path
+        self.before, self.report = before, report
+        self.upload: MultipartUpload | None = None
+        self.futures: list[cf.Future] = []
+        self.part_size = 0
+
+    def start(self, multipart: bool) -> None:
+        pool = self.engine._pool
+        if not multipart:
+            self.futures = [pool.submit(self._single)]
+            return
+        self.part_size = choose_part_size(
+            self.before.size, self.store, self.engine.config.part_size
+        )
+        self.upload = self.engine._retry(
+            lambda: self.store.create_multipart(self.key), f"start upload of {self.key}", False
+        )
+        self.futures = [
+            pool.submit(self._part, n, offset)
+            for n, offset in enumerate(range(0, self.before.size, self.part_size), start=1)
+        ]
+
+    def _single(self) -> tuple[list[bytes], None]:
+        data = _read_at(self.path, 0, self.before.size)
+        leaves = digest.leaves_of(data)
+        self.engine._retry(
+            lambda: self.store.put(self.key, data, mode=OVERWRITE), f"upload {self.key}"
+        )
+        self.report(len(data))
+        return leaves, None
+
+    def _part(self, number: int, offset: int) -> tuple[list[bytes], PartInfo]:
+        length = min(self.part_size, self.before.size - offset)
+        data = _read_at(self.path, offset, length)
+        leaves = digest.leaves_of(data)
+        crc = crc32c_b64(data)
+        part = self.engine._retry(
+            lambda: self.store.upload_part(self.upload, number, data, crc32c=crc),
+            f"upload part {number} of {self.key}",
+        )
+        self.report(length)
+        return leaves, part
+
+    def __call__(self) -> FileEntry:
+        """Wait for the parts, complete the upload, and return the manifest entry."""
+        try:
+            results = self.engine._wait_all(self.futures)
+            leaves = [leaf for part_leaves, _ in results for leaf in part_leaves]
+            if self.upload is not None:
+                self._complete([part for _, part in results])
+            after = _Stat.of(self.path)
+        except OSError as exc:
+            raise StagingError(f"staged file {self.path} became unreadable: {exc}") from None
+        if after != self.before:
+            raise StagingError(f"staged file {self.path} changed while it was being uploaded")
+        return FileEntry(self.rel, self.before.size, digest.root(leaves, self.before.size))
+
+    def _complete(self, parts: list[PartInfo]) -> None:
+        upload = self.upload
+        try:
+            self.engine._retry(
+                lambda: self.store.complete_multipart(upload, parts, mode=OVERWRITE),
+                f"complete upload of {self.key}",
+            )
+        except ObjectNotFoundError:
+            # A retried completion finds the upload gone when the first one landed.
+            if self.store.head(self.key).size != self.before.size:
+                raise
+        self.upload = None
+
+    def abort(self) -> None:
+        """Best effort: cancel pending parts and abort the multipart upload."""
+        for f in self.futures:
+            f.cancel()
+        cf.wait(self.futures)
+        if self.upload is not None:
+            # Best effort: GC removes incomplete uploads after the grace period anyway.
+            with contextlib.suppress(CloudCkptError):
+                self.store.abort_multipart(self.upload)
