@@ -16,9 +16,14 @@ from cloudckpt.stores import Store
 
 
 def _record_of_step(latest: Latest, step: int) -> protocol.CheckpointRecord:
+    """The newest retained checkpoint of ``step``, else one retention dropped that GC has
+    not started deleting (pinning brings it back)."""
     for record in latest.retained():
         if record.step == step:
             return record
+    for t in reversed(latest.tombstones):
+        if t.record.step == step and t.state == "pending":
+            return t.record
     raise CheckpointNotFoundError(f"no retained checkpoint of step {step}")
 
 

@@ -166,13 +166,16 @@ def collect_garbage(
         ids = {t.record.commit_id for t in expired}
 
         def mark(cur: Latest, at: dt.datetime) -> Latest | None:
-            todo = [
-                t for t in cur.tombstones if t.record.commit_id in ids and t.state != "deleting"
-            ]
+            todo = [t for t in cur.tombstones if t.record.commit_id in ids and t.state == "pending"]
             return protocol.mark_deleting(cur, ids, at) if todo else None
 
-        edit_latest(store, mark)
+        marked = edit_latest(store, mark)
         failpoint("gc.after_mark")
+        # Delete only what the LATEST we wrote (or found) marks: a pin may have brought a
+        # checkpoint back between our read and our mark.
+        expired = [
+            t for t in marked.tombstones if t.record.commit_id in ids and t.state == "deleting"
+        ]
     for t in expired:
         report.deleted_checkpoints.append((t.record.step, t.record.ckpt))
         if not dry_run:

@@ -491,7 +491,7 @@ class CheckpointManager:
 
     def _hand_over(self, handle: SaveHandle) -> None:
         attempt = handle._attempt
-        attempt.set_state(STAGED)
+        attempt.set_state(STAGED, sync=False)
         handle.handed_over_at = time.perf_counter()
         with self._cv:
             self._reserved -= 1
@@ -630,9 +630,10 @@ class CheckpointManager:
             self._fenced = exc
             self._fail(attempt)
             raise
-        except BaseException:
+        except Exception:
             self._fail(attempt)
             raise
+        # (A BaseException such as SimulatedCrash leaves everything as a dead process would.)
         attempt.set_state(COMMITTED)
         attempt.remove()
         info = CommitInfo(

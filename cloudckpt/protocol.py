@@ -459,13 +459,20 @@ def commit(base: Latest, record: CheckpointRecord, settings: Settings, now: dt.d
 
 
 def pin(base: Latest, commit_id: str, label: str, now: dt.datetime) -> Latest:
-    """Keep the retained checkpoint ``commit_id`` regardless of retention."""
+    """Keep checkpoint ``commit_id`` regardless of retention. A checkpoint that retention
+    dropped but GC has not started deleting (a ``pending`` tombstone) is brought back."""
     rec = next((r for r in base.retained() if r.commit_id == commit_id), None)
+    history, tombstones = base.history, base.tombstones
     if rec is None:
-        raise ConfigurationError(f"checkpoint {commit_id} is not retained; cannot pin it")
+        dropped = next((t for t in base.tombstones if t.record.commit_id == commit_id), None)
+        if dropped is None or dropped.state != "pending":
+            raise ConfigurationError(f"checkpoint {commit_id} is not retained; cannot pin it")
+        rec = dropped.record
+        tombstones = tuple(t for t in tombstones if t is not dropped)
+        history = tuple(sorted((*history, rec), key=lambda r: r.committed_at, reverse=True))
     pins = tuple(p for p in base.pins if p.commit_id != commit_id)
     pins += (Pin(commit_id, rec.step, label, iso(now)),)
-    return _next(base, now, "pin", pins=pins)
+    return _next(base, now, "pin", pins=pins, history=history, tombstones=tombstones)
 
 
 def unpin(base: Latest, commit_id: str, now: dt.datetime) -> Latest:

@@ -65,8 +65,10 @@ class Attempt:
     def files_dir(self) -> Path:
         return self.dir / "files"
 
-    def set_state(self, state: str, **extra: Any) -> None:
-        """Record ``state`` durably (temp file, fsync, atomic replace)."""
+    def set_state(self, state: str, *, sync: bool = True, **extra: Any) -> None:
+        """Record ``state`` atomically (temp file, replace); durably (fsync) unless
+        ``sync=False``, which suits states recovery ignores anyway (open, staged): the
+        caller of save() should not wait for a disk flush."""
         self.state = state
         self.extra.update(extra)
         body = json.dumps(
@@ -83,10 +85,12 @@ class Attempt:
         try:
             with open(tmp, "wb") as f:
                 f.write(body)
-                f.flush()
-                os.fsync(f.fileno())
+                if sync:
+                    f.flush()
+                    os.fsync(f.fileno())
             os.replace(tmp, self.dir / "journal.json")
-            _fsync_dir(self.dir)
+            if sync:
+                _fsync_dir(self.dir)
         except OSError as exc:
             raise _staging_error(exc, f"write the journal of attempt {self.id}") from None
 
@@ -163,7 +167,7 @@ class StagingArea:
             attempt.files_dir.mkdir(parents=True)
         except OSError as exc:
             raise _staging_error(exc, "create a staging directory") from None
-        attempt.set_state(OPEN)
+        attempt.set_state(OPEN, sync=False)
         return attempt
 
     def snapshot(self, src: str | os.PathLike[str], attempt: Attempt) -> None:

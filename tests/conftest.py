@@ -6,6 +6,7 @@ asks for a target gets a fresh bucket (or directory, or memory bucket).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from typing import Any, NamedTuple
@@ -101,3 +102,28 @@ def open_target():
     yield _open
     for store in opened:
         store.close()
+
+
+@pytest.fixture
+def manager_factory(tmp_path):
+    """Build CheckpointManagers on a target; each gets its own staging dir (a new host)."""
+    from cloudckpt import CheckpointManager
+
+    made = []
+
+    def _make(t: Target | Any, **kwargs: Any):
+        staging = tmp_path / f"staging-{len(made)}"
+        if isinstance(t, Target):
+            mgr = CheckpointManager(
+                t.url, storage_options=t.storage_options, staging_dir=staging, **kwargs
+            )
+        else:  # a Store object
+            mgr = CheckpointManager(t, staging_dir=staging, **kwargs)
+        made.append(mgr)
+        return mgr
+
+    yield _make
+    for mgr in made:
+        # A test may leave failed saves behind on purpose; close() re-raises those.
+        with contextlib.suppress(BaseException):
+            mgr.close(timeout=60)

@@ -1,0 +1,685 @@
+"""``s3://bucket/prefix``: Amazon S3 and S3-compatible stores through one botocore client.
+
+The client (what ``boto3.client("s3")`` returns) is called directly rather than through
+s3fs: s3fs drops ``IfMatch`` on its multipart path and reports lost races as
+``FileExistsError`` / ``OSError`` (DESIGN §4). Conditional
+writes map to S3 headers:
+
+- ``CREATE`` → ``If-None-Match: *`` (PutObject and CompleteMultipartUpload);
+- ``Update(etag)`` → ``If-Match: <etag>`` (PutObject only; moto ignores it on
+  CompleteMultipartUpload, so compare-and-swap completion is refused).
+
+Versions are ETags exactly as S3 returns them (with their quotes). They are content
+hashes, so identical bytes keep the version (``Capabilities.unique_versions=False``).
+
+Every write carries a CRC32C we compute (``google-crc32c``; botocore can only compute CRC32C
+with ``awscrt``), which S3 verifies (moto stores it without checking). Full-object CRC32Cs
+that come back on ``get`` are checked here, too.
+
+Storage options follow s3fs: ``key``, ``secret``, ``token``, ``endpoint_url``, ``profile``,
+``anon``, ``use_ssl``, ``client_kwargs``, ``config_kwargs``, ``s3_additional_kwargs``,
+``requester_pays``. Anything not given comes from the usual AWS sources (``AWS_*``
+environment variables including ``AWS_ENDPOINT_URL[_S3]``, config and credentials files);
+the region falls back to ``AWS_REGION`` and then ``us-east-1``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import email.utils
+import logging
+import os
+import re
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NoReturn
+
+import botocore
+import botocore.config
+import botocore.exceptions as bce
+import botocore.session
+
+from cloudckpt.errors import (
+    BucketNotFoundError,
+    ChecksumMismatchError,
+    ConfigurationError,
+    CredentialsError,
+    ObjectNotFoundError,
+    OutcomeUnknownError,
+    PermissionDeniedError,
+    PreconditionFailedError,
+    StoreConflictError,
+    StoreError,
+    TransientStoreError,
+    redact_url,
+)
+from cloudckpt.stores.base import (
+    CREATE,
+    INTERNAL_PREFIX,
+    OVERWRITE,
+    Capabilities,
+    Create,
+    MultipartUpload,
+    ObjectInfo,
+    PartInfo,
+    PendingUpload,
+    PutMode,
+    Store,
+    Update,
+    crc32c_b64,
+    validate_key,
+)
+
+log = logging.getLogger(__name__)
+
+#: Storage options S3Store understands (s3fs names).
+ACCEPTED_OPTIONS = frozenset(
+    {
+        "key",
+        "secret",
+        "token",
+        "username",  # s3fs alias of key
+        "password",  # s3fs alias of secret
+        "endpoint_url",
+        "region_name",
+        "profile",
+        "anon",
+        "use_ssl",
+        "client_kwargs",
+        "config_kwargs",
+        "s3_additional_kwargs",
+        "requester_pays",
+    }
+)
+#: s3fs tuning options that mean nothing here; accepted so one options dict serves both.
+IGNORED_OPTIONS = frozenset(
+    {
+        "use_listings_cache",
+        "listings_expiry_time",
+        "skip_instance_cache",
+        "default_block_size",
+        "default_cache_type",
+        "default_fill_cache",
+        "cache_regions",
+        "max_concurrency",
+    }
+)
+_CLIENT_KWARGS = frozenset(
+    {
+        "region_name",
+        "endpoint_url",
+        "use_ssl",
+        "verify",
+        "aws_access_key_id",
+        "aws_secret_access_key",
+        "aws_session_token",
+        "aws_account_id",
+        "api_version",
+        "config",
+    }
+)
+
+# Enough pooled connections for ~32 concurrent transfers plus metadata calls; standard
+# retries (with backoff, 5xx/throttling/timeouts); timeouts that notice a dead peer.
+_DEFAULT_CONFIG: dict[str, Any] = {
+    "max_pool_connections": 64,
+    "retries": {"mode": "standard", "max_attempts": 5},
+    "connect_timeout": 10,
+    "read_timeout": 60,
+    "tcp_keepalive": True,
+}
+
+_CREDENTIAL_NAMES = ("access_key_id", "secret_access_key", "session_token")
+
+_PRECONDITION_CODES = {"PreconditionFailed", "412"}
+_CONFLICT_CODES = {"ConditionalRequestConflict", "OperationAborted"}
+_NOT_FOUND_CODES = {"NoSuchKey", "NoSuchUpload", "NotFound", "404"}
+_CREDENTIAL_CODES = {
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+    "InvalidClientTokenId",
+    "RequestTimeTooSkewed",
+}
+_DENIED_CODES = {"AccessDenied", "AllAccessDisabled", "AccountProblem", "403"}
+_CHECKSUM_CODES = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch"}
+_NOT_APPLIED_CODES = {"RequestTimeout", "SlowDown", "Throttling", "ThrottlingException"}
+
+
+_LOADER: Any = None
+_LOADER_LOCK = threading.Lock()
+
+
+def _session(profile: str | None) -> botocore.session.Session:
+    """A fresh botocore session (it reads the AWS environment and files now) that shares
+    one model loader with every other store: loading S3's models costs ~0.25 s a client.
+    (A botocore client is what boto3.client() returns, minus resource helpers.)"""
+    global _LOADER
+    session = botocore.session.Session(profile=profile)
+    with _LOADER_LOCK:
+        if _LOADER is None:
+            _LOADER = session.get_component("data_loader")
+        else:
+            session.register_component("data_loader", _LOADER)
+    session.get_scoped_config()  # raises ProfileNotFound here, not on the first request
+    return session
+
+
+def _client_error_info(exc: bce.ClientError) -> tuple[str, int, str, int]:
+    response = exc.response or {}
+    error = response.get("Error", {})
+    meta = response.get("ResponseMetadata", {})
+    code = str(error.get("Code", ""))
+    status = int(meta.get("HTTPStatusCode") or (code if code.isdigit() else 0))
+    return code, status, str(error.get("Message", "")), int(meta.get("RetryAttempts") or 0)
+
+
+class S3Store(Store):
+    """A store rooted at ``s3://bucket/prefix``. See the module docstring.
+
+    Raises (constructor): ``ConfigurationError`` for unknown or inconsistent options,
+    ``CredentialsError`` for a profile that does not exist.
+    """
+
+    capabilities = Capabilities(unique_versions=False)
+    _delete_batch = 1000  # DeleteObjects' limit
+
+    def __init__(self, bucket: str, prefix: str = "", **storage_options: Any) -> None:
+        self.bucket = bucket
+        self._prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.url = redact_url(f"s3://{bucket}/{self._prefix}")
+        self._bucket_seen = False
+        self._secrets: list[str] = []
+        self._extra = self._parse_options(dict(storage_options))
+        self._client = self._make_client(storage_options)
+        self._endpoint = redact_url(self._client.meta.endpoint_url or "")
+        self._op_members: dict[str, frozenset[str]] = {}
+
+    # --- construction ---------------------------------------------------------------
+
+    def _parse_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(options) - ACCEPTED_OPTIONS - IGNORED_OPTIONS
+        if unknown:
+            raise ConfigurationError(
+                f"unknown S3 storage option(s) {', '.join(sorted(map(repr, unknown)))} "
+                f"for {self.url}",
+                hint=f"Accepted options: {', '.join(sorted(ACCEPTED_OPTIONS))}",
+            )
+        bad_client = set(options.get("client_kwargs") or {}) - _CLIENT_KWARGS
+        if bad_client:
+            raise ConfigurationError(
+                f"unknown client_kwargs {', '.join(sorted(map(repr, bad_client)))}",
+                hint=f"client_kwargs accepts: {', '.join(sorted(_CLIENT_KWARGS))}",
+            )
+        extra = dict(options.get("s3_additional_kwargs") or {})
+        if options.get("requester_pays"):
+            extra["RequestPayer"] = "requester"
+        return extra
+
+    def _make_client(self, options: Mapping[str, Any]) -> Any:
+        client_kwargs = dict(options.get("client_kwargs") or {})
+        key = options.get("key", options.get("username"))
+        secret = options.get("secret", options.get("password"))
+        token = options.get("token")
+        if (key is None) != (secret is None):
+            raise ConfigurationError(
+                "S3 storage options 'key' and 'secret' must be given together",
+                hint="Pass both, or neither to use the AWS environment, profile or role",
+            )
+        # Remember every credential we can see, to scrub it from any message.
+        candidates = [key, secret, token]
+        candidates += [client_kwargs.get(f"aws_{n}") for n in _CREDENTIAL_NAMES]
+        candidates += [os.environ.get(f"AWS_{n.upper()}") for n in _CREDENTIAL_NAMES]
+        self._secrets = [c for c in candidates if isinstance(c, str) and len(c) >= 4]
+
+        try:
+            config = botocore.config.Config(
+                **{**_DEFAULT_CONFIG, **dict(options.get("config_kwargs") or {})}
+            )
+        except TypeError as exc:
+            raise ConfigurationError(
+                f"invalid config_kwargs for {self.url}: {exc}",
+                hint="config_kwargs are botocore.config.Config arguments",
+            ) from None
+        if options.get("anon"):
+            config = config.merge(botocore.config.Config(signature_version=botocore.UNSIGNED))
+        if isinstance(client_kwargs.get("config"), botocore.config.Config):
+            config = config.merge(client_kwargs.pop("config"))
+
+        try:
+            session = _session(options.get("profile"))
+        except bce.ProfileNotFound as exc:
+            raise CredentialsError(
+                f"AWS profile {options.get('profile')!r} (for {self.url}) is not defined",
+                hint="Check the profile name and AWS_CONFIG_FILE / ~/.aws/config",
+            ) from exc
+        region = (
+            client_kwargs.pop("region_name", None)
+            or options.get("region_name")
+            or session.get_config_variable("region")
+            or os.environ.get("AWS_REGION")
+            or "us-east-1"
+        )
+        kwargs: dict[str, Any] = {"region_name": region, "config": config}
+        if options.get("endpoint_url"):
+            kwargs["endpoint_url"] = options["endpoint_url"]
+        if "use_ssl" in options:
+            kwargs["use_ssl"] = bool(options["use_ssl"])
+        if key is not None and not options.get("anon"):
+            kwargs.update(aws_access_key_id=key, aws_secret_access_key=secret)
+            if token:
+                kwargs["aws_session_token"] = token
+        kwargs.update(client_kwargs)  # explicit client_kwargs win, as in s3fs
+        try:
+            return session.create_client("s3", **kwargs)
+        except (ValueError, bce.BotoCoreError) as exc:
+            raise ConfigurationError(
+                f"cannot create an S3 client for {self.url}: {self._scrub(str(exc))}"
+            ) from None
+
+    # --- error mapping --------------------------------------------------------------
+
+    def _scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def _where(self, key: str | None) -> str:
+        return f"{self.url}{key or ''}"
+
+    @contextlib.contextmanager
+    def _errors(
+        self,
+        op: str,
+        key: str | None = None,
+        *,
+        write: bool = False,
+        missing: type[StoreError] = ObjectNotFoundError,
+    ) -> Iterator[None]:
+        """Turn every botocore failure inside the block into a ``cloudckpt.errors`` error.
+
+        ``write`` marks calls whose effect is not idempotent (put, complete, delete): a
+        timeout, reset or 5xx after sending then means OutcomeUnknownError, not a
+        retryable TransientStoreError. ``missing`` is what a 404 on the key means.
+        """
+        try:
+            yield
+        except bce.ClientError as exc:
+            self._raise_client_error(exc, op, key, write, missing)
+        except bce.NoCredentialsError as exc:
+            raise CredentialsError(
+                f"no AWS credentials found for {self._where(key)} ({op})", key=key
+            ) from exc
+        except (bce.PartialCredentialsError, bce.CredentialRetrievalError) as exc:
+            raise CredentialsError(
+                f"incomplete or unusable AWS credentials for {self._where(key)} ({op}): "
+                f"{self._scrub(str(exc))}",
+                key=key,
+            ) from exc
+        except (bce.ChecksumError, bce.FlexibleChecksumError) as exc:
+            raise ChecksumMismatchError(
+                f"{op} {self._where(key)}: response bytes do not match their checksum",
+                key=key,
+                hint="The bytes were damaged in transit; reading again fetches them anew",
+            ) from exc
+        except bce.ConnectionError as exc:
+            # Could not connect (refused, DNS, TLS, connect timeout): nothing was sent.
+            raise TransientStoreError(
+                f"could not reach the S3 endpoint {self._endpoint} ({op} {self._where(key)}): "
+                f"{type(exc).__name__}",
+                key=key,
+                hint="Check endpoint_url / AWS_ENDPOINT_URL, the network and the region; "
+                "the operation can be retried",
+            ) from exc
+        except bce.HTTPClientError as exc:
+            # Read timeout, connection reset, truncated response: the request went out.
+            what = f"{op} {self._where(key)}: no complete answer from {self._endpoint} "
+            what += f"({type(exc).__name__})"
+            if write:
+                raise OutcomeUnknownError(what, key=key) from exc
+            raise TransientStoreError(what, key=key) from exc
+        except bce.BotoCoreError as exc:
+            raise StoreError(f"{op} {self._where(key)}: {self._scrub(str(exc))}", key=key) from exc
+
+    def _raise_client_error(
+        self,
+        exc: bce.ClientError,
+        op: str,
+        key: str | None,
+        write: bool,
+        missing: type[StoreError],
+    ) -> NoReturn:
+        code, status, message, retries = _client_error_info(exc)
+        where = self._where(key)
+        detail = self._scrub(f"{code or status}: {message}" if message else code or str(status))
+        retried = f" after {retries} retries" if retries else ""
+        if code == "NoSuchBucket":
+            raise BucketNotFoundError(
+                f"bucket {self.bucket!r} does not exist ({op} {where})", key=key
+            ) from exc
+        if write and retries and (code in _PRECONDITION_CODES or code in _NOT_FOUND_CODES):
+            # An earlier attempt may have been applied and the retry tripped over it.
+            raise OutcomeUnknownError(
+                f"{op} {where} failed with {detail}{retried}: an earlier attempt may have "
+                "been applied",
+                key=key,
+            ) from exc
+        if code in _PRECONDITION_CODES or status == 412:
+            raise PreconditionFailedError(
+                f"{op} {where}: precondition failed ({detail})", key=key
+            ) from exc
+        if code in _CONFLICT_CODES:
+            raise StoreConflictError(
+                f"{op} {where}: concurrent conditional write ({detail})", key=key
+            ) from exc
+        if code in _NOT_FOUND_CODES:
+            raise missing(f"{op} {where}: not found ({detail})", key=key) from exc
+        if code in _CREDENTIAL_CODES:
+            raise CredentialsError(
+                f"{op} {where}: the store rejected the credentials ({detail})", key=key
+            ) from exc
+        if code in _DENIED_CODES or status == 403:
+            raise PermissionDeniedError(f"{op} {where}: access denied ({detail})", key=key) from exc
+        if code in _CHECKSUM_CODES:
+            raise ChecksumMismatchError(
+                f"{op} {where}: the store rejected the bytes ({detail})", key=key
+            ) from exc
+        if code in _NOT_APPLIED_CODES or (status >= 500 and not write):
+            raise TransientStoreError(f"{op} {where}: {detail}{retried}", key=key) from exc
+        if status >= 500:
+            raise OutcomeUnknownError(f"{op} {where}: {detail}{retried}", key=key) from exc
+        raise StoreError(f"{op} {where}: {detail}", key=key) from exc
+
+    # --- helpers --------------------------------------------------------------------
+
+    def _full(self, key: str) -> str:
+        return self._prefix + validate_key(key)
+
+    def _with_extra(self, op: str, params: dict[str, Any]) -> dict[str, Any]:
+        """Add the ``s3_additional_kwargs`` this operation accepts (as s3fs does)."""
+        if not self._extra:
+            return params
+        members = self._op_members.get(op)
+        if members is None:
+            model = self._client.meta.service_model.operation_model(op)
+            members = self._op_members[op] = frozenset(model.input_shape.members)
+        return {**{k: v for k, v in self._extra.items() if k in members}, **params}
+
+    def _call(
+        self,
+        method: str,
+        key: str | None = None,
+        *,
+        write: bool = False,
+        missing: type[StoreError] = ObjectNotFoundError,
+        **params: Any,
+    ) -> dict[str, Any]:
+        """``client.<method>(Bucket=..., **params)`` with errors mapped by ``_errors``."""
+        op = "".join(w.capitalize() for w in method.split("_"))
+        params = self._with_extra(op, {"Bucket": self.bucket, **params})
+        with self._errors(method, key, write=write, missing=missing):
+            return getattr(self._client, method)(**params)
+
+    def _check_bucket(self) -> None:
+        """Raise BucketNotFoundError if the bucket is missing (HEAD 404s cannot tell)."""
+        if not self._bucket_seen:
+            # 403 means the bucket exists and this role may not HEAD it.
+            with contextlib.suppress(PermissionDeniedError):
+                self._call("head_bucket", missing=BucketNotFoundError)
+            self._bucket_seen = True
+
+    @staticmethod
+    def _info(key: str, resp: Mapping[str, Any], size: int | None = None) -> ObjectInfo:
+        modified = resp.get("LastModified")
+        if modified is None:
+            header = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("last-modified")
+            modified = email.utils.parsedate_to_datetime(header) if header else None
+        if modified is not None:
+            modified = modified.astimezone(dt.timezone.utc)
+        length = resp.get("ContentLength", resp.get("Size")) if size is None else size
+        return ObjectInfo(key, int(length or 0), resp["ETag"], modified)
+
+    # --- single objects -------------------------------------------------------------
+
+    def head(self, key: str) -> ObjectInfo:
+        """Raises ObjectNotFoundError, BucketNotFoundError, TransientStoreError, ..."""
+        try:
+            resp = self._call("head_object", key, Key=self._full(key))
+        except ObjectNotFoundError:
+            self._check_bucket()  # a HEAD 404 is the same for a missing bucket
+            raise
+        except PermissionDeniedError:
+            # A HEAD 403 has no body: bad credentials look like a denial. A one-byte GET
+            # gets the real error code (InvalidAccessKeyId, SignatureDoesNotMatch, ...).
+            with contextlib.suppress(ObjectNotFoundError):
+                self.get_range(key, 0, 1)
+            raise
+        self._bucket_seen = True
+        return self._info(key, resp)
+
+    def get(self, key: str) -> tuple[bytes, ObjectInfo]:
+        """Raises ObjectNotFoundError, BucketNotFoundError, ChecksumMismatchError, ..."""
+        params = self._with_extra(
+            "GetObject", {"Bucket": self.bucket, "Key": self._full(key), "ChecksumMode": "ENABLED"}
+        )
+        with self._errors("get_object", key):
+            resp = self._client.get_object(**params)
+            data = resp["Body"].read()
+        # botocore cannot check CRC32C without awscrt; a full-object one is cheap here.
+        expected = resp.get("ChecksumCRC32C")
+        full_object = expected and "-" not in expected and resp.get("ChecksumType") != "COMPOSITE"
+        if full_object and crc32c_b64(data) != expected:
+            raise ChecksumMismatchError(
+                f"get_object {self._where(key)}: bytes do not match the stored CRC32C",
+                key=key,
+                hint="The bytes were damaged in transit or at rest; read again",
+            )
+        return data, self._info(key, resp, size=len(data))
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """Raises ObjectNotFoundError, BucketNotFoundError, TransientStoreError, ..."""
+        if length <= 0:
+            self.head(key)
+            return b""
+        params = self._with_extra(
+            "GetObject",
+            {
+                "Bucket": self.bucket,
+                "Key": self._full(key),
+                "Range": f"bytes={start}-{start + length - 1}",
+            },
+        )
+        try:
+            with self._errors("get_object", key):
+                return self._client.get_object(**params)["Body"].read()
+        except StoreError as exc:
+            # 416 InvalidRange: the key exists and the range starts at or after its end.
+            cause = exc.__cause__
+            if isinstance(cause, bce.ClientError) and _client_error_info(cause)[1] == 416:
+                return b""
+            raise
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = OVERWRITE) -> ObjectInfo:
+        """Raises PreconditionFailedError (lost create/compare-and-swap, or Update of a
+        missing key), StoreConflictError (409), OutcomeUnknownError, BucketNotFoundError, ..."""
+        body = bytes(data)
+        params: dict[str, Any] = {
+            "Key": self._full(key),
+            "Body": body,
+            # Our own CRC32C: botocore then computes none, and S3 verifies this one.
+            "ChecksumAlgorithm": "CRC32C",
+            "ChecksumCRC32C": crc32c_b64(body),
+        }
+        if isinstance(mode, Create):
+            params["IfNoneMatch"] = "*"
+        elif isinstance(mode, Update):
+            params["IfMatch"] = mode.version
+        # S3 answers If-Match on a missing key with 404 NoSuchKey: for us a lost CAS.
+        missing = PreconditionFailedError if isinstance(mode, Update) else ObjectNotFoundError
+        resp = self._call("put_object", key, write=True, missing=missing, **params)
+        return self._info(key, resp, size=len(body))
+
+    def delete(self, key: str) -> None:
+        """Deleting a missing key is fine. Raises OutcomeUnknownError, BucketNotFoundError, ..."""
+        self._call("delete_object", key, write=True, Key=self._full(key))
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """DeleteObjects in batches of 1000. Raises like ``delete``, for the first failure."""
+        keys = list(keys)
+        for i in range(0, len(keys), self._delete_batch):
+            batch = keys[i : i + self._delete_batch]
+            objects = [{"Key": self._full(k)} for k in batch]
+            resp = self._call(
+                "delete_objects", batch[0], write=True, Delete={"Objects": objects, "Quiet": True}
+            )
+            for err in resp.get("Errors", []):
+                if err.get("Code") == "NoSuchKey":
+                    continue
+                rel = str(err.get("Key", ""))[len(self._prefix) :]
+                fake = bce.ClientError(
+                    {"Error": {"Code": err.get("Code"), "Message": err.get("Message")}},
+                    "DeleteObjects",
+                )
+                self._raise_client_error(fake, "delete_objects", rel, True, ObjectNotFoundError)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Keys relative to the root, in key order, without ``.cloudckpt/``.
+        Raises BucketNotFoundError, TransientStoreError, ..."""
+        paginator = self._client.get_paginator("list_objects_v2")
+        params = self._with_extra(
+            "ListObjectsV2", {"Bucket": self.bucket, "Prefix": self._prefix + prefix}
+        )
+        with self._errors("list_objects_v2", prefix):
+            pages = iter(paginator.paginate(**params))
+        while True:
+            with self._errors("list_objects_v2", prefix):
+                page = next(pages, None)
+            if page is None:
+                return
+            for obj in page.get("Contents", []):
+                rel = obj["Key"][len(self._prefix) :]
+                if rel and not rel.startswith(INTERNAL_PREFIX):
+                    yield self._info(rel, obj)
+
+    # --- multipart ------------------------------------------------------------------
+
+    def create_multipart(self, key: str) -> MultipartUpload:
+        """Raises BucketNotFoundError, TransientStoreError (safe to retry: at worst an
+        orphan upload, which garbage collection aborts), ..."""
+        resp = self._call(
+            "create_multipart_upload", key, Key=self._full(key), ChecksumAlgorithm="CRC32C"
+        )
+        return MultipartUpload(key, resp["UploadId"])
+
+    def upload_part(
+        self,
+        upload: MultipartUpload,
+        part_number: int,
+        data: bytes | memoryview,
+        *,
+        crc32c: str | None = None,
+    ) -> PartInfo:
+        """Raises ChecksumMismatchError (S3 BadDigest; moto never checks),
+        ObjectNotFoundError (unknown upload), TransientStoreError (safe to retry), ..."""
+        body = bytes(data)
+        crc = crc32c or crc32c_b64(body)
+        resp = self._call(
+            "upload_part",
+            upload.key,
+            Key=self._full(upload.key),
+            UploadId=upload.upload_id,
+            PartNumber=part_number,
+            Body=body,
+            ChecksumAlgorithm="CRC32C",
+            ChecksumCRC32C=crc,
+        )
+        return PartInfo(part_number, resp["ETag"], resp.get("ChecksumCRC32C") or crc, len(body))
+
+    def complete_multipart(
+        self, upload: MultipartUpload, parts: Sequence[PartInfo], *, mode: PutMode = CREATE
+    ) -> ObjectInfo:
+        """Raises PreconditionFailedError (CREATE and the key exists), OutcomeUnknownError,
+        StoreError (Update mode: moto ignores If-Match here, so it is not offered), ..."""
+        if isinstance(mode, Update):
+            raise StoreError("compare-and-swap completion of multipart uploads is not offered")
+        entries = []
+        for p in parts:
+            entry: dict[str, Any] = {"PartNumber": p.part_number, "ETag": p.etag}
+            if p.crc32c:
+                entry["ChecksumCRC32C"] = p.crc32c
+            entries.append(entry)
+        params: dict[str, Any] = {
+            "Key": self._full(upload.key),
+            "UploadId": upload.upload_id,
+            "MultipartUpload": {"Parts": entries},
+        }
+        if isinstance(mode, Create):
+            params["IfNoneMatch"] = "*"
+        resp = self._call("complete_multipart_upload", upload.key, write=True, **params)
+        return self._info(upload.key, resp, size=sum(p.size for p in parts))
+
+    def abort_multipart(self, upload: MultipartUpload) -> None:
+        """Aborting an unknown upload is fine. Raises BucketNotFoundError, ..."""
+        with contextlib.suppress(ObjectNotFoundError):  # NoSuchUpload
+            self._call(
+                "abort_multipart_upload",
+                upload.key,
+                Key=self._full(upload.key),
+                UploadId=upload.upload_id,
+            )
+
+    def list_multipart(self, prefix: str = "") -> list[PendingUpload]:
+        """Incomplete uploads under ``prefix``, sorted by (key, upload id).
+        ``initiated`` is on the store's clock (moto reports 2010 for every upload)."""
+        paginator = self._client.get_paginator("list_multipart_uploads")
+        params = self._with_extra(
+            "ListMultipartUploads", {"Bucket": self.bucket, "Prefix": self._prefix + prefix}
+        )
+        found = []
+        with self._errors("list_multipart_uploads", prefix):
+            for page in paginator.paginate(**params):
+                for u in page.get("Uploads", []):
+                    initiated = u.get("Initiated")
+                    if initiated is not None:
+                        initiated = initiated.astimezone(dt.timezone.utc)
+                    rel = u["Key"][len(self._prefix) :]
+                    found.append(PendingUpload(rel, u["UploadId"], initiated))
+        return sorted(found, key=lambda p: (p.key, p.upload_id))
+
+    # --- clock and lifecycle --------------------------------------------------------
+
+    def now(self) -> dt.datetime:
+        """The store's clock: the ``Date`` header of a HEAD of the bucket (1 s resolution).
+        Raises BucketNotFoundError, TransientStoreError, ..."""
+        resp = self._call("head_bucket", missing=BucketNotFoundError)
+        self._bucket_seen = True
+        header = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+        if not header:
+            raise StoreError(f"{self.url}: the store sent no Date header")
+        return email.utils.parsedate_to_datetime(header).astimezone(dt.timezone.utc)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+# --- keep session tokens out of botocore's DEBUG logs ---------------------------------
+
+_TOKEN_RE = re.compile(r"(?i)(x-amz-security-token['\"]?\s*[:=]\s*(?:b?['\"])?)[^'\"\s,}]+")
+
+
+class _RedactTokens(logging.Filter):
+    """botocore logs request headers (and the canonical request) at DEBUG, session
+    token included; blank it so DEBUG logs of a training job hold no credentials."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "security-token" in message.lower():
+            record.msg, record.args = _TOKEN_RE.sub(r"\1***", message), None
+        return True
+
+
+for _name in ("botocore.endpoint", "botocore.auth", "botocore.awsrequest"):
+    logging.getLogger(_name).addFilter(_RedactTokens())
