@@ -186,8 +186,10 @@ class TransferEngine:
             StoreError: the store failed after retries.
         """
         report = _Progress(progress)
-        jobs = [self._start_file(store, prefix + rel, rel, path, report) for rel, path in files]
+        jobs: list[_FileUpload] = []
         try:
+            for rel, path in files:
+                jobs.append(self._start_file(store, prefix + rel, rel, path, report))
             return [job() for job in jobs]
         except BaseException:
             for job in jobs:
