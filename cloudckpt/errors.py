@@ -149,8 +149,8 @@ class PermissionDeniedError(StoreError):
     """The credentials are valid but lack permission for this call."""
 
     default_hint = (
-        "Grant the training role the permissions listed in docs/iam.md "
-        "(terraform/aws creates a least-privilege policy)"
+        "Grant the training role the permissions listed in docs/infrastructure.md "
+        "(terraform/aws creates least-privilege writer, restore and GC policies)"
     )
 
 

@@ -428,7 +428,7 @@ class S3Store(Store):
         if not self._bucket_seen:
             # 403 means the bucket exists and this role may not HEAD it.
             with contextlib.suppress(PermissionDeniedError):
-                self._call("head_bucket", missing=BucketNotFoundError)
+                self._probe()
             self._bucket_seen = True
 
     @staticmethod
@@ -651,10 +651,19 @@ class S3Store(Store):
 
     # --- clock and lifecycle --------------------------------------------------------
 
+    def _probe(self) -> dict[str, Any]:
+        """A one-key listing of the run prefix: proves the bucket exists and carries the
+        store's Date header. (Not HeadBucket: IAM checks that as s3:ListBucket without a
+        prefix condition, so a policy scoped to the run prefix would have to allow listing
+        the whole bucket.)"""
+        return self._call(
+            "list_objects_v2", missing=BucketNotFoundError, Prefix=self._prefix, MaxKeys=1
+        )
+
     def now(self) -> dt.datetime:
-        """The store's clock: the ``Date`` header of a HEAD of the bucket (1 s resolution).
+        """The store's clock: the ``Date`` header of a one-key listing (1 s resolution).
         Raises BucketNotFoundError, TransientStoreError, ..."""
-        resp = self._call("head_bucket", missing=BucketNotFoundError)
+        resp = self._probe()
         self._bucket_seen = True
         header = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
         if not header:
