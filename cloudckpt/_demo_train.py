@@ -1,0 +1,177 @@
+"""The training process of ``cloudckpt demo`` (run as ``python -m cloudckpt._demo_train CFG``).
+
+A toy model in pure Python, so the demo needs nothing beyond cloudckpt: ``size`` bytes of
+weights; each step XORs a 1 MiB window with a keystream derived from the step (a real,
+deterministic update: resuming from step k and training on gives exactly the weights of a
+run that was never interrupted) and then sleeps ``step_seconds`` to stand in for the GPU
+work of a real step. Every step is checkpointed with ``CheckpointManager.save`` and uploaded
+in the background.
+
+Events go, one JSON object per line, to the file named in the config (flushed at once), so
+the parent can watch progress and kill this process mid-upload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+WINDOW = 1024 * 1024
+
+
+def initial_weights(size: int, seed: int) -> bytearray:
+    return bytearray(random.Random(seed).randbytes(size))
+
+
+def train_step(weights: bytearray, step: int, seed: int) -> float:
+    """One deterministic update in place; returns the step's (toy) loss."""
+    span = len(weights) - WINDOW
+    offset = (step * 7919 * 4096) % span if span > 0 else 0
+    window = min(WINDOW, len(weights))
+    key = random.Random(seed * 1_000_003 + step).randbytes(window)
+    old = int.from_bytes(weights[offset : offset + window], "little")
+    weights[offset : offset + window] = (old ^ int.from_bytes(key, "little")).to_bytes(
+        window, "little"
+    )
+    return round(2.5 / (1.0 + 0.35 * step), 6)
+
+
+def final_digest(size: int, seed: int, steps: int) -> str:
+    """The weights' digest after ``steps`` uninterrupted steps (what the demo compares)."""
+    weights = initial_weights(size, seed)
+    for step in range(1, steps + 1):
+        train_step(weights, step, seed)
+    return hashlib.sha256(weights).hexdigest()
+
+
+class _Events:
+    def __init__(self, path: str) -> None:
+        self._f = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+        self._lock = threading.Lock()
+
+    def __call__(self, event: str, **fields: Any) -> None:
+        line = json.dumps({"event": event, "t": time.time(), **fields})
+        with self._lock:
+            self._f.write(line + "\n")
+            self._f.flush()
+
+
+def main(config_path: str) -> int:
+    cfg = json.loads(Path(config_path).read_text())
+    from cloudckpt import CheckpointManager, TransferConfig
+
+    emit = _Events(cfg["events"])
+    size, seed, steps = cfg["size"], cfg["seed"], cfg["steps"]
+    lock = threading.Lock()
+    sent = {"total": 0, "at_last_commit": 0}
+    inflight: list[int] = []  # steps handed over, not yet committed (uploaded in order)
+
+    def progress(n: int) -> None:
+        with lock:
+            sent["total"] += n
+            step = inflight[0] if inflight else None
+            step_bytes = sent["total"] - sent["at_last_commit"]
+        emit("progress", step=step, step_bytes=step_bytes, total_bytes=sent["total"])
+
+    mgr = CheckpointManager(
+        cfg["url"],
+        storage_options=cfg["storage_options"],
+        staging_dir=cfg["staging_dir"],
+        keep_last=3,
+        auto_gc=False,
+        progress=progress,
+        transfer=TransferConfig(concurrency=4),
+    )
+    emit("started", pid=os.getpid(), writer_id=mgr.writer_id)
+    started = time.perf_counter()
+    result = mgr.resume(into=cfg["restore_dir"])
+    if result is None:
+        weights, first = initial_weights(size, seed), 1
+        emit("claimed", epoch=mgr.committer.epoch, new_run=True)
+    else:
+        data = (result.path / "model.bin").read_bytes()
+        digest_ok = hashlib.sha256(data).hexdigest() == result.metadata.get("weights_sha256")
+        weights, first = bytearray(data), result.step + 1
+        emit(
+            "resumed",
+            epoch=mgr.committer.epoch,
+            step=result.step,
+            seconds=time.perf_counter() - started,
+            bytes=result.total_bytes,
+            digest_ok=digest_ok,
+            skipped=[s.step for s in result.skipped],
+        )
+        if not digest_ok:
+            return 4
+
+    handles: queue.Queue = queue.Queue()
+
+    def reporter() -> None:
+        """Waits for each save in order (they commit in order) and reports it."""
+        while (item := handles.get()) is not None:
+            step, handle = item
+            try:
+                info = handle.result()
+            except Exception as exc:
+                info, error = None, str(exc)
+            with lock:
+                if step in inflight:
+                    inflight.remove(step)
+                sent["at_last_commit"] = sent["total"]
+            if info is None:
+                emit("failed", step=step, error=error)
+                continue
+            emit(
+                "committed",
+                step=step,
+                seq=info.seq,
+                epoch=info.epoch,
+                ckpt=info.ckpt,
+                bytes=info.total_bytes,
+                blocking_seconds=info.blocking_seconds,
+                commit_seconds=info.commit_seconds,
+            )
+
+    thread = threading.Thread(target=reporter, daemon=True)
+    thread.start()
+    for step in range(first, steps + 1):
+        t0 = time.perf_counter()
+        loss = train_step(weights, step, seed)
+        compute = time.perf_counter() - t0
+        time.sleep(max(0.0, cfg["step_seconds"] - compute))
+        metadata = {"loss": loss, "weights_sha256": hashlib.sha256(weights).hexdigest()}
+        handle = mgr.save(step=step, metadata=metadata)
+        t1 = time.perf_counter()
+        with handle as d:
+            t2 = time.perf_counter()
+            (d / "model.bin").write_bytes(weights)
+            (d / "trainer_state.json").write_text(json.dumps({"step": step, "loss": loss}))
+            t3 = time.perf_counter()
+            with lock:
+                inflight.append(step)
+        t4 = time.perf_counter()
+        emit(
+            "saved",
+            step=step,
+            loss=loss,
+            blocking_seconds=(t2 - t1) + (t4 - t3),
+            write_seconds=t3 - t2,
+        )
+        handles.put((step, handle))
+    handles.put(None)
+    mgr.close()
+    thread.join()
+    emit("finished", step=steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

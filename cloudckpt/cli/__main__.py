@@ -1,0 +1,5 @@
+"""``python -m cloudckpt.cli``: the same as the ``cloudckpt`` command."""
+
+from cloudckpt.cli import main
+
+main()

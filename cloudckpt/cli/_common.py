@@ -1,0 +1,450 @@
+"""What every command shares: exit codes, error reporting, storage options, output.
+
+Exit codes are decided here and only here (``EXIT_CODES``), from the library's error tree.
+Errors are printed as one ``cloudckpt: error: ...`` line plus the error's hint, never with a
+traceback (``-v`` adds it) and never with credentials (the library redacts URLs and scrubs
+secrets; the CLI never echoes option values).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import logging
+import re
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import click
+
+from cloudckpt.admin import ActiveWriterError
+from cloudckpt.errors import (
+    BucketNotFoundError,
+    CheckpointNotFoundError,
+    CloudCkptError,
+    CommitConflictError,
+    CommitStateUnknownError,
+    ConfigurationError,
+    CorruptionError,
+    CredentialsError,
+    DestinationNotEmptyError,
+    FencedError,
+    NeedsRepairError,
+    ObjectNotFoundError,
+    OutcomeUnknownError,
+    PermissionDeniedError,
+    PreconditionFailedError,
+    StoreConflictError,
+    TransientStoreError,
+    UnsafePathError,
+)
+
+# --- exit codes ------------------------------------------------------------------------
+
+OK = 0
+ERROR = 1  # anything not listed below
+USAGE = 2  # bad arguments, bad URL, bad option (click's own usage errors are 2 as well)
+NOT_FOUND = 3  # no such checkpoint / step / bucket; an empty run where one was needed
+DAMAGED = 4  # verification failed: corrupt or missing data, hostile manifest
+CONFLICT = 5  # fenced, or another writer is active / won the race
+NEEDS_REPAIR = 6  # checkpoints exist but LATEST is missing or unreadable
+DEST_NOT_EMPTY = 7  # restore destination holds files (use --force)
+ACCESS = 8  # no credentials, or not allowed
+UNAVAILABLE = 9  # the store is unreachable or the outcome is unknown: retry later
+INTERRUPTED = 130  # SIGINT / SIGTERM
+
+#: Most specific first: the first class an error is an instance of decides its code.
+EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (DestinationNotEmptyError, DEST_NOT_EMPTY),
+    (NeedsRepairError, NEEDS_REPAIR),
+    (CheckpointNotFoundError, NOT_FOUND),
+    (BucketNotFoundError, NOT_FOUND),
+    (ObjectNotFoundError, NOT_FOUND),
+    (CorruptionError, DAMAGED),
+    (UnsafePathError, DAMAGED),
+    (FencedError, CONFLICT),
+    (ActiveWriterError, CONFLICT),
+    (CommitConflictError, CONFLICT),
+    (PreconditionFailedError, CONFLICT),
+    (StoreConflictError, CONFLICT),
+    (CredentialsError, ACCESS),
+    (PermissionDeniedError, ACCESS),
+    (CommitStateUnknownError, UNAVAILABLE),
+    (OutcomeUnknownError, UNAVAILABLE),
+    (TransientStoreError, UNAVAILABLE),
+    (ConfigurationError, USAGE),
+    (CloudCkptError, ERROR),
+)
+
+EXIT_CODE_TABLE = (
+    (OK, "success (verify: everything checked is intact)"),
+    (ERROR, "any other error"),
+    (USAGE, "bad usage: unknown option, bad URL, bad storage option or duration"),
+    (NOT_FOUND, "not found: no such step, no checkpoint, no such bucket"),
+    (DAMAGED, "damaged: verification failed, or nothing intact to restore"),
+    (CONFLICT, "conflict: fenced by a newer writer, or an active writer would be fenced"),
+    (NEEDS_REPAIR, "needs repair: checkpoints exist but LATEST is missing or unreadable"),
+    (DEST_NOT_EMPTY, "restore destination is not empty (use --force)"),
+    (ACCESS, "credentials missing or rejected, or permission denied"),
+    (UNAVAILABLE, "store unreachable, or a write's outcome unknown: retry later"),
+    (INTERRUPTED, "interrupted (SIGINT/SIGTERM); nothing half-done is left visible"),
+)
+
+
+def exit_code_for(exc: BaseException) -> int:
+    for cls, code in EXIT_CODES:
+        if isinstance(exc, cls):
+            return code
+    return ERROR
+
+
+class Interrupted(BaseException):
+    """SIGTERM, turned into an exception so cleanup (``finally``) runs as for Ctrl-C."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Interrupted()
+
+
+# --- output ----------------------------------------------------------------------------
+
+_JSON_KEY = "cloudckpt.json"
+_VERBOSE_KEY = "cloudckpt.verbose"
+_LOGGING_KEY = "cloudckpt.logging"
+
+
+def _root_meta() -> dict[str, Any]:
+    ctx = click.get_current_context(silent=True)
+    return ctx.find_root().meta if ctx is not None else {}
+
+
+def json_mode() -> bool:
+    return bool(_root_meta().get(_JSON_KEY))
+
+
+def _set_json(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+    if value:
+        ctx.find_root().meta[_JSON_KEY] = True
+    return value
+
+
+json_option = click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    callback=_set_json,
+    expose_value=True,
+    is_eager=True,
+    help="Print one machine-readable JSON document on stdout (logs go to stderr).",
+)
+
+
+def emit_json(doc: Any) -> None:
+    click.echo(json.dumps(doc, indent=2, sort_keys=True, default=_jsonable))
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    return str(value)
+
+
+def info(message: str) -> None:
+    """A human-facing line on stderr (stdout stays clean for results and JSON)."""
+    click.echo(message, err=True)
+
+
+def warn(message: str) -> None:
+    click.echo(click.style("warning: ", fg="yellow") + message, err=True)
+
+
+def stdout_console() -> Any:
+    """Tables on stdout; when it is not a terminal, wide enough not to wrap (for grep)."""
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console = Console(highlight=False, width=200)
+    return console
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # unreachable
+
+
+@contextlib.contextmanager
+def progress_bar(description: str, total: int | None) -> Iterator[Callable[[int], None] | None]:
+    """A rich progress bar on stderr when it is a terminal (and not --json); yields the
+    byte-count callback to hand to the library, or None when no bar is shown."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    console = Console(stderr=True)
+    if json_mode() or not console.is_terminal:
+        yield None
+        return
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+# --- durations and key=value options -----------------------------------------------------
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw]?)")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> float:
+    """``90``, ``90s``, ``30m``, ``2h``, ``1d``, ``1h30m`` -> seconds. ValueError if bad."""
+    s = text.strip().lower().replace(" ", "")
+    if not s:
+        raise ValueError("empty duration")
+    total, pos = 0.0, 0
+    for m in _DURATION.finditer(s):
+        if m.start() != pos or (not m.group(2) and (m.start() or m.end() != len(s))):
+            break  # a bare number is seconds only on its own ("1h30" is ambiguous)
+        total += float(m.group(1)) * _UNITS[m.group(2)]
+        pos = m.end()
+    if pos != len(s):
+        raise ValueError(f"{text!r} is not a duration (examples: 90s, 30m, 2h, 1d, 1h30m)")
+    return total
+
+
+class Duration(click.ParamType):
+    name = "DURATION"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None):
+        if isinstance(value, (int, float)):
+            return float(value)
+        try:
+            return parse_duration(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+DURATION = Duration()
+
+
+def parse_key_values(items: tuple[str, ...], what: str) -> dict[str, Any]:
+    """``KEY=VALUE`` (a string; ``true``/``false`` become booleans) or ``KEY:=JSON``.
+    Values are never echoed in errors: they may be secrets."""
+    out: dict[str, Any] = {}
+    for item in items:
+        eq = item.find("=")
+        if eq <= 0:
+            raise click.BadParameter(
+                f"{item.split('=')[0]!r} is not KEY=VALUE or KEY:=JSON", param_hint=what
+            )
+        if item[eq - 1] == ":":
+            key, raw = item[: eq - 1], item[eq + 1 :]
+            try:
+                value: Any = json.loads(raw)
+            except ValueError:
+                raise click.BadParameter(
+                    f"the value of {key!r} is not valid JSON (KEY:=JSON)", param_hint=what
+                ) from None
+        else:
+            key, value = item[:eq], item[eq + 1 :]
+            value = {"true": True, "false": False}.get(value.lower(), value)
+        key = key.strip()
+        if not key:
+            raise click.BadParameter("empty key", param_hint=what)
+        out[key] = value
+    return out
+
+
+# --- storage options -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreArgs:
+    endpoint_url: str | None
+    profile: str | None
+    region: str | None
+    options: tuple[str, ...]
+    unsafe_single_writer: bool
+
+    def storage_options(self, url: str) -> dict[str, Any]:
+        """The storage options for ``url`` from the flags (the environment is read by the
+        store layer itself: AWS_*, STORAGE_EMULATOR_HOST, application default credentials)."""
+        from cloudckpt.stores import split_url
+
+        scheme = split_url(url)[0]
+        opts = parse_key_values(self.options, "--storage-option")
+        s3 = scheme in ("s3", "s3a")
+        if (self.profile or self.region) and not s3:
+            flag = "--profile" if self.profile else "--region"
+            raise click.UsageError(f"{flag} applies to s3:// URLs only")
+        if self.endpoint_url and scheme not in ("s3", "s3a", "gs", "gcs"):
+            raise click.UsageError("--endpoint-url applies to s3:// and gs:// URLs only")
+        if self.endpoint_url:
+            opts["endpoint_url"] = self.endpoint_url
+        if self.profile:
+            opts["profile"] = self.profile
+        if self.region:
+            opts["region_name"] = self.region
+        return opts
+
+    def open(self, url: str, *, writable: bool = True) -> Any:
+        from cloudckpt.stores import open_store
+
+        return open_store(
+            url,
+            self.storage_options(url),
+            writable=writable,
+            unsafe_single_writer=self.unsafe_single_writer,
+        )
+
+
+def store_options(f: Callable) -> Callable:
+    """Add the storage flags to a command; it receives them as ``store_args``."""
+
+    @click.option(
+        "--endpoint-url",
+        metavar="URL",
+        help="S3/GCS endpoint (S3-compatible stores, emulators). Env: AWS_ENDPOINT_URL, "
+        "STORAGE_EMULATOR_HOST.",
+    )
+    @click.option("--profile", metavar="NAME", help="AWS profile (s3:// only). Env: AWS_PROFILE.")
+    @click.option("--region", metavar="REGION", help="AWS region (s3:// only). Env: AWS_REGION.")
+    @click.option(
+        "--storage-option",
+        "-o",
+        "storage_option",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="A storage option as fsspec takes it (repeatable); KEY:=JSON for non-strings, "
+        "e.g. -o anon=true, -o token=anon, -o 'client_kwargs:={\"verify\": false}'.",
+    )
+    @click.option(
+        "--unsafe-single-writer",
+        is_flag=True,
+        help="Allow writing to a backend without conditional writes. Safe only if exactly "
+        "one process ever writes the run.",
+    )
+    @functools.wraps(f)
+    def wrapper(
+        *args: Any,
+        endpoint_url: str | None,
+        profile: str | None,
+        region: str | None,
+        storage_option: tuple[str, ...],
+        unsafe_single_writer: bool,
+        **kwargs: Any,
+    ) -> Any:
+        kwargs["store_args"] = StoreArgs(
+            endpoint_url, profile, region, storage_option, unsafe_single_writer
+        )
+        return f(*args, **kwargs)
+
+    return wrapper
+
+
+# --- the group that turns errors into exit codes -------------------------------------------
+
+
+def _report(exc: BaseException, code: int) -> None:
+    if isinstance(exc, CloudCkptError):
+        message, hint = exc.message, exc.hint
+    else:
+        message, hint = f"{type(exc).__name__}: {exc}", ""
+    if json_mode():
+        emit_json(
+            {
+                "error": {
+                    "type": type(exc).__name__,
+                    "message": message,
+                    "hint": hint or None,
+                    "exit_code": code,
+                }
+            }
+        )
+    click.echo(click.style("cloudckpt: error: ", fg="red", bold=True) + message, err=True)
+    if hint:
+        click.echo(f"hint: {hint}", err=True)
+
+
+class CloudCkptGroup(click.Group):
+    """Runs a subcommand and maps what it raises to the documented exit codes."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        previous = None
+        with contextlib.suppress(ValueError):  # not in the main thread: leave signals alone
+            previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except (KeyboardInterrupt, Interrupted):
+            click.echo("cloudckpt: interrupted", err=True)
+            ctx.exit(INTERRUPTED)
+        except CloudCkptError as exc:
+            code = exit_code_for(exc)
+            _report(exc, code)
+            if _root_meta().get(_VERBOSE_KEY, 0) > 1:
+                traceback.print_exc(file=sys.stderr)
+            ctx.exit(code)
+        except Exception as exc:
+            _report(exc, ERROR)
+            click.echo(
+                "this is a bug in cloudckpt or an unexpected environment problem; "
+                "re-run with -vv for the traceback",
+                err=True,
+            )
+            if _root_meta().get(_VERBOSE_KEY, 0) > 1:
+                traceback.print_exc(file=sys.stderr)
+            ctx.exit(ERROR)
+        finally:
+            teardown_logging(ctx.find_root().meta)
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+
+def setup_logging(verbose: int) -> None:
+    """Library logs to stderr: warnings by default, -v info, -vv debug (undone on exit)."""
+    meta = _root_meta()
+    meta[_VERBOSE_KEY] = verbose
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logger = logging.getLogger("cloudckpt")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("cloudckpt: %(levelname)s: %(message)s"))
+    meta[_LOGGING_KEY] = (handler, logger.level, logger.propagate)
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+
+
+def teardown_logging(meta: dict[str, Any]) -> None:
+    saved = meta.pop(_LOGGING_KEY, None)
+    if saved is not None:
+        handler, level, propagate = saved
+        logger = logging.getLogger("cloudckpt")
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate

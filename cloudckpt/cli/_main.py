@@ -1,0 +1,736 @@
+"""The ``cloudckpt`` command group and its run commands (a thin layer over the library)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from cloudckpt._version import __version__
+from cloudckpt.cli._common import (
+    DAMAGED,
+    DURATION,
+    EXIT_CODE_TABLE,
+    INTERRUPTED,
+    NEEDS_REPAIR,
+    CloudCkptGroup,
+    Interrupted,
+    StoreArgs,
+    emit_json,
+    human_bytes,
+    info,
+    json_option,
+    parse_key_values,
+    progress_bar,
+    setup_logging,
+    stdout_console,
+    store_options,
+    warn,
+)
+from cloudckpt.errors import CheckpointNotFoundError, CorruptionError
+
+_EPILOG = "Exit codes:\n\n\b\n" + "\n".join(
+    f"  {code:>3}  {text}" for code, text in EXIT_CODE_TABLE
+)
+
+
+@click.group(
+    cls=CloudCkptGroup,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+    epilog=_EPILOG,
+)
+@click.version_option(__version__, prog_name="cloudckpt")
+@click.option("-v", "--verbose", count=True, help="More logging on stderr (-v info, -vv debug).")
+def cli(verbose: int) -> None:
+    """Crash-safe ML training checkpoints on object storage.
+
+    URL is a run location: s3://bucket/prefix, gs://bucket/prefix, file:///path or a local
+    path. Credentials come from the usual places (AWS_* variables and profiles, application
+    default credentials) or from --storage-option. See docs/cli.md.
+    """
+    setup_logging(verbose)
+
+
+def _closing(store: Any) -> contextlib.AbstractContextManager:
+    return contextlib.closing(store)
+
+
+def _ago(iso_time: str) -> str:
+    from cloudckpt.protocol import parse_iso
+
+    try:
+        seconds = time.time() - parse_iso(iso_time).timestamp()
+    except ValueError:
+        return iso_time
+    if seconds < 0:
+        return iso_time
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit} ago"
+    return f"{seconds:.0f}s ago"
+
+
+def _load_for_reading(store: Any) -> tuple[Any, bool]:
+    from cloudckpt.restore import load_latest_for_reading
+
+    latest, from_records = load_latest_for_reading(store)
+    if latest is None and from_records:
+        raise CorruptionError(
+            f"LATEST of {store.url} is unreadable and no commit record verifies",
+            hint="Run `cloudckpt repair URL` to see what can be recovered",
+        )
+    if from_records:
+        warn(
+            f"LATEST of {store.url} is missing or damaged; showing the newest commit record "
+            f"(seq {latest.seq}). Run `cloudckpt repair URL` before writing to this run"
+        )
+    return latest, from_records
+
+
+def _record_dict(latest: Any, record: Any) -> dict[str, Any]:
+    return {
+        "step": record.step,
+        "commit_id": record.commit_id,
+        "ckpt": record.ckpt,
+        "epoch": record.epoch,
+        "committed_at": record.committed_at,
+        "num_files": record.num_files,
+        "total_bytes": record.total_bytes,
+        "current": latest.current is not None and latest.current.commit_id == record.commit_id,
+        "pins": [p.label for p in latest.pins if p.commit_id == record.commit_id],
+        "metadata": dict(record.metadata),
+    }
+
+
+def _find_record(latest: Any, step: int | None, url: str) -> Any:
+    retained = latest.retained()
+    if step is None:
+        if latest.current is None:
+            raise CheckpointNotFoundError(f"{url} has no committed checkpoint")
+        return latest.current
+    for record in retained:
+        if record.step == step:
+            return record
+    steps = ", ".join(str(r.step) for r in retained) or "none"
+    raise CheckpointNotFoundError(
+        f"{url} retains no checkpoint of step {step}",
+        hint=f"Retained steps: {steps} (`cloudckpt ls URL` lists them)",
+    )
+
+
+# ---------------------------------------------------------------------------- ls
+
+
+@cli.command("ls")
+@click.argument("url")
+@store_options
+@json_option
+def ls_cmd(url: str, store_args: StoreArgs, as_json: bool) -> None:
+    """List the committed checkpoints of the run at URL, newest first."""
+    with _closing(store_args.open(url, writable=False)) as store:
+        latest, from_records = _load_for_reading(store)
+    if latest is None:
+        doc: dict[str, Any] = {
+            "url": store.url,
+            "seq": None,
+            "writer": None,
+            "settings": None,
+            "from_commit_records": False,
+            "checkpoints": [],
+            "tombstones": [],
+        }
+    else:
+        doc = {
+            "url": store.url,
+            "seq": latest.seq,
+            "writer": {
+                "epoch": latest.writer.epoch,
+                "id": latest.writer.id,
+                "claimed_at": latest.writer.claimed_at,
+            },
+            "settings": {
+                "keep_last": latest.settings.keep_last,
+                "keep_every": latest.settings.keep_every,
+                "gc_grace_s": latest.settings.gc_grace_s,
+            },
+            "from_commit_records": from_records,
+            "checkpoints": [_record_dict(latest, r) for r in latest.retained()],
+            "tombstones": [
+                {
+                    "step": t.record.step,
+                    "commit_id": t.record.commit_id,
+                    "ckpt": t.record.ckpt,
+                    "state": t.state,
+                    "dropped_seq": t.dropped_seq,
+                }
+                for t in latest.tombstones
+            ],
+        }
+    if as_json:
+        emit_json(doc)
+        return
+    if latest is None:
+        info(f"{store.url}: no checkpoints (nothing was ever committed here)")
+        return
+    from rich.table import Table
+
+    w = doc["writer"]
+    table = Table(
+        title=f"{store.url}  ·  writer epoch {w['epoch']} ({w['id']})  ·  LATEST seq {doc['seq']}",
+        title_justify="left",
+    )
+    for name, justify in (
+        ("step", "right"),
+        ("", "left"),
+        ("committed", "left"),
+        ("size", "right"),
+        ("files", "right"),
+        ("epoch", "right"),
+        ("pins", "left"),
+        ("commit", "left"),
+    ):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for c in doc["checkpoints"]:
+        table.add_row(
+            str(c["step"]),
+            "current" if c["current"] else "",
+            f"{c['committed_at'][:19].replace('T', ' ')} ({_ago(c['committed_at'])})",
+            human_bytes(c["total_bytes"]),
+            str(c["num_files"]),
+            str(c["epoch"]),
+            ", ".join(c["pins"]),
+            c["commit_id"],
+        )
+    console = stdout_console()
+    console.print(table)
+    if doc["tombstones"]:
+        console.print(
+            f"{len(doc['tombstones'])} checkpoint(s) dropped by retention, waiting for "
+            "`cloudckpt gc`"
+        )
+
+
+# ---------------------------------------------------------------------------- show
+
+
+@cli.command("show")
+@click.argument("url")
+@click.option("--step", type=int, help="Which checkpoint (default: the current one).")
+@store_options
+@json_option
+def show_cmd(url: str, step: int | None, store_args: StoreArgs, as_json: bool) -> None:
+    """Show one checkpoint's record and manifest (its files, sizes and digests)."""
+    from cloudckpt.restore import fetch_manifest
+
+    with _closing(store_args.open(url, writable=False)) as store:
+        latest, _ = _load_for_reading(store)
+        if latest is None:
+            raise CheckpointNotFoundError(f"{store.url} has no committed checkpoint")
+        record = _find_record(latest, step, store.url)
+        manifest = fetch_manifest(store, record)
+    doc = _record_dict(latest, record)
+    doc["url"] = store.url
+    doc["manifest"] = {
+        "writer_id": manifest.writer_id,
+        "created_at": manifest.created_at,
+        "algorithm": manifest.algorithm,
+        "chunk_size": manifest.chunk_size,
+        "total_bytes": manifest.total_bytes,
+        "files": [{"path": f.path, "size": f.size, "digest": f.digest} for f in manifest.files],
+    }
+    if as_json:
+        emit_json(doc)
+        return
+    from rich.table import Table
+
+    console = stdout_console()
+    console.print(f"step {doc['step']}{'  (current)' if doc['current'] else ''}")
+    for key in ("commit_id", "ckpt", "epoch", "committed_at"):
+        console.print(f"  {key:<13}{doc[key]}")
+    console.print(f"  {'writer':<13}{manifest.writer_id}")
+    console.print(
+        f"  {'size':<13}{human_bytes(manifest.total_bytes)} in {len(manifest.files)} files"
+    )
+    if doc["pins"]:
+        console.print(f"  {'pins':<13}{', '.join(doc['pins'])}")
+    if doc["metadata"]:
+        import json
+
+        console.print(f"  {'metadata':<13}{json.dumps(doc['metadata'], sort_keys=True)}")
+    table = Table(title_justify="left")
+    table.add_column("path")
+    table.add_column("size", justify="right")
+    table.add_column(f"digest ({manifest.algorithm})")
+    for f in manifest.files:
+        table.add_row(f.path, human_bytes(f.size), f.digest)
+    console.print(table)
+
+
+# ---------------------------------------------------------------------------- restore
+
+
+@cli.command("restore")
+@click.argument("url")
+@click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--step", type=int, help="Restore this step (default: the newest intact one).")
+@click.option("--force", is_flag=True, help="Replace DEST's contents if it is not empty.")
+@store_options
+@json_option
+def restore_cmd(
+    url: str, dest: Path, step: int | None, force: bool, store_args: StoreArgs, as_json: bool
+) -> None:
+    """Download and verify a checkpoint into DEST, atomically.
+
+    Files land in a temporary directory beside DEST and are moved into place only after every
+    byte matched its digest; if the newest checkpoint is damaged, the next older one is
+    restored and the fallback reported. Read-only: it never claims the run.
+    """
+    from cloudckpt.restore import candidates, restore
+    from cloudckpt.transfer import TransferEngine
+
+    started = time.perf_counter()
+    with _closing(store_args.open(url, writable=False)) as store, TransferEngine() as engine:
+        latest, _ = _load_for_reading(store)
+        todo = candidates(latest, step) if latest is not None else []
+        total = todo[0].total_bytes if todo else None
+        with progress_bar(f"restoring {url}", total) as progress:
+            result = restore(store, dest, engine, step=step, overwrite=force, progress=progress)
+    elapsed = time.perf_counter() - started
+    doc = {
+        "url": store.url,
+        "step": result.step,
+        "path": str(result.path),
+        "commit_id": result.commit_id,
+        "ckpt": result.ckpt,
+        "epoch": result.epoch,
+        "num_files": result.num_files,
+        "total_bytes": result.total_bytes,
+        "metadata": dict(result.metadata),
+        "skipped": [
+            {"step": s.step, "commit_id": s.commit_id, "reason": s.reason} for s in result.skipped
+        ],
+        "from_commit_records": result.from_commit_records,
+        "seconds": round(elapsed, 3),
+    }
+    for s in result.skipped:
+        warn(f"skipped step {s.step} ({s.commit_id}): {s.reason}")
+    if as_json:
+        emit_json(doc)
+        return
+    click.echo(
+        f"restored step {result.step} ({result.commit_id}) to {result.path}: "
+        f"{result.num_files} files, {human_bytes(result.total_bytes)} in {elapsed:.1f}s, verified"
+    )
+
+
+# ---------------------------------------------------------------------------- push
+
+
+@cli.command("push")
+@click.argument(
+    "src_dir", type=click.Path(exists=True, file_okay=False, readable=True, path_type=Path)
+)
+@click.argument("url")
+@click.option("--step", type=int, required=True, help="The training step of this checkpoint.")
+@click.option(
+    "--metadata",
+    "-m",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="User metadata to record (repeatable; KEY:=JSON for numbers and objects).",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Claim the run even though its writer wrote LATEST within the last hour.",
+)
+@click.option(
+    "--keep-last", type=int, help="Retention to set (default: keep the run's current setting)."
+)
+@click.option("--keep-every", type=int, help="Also keep every K-th step (default: the run's).")
+@click.option(
+    "--staging-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Local staging directory (default: a temporary one; same filesystem as SRC_DIR "
+    "makes the snapshot hard links instead of copies).",
+)
+@store_options
+@json_option
+def push_cmd(
+    src_dir: Path,
+    url: str,
+    step: int,
+    metadata: tuple[str, ...],
+    force: bool,
+    keep_last: int | None,
+    keep_every: int | None,
+    staging_dir: Path | None,
+    store_args: StoreArgs,
+    as_json: bool,
+) -> None:
+    """Upload the local directory SRC_DIR as checkpoint STEP and commit it.
+
+    push makes this command the run's writer: it claims the run (a new writer epoch), which
+    fences the writer that owned it, exactly as a resumed trainer would. If that writer wrote
+    LATEST within the last hour it is probably still training, and push refuses (exit 5)
+    unless --force is given.
+    """
+    from cloudckpt import CheckpointManager
+    from cloudckpt.admin import check_takeover
+    from cloudckpt.committer import read_latest
+
+    user_metadata = parse_key_values(metadata, "--metadata")
+    files = [p for p in src_dir.rglob("*") if p.is_file()]
+    total = sum(p.stat().st_size for p in files)
+    with _closing(store_args.open(url)) as store:
+        previous = check_takeover(store, force=force)
+        settings = {}
+        head = read_latest(store) if previous is not None else None
+        if head is not None:
+            s = head.latest.settings
+            settings = {
+                "keep_last": s.keep_last,
+                "keep_every": s.keep_every,
+                "gc_grace": s.gc_grace_s,
+            }
+            current = head.latest.current
+            if current is not None and step <= current.step:
+                warn(
+                    f"step {step} is not newer than the current step {current.step}; once "
+                    "committed it becomes the current checkpoint that restores pick"
+                )
+        if keep_last is not None:
+            settings["keep_last"] = keep_last
+        if keep_every is not None:
+            settings["keep_every"] = keep_every
+        if previous is not None:
+            warn(
+                f"push claims {store.url}: writer {previous.id} (epoch {previous.epoch}) is "
+                "fenced from now on; its next commit will fail"
+            )
+        started = time.perf_counter()
+        own_staging = None
+        if staging_dir is None:  # ours, so an abandoned push leaves no copy behind
+            own_staging = Path(tempfile.mkdtemp(prefix="cloudckpt-push-"))
+        try:
+            with progress_bar(f"pushing {src_dir.name}", total) as progress:
+                mgr = CheckpointManager(
+                    store,
+                    staging_dir=staging_dir or own_staging,
+                    auto_gc=False,
+                    progress=progress,
+                    **settings,
+                )
+                try:
+                    handle = mgr.save_dir(step, src_dir, user_metadata)
+                    result = _wait_for_push(handle, own_staging)
+                finally:
+                    mgr.close()
+        finally:
+            if own_staging is not None:
+                shutil.rmtree(own_staging, ignore_errors=True)
+    doc = {
+        "url": store.url,
+        "step": result.step,
+        "commit_id": result.commit_id,
+        "ckpt": result.ckpt,
+        "epoch": result.epoch,
+        "seq": result.seq,
+        "num_files": result.num_files,
+        "total_bytes": result.total_bytes,
+        "metadata": dict(result.metadata),
+        "fenced_writer": previous.to_dict() if previous is not None else None,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    if as_json:
+        emit_json(doc)
+        return
+    click.echo(
+        f"committed step {result.step} ({result.commit_id}) to {store.url}: "
+        f"{result.num_files} files, {human_bytes(result.total_bytes)} "
+        f"in {doc['seconds']:.1f}s (writer epoch {result.epoch})"
+    )
+
+
+def _wait_for_push(handle: Any, own_staging: Path | None) -> Any:
+    """The first interrupt lets the upload in flight finish and commit (a flush, as
+    `watch` does on SIGTERM); a second one abandons it at once: the process exits without
+    waiting for transfer threads, so the attempt can never be committed afterwards (it
+    stays in the bucket, unreferenced, for GC)."""
+    try:
+        return handle.result()
+    except (KeyboardInterrupt, Interrupted):
+        warn(
+            "interrupted: waiting for the upload in progress to commit (interrupt again to "
+            "abandon it; nothing half-done becomes visible)"
+        )
+    try:
+        return handle.result()
+    except (KeyboardInterrupt, Interrupted):
+        if handle.done() and handle.exception() is None:
+            return handle.result()  # it committed just before the second interrupt
+        info("cloudckpt: interrupted again: the upload is abandoned, nothing was committed")
+        if own_staging is not None:
+            shutil.rmtree(own_staging, ignore_errors=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(INTERRUPTED)
+
+
+# ---------------------------------------------------------------------------- verify
+
+
+@cli.command("verify")
+@click.argument("url")
+@click.option("--all", "all_", is_flag=True, help="Every retained checkpoint (default: current).")
+@click.option("--read-data", is_flag=True, help="Read back and hash every byte.")
+@store_options
+@json_option
+def verify_cmd(url: str, all_: bool, read_data: bool, store_args: StoreArgs, as_json: bool) -> None:
+    """Check LATEST, manifests and objects; with --read-data every byte.
+
+    Exit 0 if everything checked is intact, 4 if anything is damaged, 6 if LATEST is missing
+    or damaged (run `cloudckpt repair`).
+    """
+    from cloudckpt.committer import read_latest
+    from cloudckpt.protocol import CorruptRecordError
+    from cloudckpt.verify import verify_run
+
+    with _closing(store_args.open(url, writable=False)) as store:
+        total = None
+        if read_data:
+            with contextlib.suppress(CorruptRecordError):
+                head = read_latest(store)
+                if head is not None:
+                    recs = head.latest.retained() if all_ else head.latest.retained()[:1]
+                    total = sum(r.total_bytes for r in recs)
+        with progress_bar("verifying", total) as progress:
+            report = verify_run(store, all=all_, read_data=read_data, progress=progress)
+    doc = report.to_dict()
+    code = 0 if report.ok else NEEDS_REPAIR if report.needs_repair else DAMAGED
+    doc["exit_code"] = code
+    if as_json:
+        emit_json(doc)
+    else:
+        _print_verify(report)
+    if code:
+        raise click.exceptions.Exit(code)
+
+
+def _print_verify(report: Any) -> None:
+    from rich.table import Table
+
+    console = stdout_console()
+    if report.latest_ok:
+        console.print(f"LATEST  OK (seq {report.seq}, writer epoch {report.writer_epoch})")
+    else:
+        console.print(f"LATEST  [bold red]DAMAGED[/]: {report.latest_problem}")
+        console.print(f"        checked the checkpoints {report.latest_source} describes")
+        console.print("        run `cloudckpt repair URL` to rebuild LATEST")
+    table = Table(title_justify="left")
+    for col in ("step", "", "status", "size", "details"):
+        table.add_column(col)
+    for c in report.checkpoints:
+        status = "[green]ok[/]" if c.ok else "[bold red]damaged[/]"
+        details = (
+            "; ".join(c.reasons)
+            if c.reasons
+            else (f"{human_bytes(c.bytes_read)} read and hashed" if report.read_data else "listed")
+        )
+        table.add_row(str(c.step), c.role, status, human_bytes(c.total_bytes), details)
+    console.print(table)
+    if report.all:
+        console.print(
+            f"commit records: {report.commit_records_checked} checked, "
+            f"{len(report.commit_records_damaged)} damaged"
+        )
+        for d in report.commit_records_damaged:
+            console.print(f"  [red]{d}[/]")
+    for p in report.problems:
+        console.print(f"[red]problem:[/] {p}")
+    damaged = sum(not c.ok for c in report.checkpoints)
+    depth = "every byte" if report.read_data else "manifests and object sizes"
+    if report.ok:
+        console.print(f"[green]all {len(report.checkpoints)} checkpoint(s) intact[/] ({depth})")
+    elif damaged:
+        console.print(
+            f"[bold red]{damaged} of {len(report.checkpoints)} checkpoint(s) damaged[/]; "
+            "`cloudckpt restore` skips damaged ones automatically"
+        )
+
+
+# ---------------------------------------------------------------------------- pin / unpin
+
+
+def _pins_doc(store: Any, latest: Any, step: int) -> dict[str, Any]:
+    return {
+        "url": store.url,
+        "step": step,
+        "pins": [
+            {"step": p.step, "label": p.label, "commit_id": p.commit_id, "pinned_at": p.pinned_at}
+            for p in latest.pins
+        ],
+    }
+
+
+@cli.command("pin")
+@click.argument("url")
+@click.argument("step", type=int)
+@click.option("--label", default="pinned", show_default=True, help="A name for the pin.")
+@store_options
+@json_option
+def pin_cmd(url: str, step: int, label: str, store_args: StoreArgs, as_json: bool) -> None:
+    """Keep checkpoint STEP regardless of retention (safe while a trainer runs)."""
+    from cloudckpt.admin import pin
+
+    with _closing(store_args.open(url)) as store:
+        latest = pin(store, step, label)
+    doc = _pins_doc(store, latest, step)
+    doc["label"] = label
+    if as_json:
+        emit_json(doc)
+    else:
+        click.echo(f"pinned step {step} of {store.url} as {label!r}")
+
+
+@cli.command("unpin")
+@click.argument("url")
+@click.argument("step", type=int)
+@store_options
+@json_option
+def unpin_cmd(url: str, step: int, store_args: StoreArgs, as_json: bool) -> None:
+    """Remove the pins of STEP; retention then decides whether it stays."""
+    from cloudckpt.admin import unpin
+
+    with _closing(store_args.open(url)) as store:
+        latest = unpin(store, step)
+    doc = _pins_doc(store, latest, step)
+    if as_json:
+        emit_json(doc)
+    else:
+        click.echo(f"unpinned step {step} of {store.url}")
+
+
+# ---------------------------------------------------------------------------- gc
+
+
+@cli.command("gc")
+@click.argument("url")
+@click.option("--dry-run", is_flag=True, help="Only report what would be deleted.")
+@click.option(
+    "--grace",
+    type=DURATION,
+    help="Minimum age (store clock) before unreferenced data goes, e.g. 30m, 2h, 1d. Never "
+    "below the run's own gc_grace (default 2h).",
+)
+@store_options
+@json_option
+def gc_cmd(
+    url: str, dry_run: bool, grace: float | None, store_args: StoreArgs, as_json: bool
+) -> None:
+    """Delete checkpoint data nothing references, once older than the grace period."""
+    from cloudckpt.gc import collect_garbage
+
+    with _closing(store_args.open(url)) as store:
+        report = collect_garbage(store, grace_seconds=grace, dry_run=dry_run)
+    doc = {
+        "url": store.url,
+        "dry_run": report.dry_run,
+        "grace_seconds": report.grace_seconds,
+        "store_now": report.store_now.isoformat(),
+        "deleted_checkpoints": [{"step": s, "ckpt": c} for s, c in report.deleted_checkpoints],
+        "deleted_orphans": list(report.deleted_orphans),
+        "aborted_uploads": [{"key": k, "upload_id": u} for k, u in report.aborted_uploads],
+        "deleted_commit_records": list(report.deleted_commit_records),
+        "kept_young": list(report.kept_young),
+        "deleted_objects": report.deleted_objects,
+        "freed_bytes": report.freed_bytes,
+    }
+    if as_json:
+        emit_json(doc)
+        return
+    verb = "would delete" if dry_run else "deleted"
+    click.echo(
+        f"gc {store.url} (grace {report.grace_seconds}s, store clock){' [dry run]' * dry_run}"
+    )
+    for s, c in report.deleted_checkpoints:
+        click.echo(f"  {verb} dropped checkpoint step {s}: {c}")
+    for p in report.deleted_orphans:
+        click.echo(f"  {verb} orphan attempt {p}")
+    for k, _ in report.aborted_uploads:
+        click.echo(f"  {'would abort' if dry_run else 'aborted'} incomplete upload {k}")
+    if report.deleted_commit_records:
+        click.echo(f"  {verb} {len(report.deleted_commit_records)} old commit record(s)")
+    if report.kept_young:
+        click.echo(f"  kept {len(report.kept_young)} unreferenced attempt(s) younger than grace")
+    if not dry_run:
+        click.echo(f"{report.deleted_objects} object(s), {human_bytes(report.freed_bytes)} freed")
+
+
+# ---------------------------------------------------------------------------- repair
+
+
+@cli.command("repair")
+@click.argument("url")
+@click.option("--dry-run", is_flag=True, help="Say what would be rebuilt; write nothing.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Rebuild even though LATEST verifies (drops checkpoints whose manifests are gone and "
+    "fences the current writer).",
+)
+@store_options
+@json_option
+def repair_cmd(url: str, dry_run: bool, force: bool, store_args: StoreArgs, as_json: bool) -> None:
+    """Rebuild a missing or damaged LATEST from the commit records.
+
+    The new LATEST comes from the newest commit record whose current checkpoint verifies,
+    with a writer epoch above every epoch ever seen (so writers from before stay fenced).
+    It is written conditionally; nothing is ever deleted.
+    """
+    from cloudckpt.repair import repair
+
+    with _closing(store_args.open(url)) as store:
+        report = repair(store, force=force, dry_run=dry_run)
+    if as_json:
+        emit_json(report.to_dict())
+        return
+    if report.action == "healthy":
+        click.echo(
+            f"{store.url}: LATEST verifies (seq {report.seq}, writer epoch {report.epoch}); "
+            "nothing to repair"
+        )
+        return
+    if report.action == "empty":
+        click.echo(f"{store.url}: nothing here (a new run); nothing to repair")
+        return
+    if report.latest_state == "ok":
+        click.echo(f"{store.url}: LATEST verifies; rebuilding it anyway (--force)")
+    else:
+        click.echo(f"{store.url}: LATEST {report.latest_state}: {report.latest_problem}")
+    click.echo(
+        f"  found {report.commit_records} commit record(s) and {report.attempts} attempt(s); "
+        f"highest epoch {report.highest_epoch_seen}, highest seq {report.highest_seq_seen}"
+    )
+    for p in report.passed_over:
+        click.echo(f"  passed over {p['record']}: {p['reason']}")
+    for d in report.dropped:
+        click.echo(f"  dropped step {d['step']} ({d['commit_id']}): {d['reason']}")
+    verb = "would rebuild" if dry_run else "rebuilt"
+    click.echo(
+        f"{verb} LATEST from {report.base}: seq {report.seq}, writer epoch {report.epoch}, "
+        f"current step {report.current_step}, retained {report.retained_steps}"
+    )
+    if report.unreferenced_manifests:
+        warn(
+            f"{len(report.unreferenced_manifests)} attempt(s) with a complete manifest are not "
+            "referenced and will be removed by GC after the grace period: "
+            + ", ".join(report.unreferenced_manifests[:5])
+        )

@@ -1,0 +1,309 @@
+"""``verify``: check that a run's committed checkpoints are intact, without restoring them.
+
+What is checked, in order (DESIGN §9 invariants 1, 2 and 9):
+
+1. LATEST parses and passes its self-check (``self_sha256``). A missing or damaged LATEST
+   is reported (the run needs ``repair``); the checkpoints are then checked as the newest
+   verifying commit record describes them, exactly as a restore would find them.
+2. For each checkpoint checked (the current one; every retained one with ``all``): the
+   manifest exists and matches the size and SHA-256 that LATEST recorded, and its paths
+   are safe.
+3. One listing per checkpoint: every file of the manifest exists with its recorded size.
+4. With ``read_data``: every byte of every file is read back (parallel ranged GETs, nothing
+   written to disk) and hashed into the file's digest tree, which must equal the manifest's.
+5. With ``all``: every ``commits/`` record passes its self-check, and every pin names a
+   retained checkpoint.
+
+Network failures are not damage: they raise (``StoreError``) rather than mark a checkpoint
+damaged, so a blip never makes a good checkpoint look bad.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from cloudckpt import digest, protocol
+from cloudckpt.committer import read_latest, run_has_data
+from cloudckpt.errors import (
+    CheckpointNotFoundError,
+    CorruptionError,
+    ObjectNotFoundError,
+    UnsafePathError,
+)
+from cloudckpt.protocol import CheckpointRecord, CorruptRecordError, Latest, Manifest
+from cloudckpt.restore import fetch_manifest, load_latest_for_reading
+from cloudckpt.retry import call_with_retries
+from cloudckpt.stores import Store
+
+log = logging.getLogger("cloudckpt.verify")
+
+MiB = 1024 * 1024
+#: Problems listed per checkpoint before the rest are summarised as a count.
+MAX_REASONS = 20
+
+
+@dataclasses.dataclass
+class CheckpointCheck:
+    """The verdict on one committed checkpoint."""
+
+    step: int
+    commit_id: str
+    ckpt: str
+    role: str  # "current" or "history"
+    pins: list[str]
+    num_files: int
+    total_bytes: int
+    ok: bool = True
+    reasons: list[str] = dataclasses.field(default_factory=list)
+    bytes_read: int = 0
+
+    def damaged(self, reason: str) -> None:
+        self.ok = False
+        if len(self.reasons) < MAX_REASONS:
+            self.reasons.append(reason)
+        elif len(self.reasons) == MAX_REASONS:
+            self.reasons.append("... more problems not listed")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["status"] = "ok" if self.ok else "damaged"
+        return d
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    """What ``verify_run`` found. ``ok`` is True only if nothing is damaged."""
+
+    url: str
+    read_data: bool
+    all: bool
+    latest_ok: bool
+    latest_source: str  # "LATEST" or the commits/ record used instead
+    latest_problem: str | None
+    seq: int | None
+    writer_epoch: int | None
+    checkpoints: list[CheckpointCheck] = dataclasses.field(default_factory=list)
+    commit_records_checked: int = 0
+    commit_records_damaged: list[str] = dataclasses.field(default_factory=list)
+    problems: list[str] = dataclasses.field(default_factory=list)  # run-level, besides LATEST
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.latest_ok
+            and not self.problems
+            and not self.commit_records_damaged
+            and all(c.ok for c in self.checkpoints)
+        )
+
+    @property
+    def needs_repair(self) -> bool:
+        return not self.latest_ok
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "ok": self.ok,
+            "needs_repair": self.needs_repair,
+            "read_data": self.read_data,
+            "all": self.all,
+            "latest": {
+                "ok": self.latest_ok,
+                "source": self.latest_source,
+                "problem": self.latest_problem,
+                "seq": self.seq,
+                "writer_epoch": self.writer_epoch,
+            },
+            "checkpoints": [c.to_dict() for c in self.checkpoints],
+            "commit_records": {
+                "checked": self.commit_records_checked,
+                "damaged": list(self.commit_records_damaged),
+            },
+            "problems": list(self.problems),
+        }
+
+
+def _load(store: Store) -> tuple[Latest, bool, str, str | None]:
+    """(latest, latest_ok, source, problem), falling back to the commit records."""
+    problem = None
+    try:
+        head = read_latest(store)
+    except CorruptRecordError as exc:
+        head, problem = None, f"LATEST is damaged: {exc.message}"
+    if head is not None:
+        return head.latest, True, protocol.LATEST_KEY, None
+    if problem is None:
+        if not run_has_data(store):
+            raise CheckpointNotFoundError(f"{store.url} has no LATEST and no checkpoints")
+        problem = "LATEST is missing but checkpoint data exists"
+    latest, _ = load_latest_for_reading(store)
+    if latest is None:
+        raise CorruptionError(
+            f"{problem}, and no commit record under {store.url} verifies",
+            hint="Nothing can be restored from this run as it stands; `cloudckpt repair URL` "
+            "says what it finds",
+        )
+    return latest, False, protocol.commit_record_key(latest.seq), problem
+
+
+def _check_listing(
+    store: Store, record: CheckpointRecord, manifest: Manifest, check: CheckpointCheck
+) -> None:
+    prefix = record.ckpt + protocol.FILES_DIR
+    sizes = {o.key[len(prefix) :]: o.size for o in store.list(prefix)}
+    for entry in manifest.files:
+        size = sizes.get(entry.path)
+        if size is None:
+            check.damaged(f"{entry.path} is missing")
+        elif size != entry.size:
+            check.damaged(f"{entry.path} is {size} bytes, the manifest says {entry.size}")
+
+
+class _Hasher:
+    """Reads files back in chunk-aligned ranges on a thread pool and checks their digests."""
+
+    def __init__(self, concurrency: int, range_size: int, progress: Callable[[int], None] | None):
+        self._pool = cf.ThreadPoolExecutor(concurrency, thread_name_prefix="cloudckpt-verify")
+        self._range_size = range_size
+        self._progress = progress
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _read(self, store: Store, key: str, offset: int, length: int, chunk: int) -> list[bytes]:
+        data = call_with_retries(
+            lambda: store.get_range(key, offset, length), what=f"read {key} for verify"
+        )
+        if len(data) != length:
+            raise _Short(len(data))
+        leaves = digest.leaves_of(data, chunk)
+        if self._progress is not None:
+            with self._lock:
+                self._progress(length)
+        return leaves
+
+    def check(
+        self, store: Store, record: CheckpointRecord, manifest: Manifest, check: CheckpointCheck
+    ) -> None:
+        chunk = manifest.chunk_size
+        step = max(chunk, self._range_size // chunk * chunk)
+        prefix = record.ckpt + protocol.FILES_DIR
+        jobs = []
+        for entry in manifest.files:
+            ranges = [
+                self._pool.submit(
+                    self._read, store, prefix + entry.path, off, min(step, entry.size - off), chunk
+                )
+                for off in range(0, entry.size, step)
+            ]
+            jobs.append((entry, ranges))
+        try:
+            for entry, ranges in jobs:
+                leaves: list[bytes] = []
+                try:
+                    for f in ranges:
+                        leaves.extend(f.result())
+                except ObjectNotFoundError:
+                    check.damaged(f"{entry.path} is missing")
+                    continue
+                except _Short:
+                    check.damaged(f"{entry.path} is shorter than its recorded {entry.size} bytes")
+                    continue
+                check.bytes_read += entry.size
+                if digest.root(leaves, entry.size, chunk) != entry.digest:
+                    check.damaged(f"{entry.path}: content does not match its digest")
+        except BaseException:
+            for _, ranges in jobs:
+                for f in ranges:
+                    f.cancel()
+            raise
+
+
+class _Short(Exception):
+    """A ranged read returned fewer bytes than asked for (the object is too short)."""
+
+
+def verify_run(
+    store: Store,
+    *,
+    all: bool = False,
+    read_data: bool = False,
+    concurrency: int = 8,
+    range_size: int = 16 * MiB,
+    progress: Callable[[int], None] | None = None,
+) -> VerifyReport:
+    """Check LATEST and the current checkpoint (every retained one with ``all``); with
+    ``read_data`` also every byte. See the module docstring.
+
+    ``progress`` is called with byte counts as data is read back.
+
+    Raises:
+        CheckpointNotFoundError: the run holds nothing at all.
+        CorruptionError: LATEST is missing or damaged and no commit record verifies.
+        StoreError: the store failed (after retries); nothing is concluded about the data.
+    """
+    latest, latest_ok, source, problem = _load(store)
+    report = VerifyReport(
+        url=store.url,
+        read_data=read_data,
+        all=all,
+        latest_ok=latest_ok,
+        latest_source=source,
+        latest_problem=problem,
+        seq=latest.seq,
+        writer_epoch=latest.writer.epoch,
+    )
+    records = latest.retained() if all else latest.retained()[:1]
+    hasher = _Hasher(concurrency, range_size, progress) if read_data else None
+    try:
+        for record in records:
+            check = CheckpointCheck(
+                step=record.step,
+                commit_id=record.commit_id,
+                ckpt=record.ckpt,
+                role="current" if record is latest.current else "history",
+                pins=[p.label for p in latest.pins if p.commit_id == record.commit_id],
+                num_files=record.num_files,
+                total_bytes=record.total_bytes,
+            )
+            report.checkpoints.append(check)
+            try:
+                manifest = fetch_manifest(store, record)
+            except (CorruptionError, UnsafePathError) as exc:
+                check.damaged(f"manifest: {exc.message}")
+                continue
+            if len(manifest.files) != record.num_files or manifest.total_bytes != (
+                record.total_bytes
+            ):
+                check.damaged("the manifest's file count or size differs from LATEST's record")
+            _check_listing(store, record, manifest, check)
+            if hasher is not None and check.ok:
+                hasher.check(store, record, manifest, check)
+            log.info("step %d: %s", record.step, "ok" if check.ok else "; ".join(check.reasons))
+    finally:
+        if hasher is not None:
+            hasher.close()
+    if all:
+        retained = {r.commit_id for r in latest.retained()}
+        for pin in latest.pins:
+            if pin.commit_id not in retained:
+                report.problems.append(
+                    f"pin {pin.label!r} of step {pin.step} names a checkpoint LATEST no "
+                    "longer retains"
+                )
+        for obj in store.list(protocol.COMMITS_PREFIX):
+            report.commit_records_checked += 1
+            try:
+                data, _ = store.get(obj.key)
+                protocol.parse_latest(data, what=obj.key)
+            except ObjectNotFoundError:
+                report.commit_records_checked -= 1  # removed by GC meanwhile
+            except CorruptRecordError as exc:
+                report.commit_records_damaged.append(f"{obj.key}: {exc.message}")
+    return report

@@ -1,0 +1,437 @@
+"""Every ``cloudckpt`` command against moto (S3) and fake-gcs-server (GCS): normal use, the
+``--json`` shapes, exit codes, bad input, damage and repair."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cloudckpt import FencedError, protocol
+from cloudckpt.cli import EXIT_CODE_TABLE, cli, exit_code_for
+from cloudckpt.stores import open_store
+from cloudckpt.testing.faults import flip_bit
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture(params=["s3", "gcs"])
+def cloud(request):
+    return request.getfixturevalue(f"{request.param}_target")
+
+
+def flags(target) -> list[str]:
+    """Storage flags that reach the test server (what a user would type)."""
+    so = target.storage_options
+    if target.backend == "s3":
+        return [
+            "--endpoint-url",
+            so["endpoint_url"],
+            "--region",
+            "us-east-1",
+            "-o",
+            f"key={so['key']}",
+            "-o",
+            f"secret={so['secret']}",
+        ]
+    return ["--endpoint-url", so["endpoint_url"], "-o", "token=anon", "-o", "project=test"]
+
+
+def run(*args, target=None):
+    argv = [str(a) for a in args] + (flags(target) if target is not None else [])
+    return CliRunner().invoke(cli, argv)
+
+
+def ok_json(result):
+    assert result.exit_code == 0, f"exit {result.exit_code}: {result.output}"
+    return json.loads(result.stdout)
+
+
+def make_tree(root: Path, seed: int) -> dict[str, bytes]:
+    rng = random.Random(seed)
+    files = {
+        "model.bin": rng.randbytes(3 * MiB + 17),
+        "optimizer/state.bin": rng.randbytes(50_000),
+        "optimizer/empty": b"",
+        "trainer_state.json": b'{"global_step": %d}' % seed,
+    }
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    return files
+
+
+def read_tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def test_push_ls_show_restore_verify_pin_gc(cloud, tmp_path):
+    url = cloud.url
+    empty = ok_json(run("ls", url, "--json", target=cloud))
+    assert empty["checkpoints"] == [] and empty["writer"] is None
+
+    first = make_tree(tmp_path / "ck10", 10)
+    doc = ok_json(
+        run(
+            "push",
+            tmp_path / "ck10",
+            url,
+            "--step",
+            10,
+            "-m",
+            "loss:=0.5",
+            "-m",
+            "note=first",
+            "--json",
+            target=cloud,
+        )
+    )
+    assert doc["step"] == 10 and doc["num_files"] == 4 and doc["epoch"] == 1
+    assert doc["metadata"] == {"loss": 0.5, "note": "first"} and doc["fenced_writer"] is None
+    assert doc["total_bytes"] == sum(map(len, first.values()))
+
+    # The run now has a writer that wrote LATEST seconds ago (this very process): a second
+    # push would fence it, so it needs --force.
+    second = make_tree(tmp_path / "ck20", 20)
+    refused = run("push", tmp_path / "ck20", url, "--step", 20, target=cloud)
+    assert refused.exit_code == 5, refused.output
+    assert "fences that writer" in refused.stderr and "--force" in refused.stderr
+    doc = ok_json(run("push", tmp_path / "ck20", url, "--step", 20, "--force", "--json",
+                      target=cloud))  # fmt: skip
+    assert doc["epoch"] == 2 and doc["fenced_writer"]["epoch"] == 1
+    assert doc["fenced_writer"]["active"] is True
+
+    listing = ok_json(run("ls", url, "--json", target=cloud))
+    assert set(listing) == {
+        "url", "seq", "writer", "settings", "from_commit_records", "checkpoints", "tombstones",
+    }  # fmt: skip
+    assert [c["step"] for c in listing["checkpoints"]] == [20, 10]
+    assert [c["current"] for c in listing["checkpoints"]] == [True, False]
+    assert listing["writer"]["epoch"] == 2 and listing["from_commit_records"] is False
+    assert set(listing["checkpoints"][0]) == {
+        "step", "commit_id", "ckpt", "epoch", "committed_at", "num_files", "total_bytes",
+        "current", "pins", "metadata",
+    }  # fmt: skip
+    human = run("ls", url, target=cloud)
+    assert human.exit_code == 0 and "current" in human.stdout and "writer epoch 2" in human.stdout
+
+    shown = ok_json(run("show", url, "--step", 10, "--json", target=cloud))
+    assert shown["step"] == 10 and shown["metadata"]["note"] == "first"
+    assert {f["path"]: f["size"] for f in shown["manifest"]["files"]} == {
+        k: len(v) for k, v in first.items()
+    }
+    assert "model.bin" in run("show", url, target=cloud).stdout
+
+    dest = tmp_path / "restored"
+    restored = ok_json(run("restore", url, dest, "--json", target=cloud))
+    assert restored["step"] == 20 and restored["skipped"] == [] and restored["path"] == str(dest)
+    assert read_tree(dest) == second
+
+    again = run("restore", url, dest, "--step", 10, target=cloud)
+    assert again.exit_code == 7 and "--force" in again.stderr
+    assert read_tree(dest) == second, "a refused restore touched DEST"
+    assert run("restore", url, tmp_path / "x", "--step", 99, target=cloud).exit_code == 3
+    assert run("restore", url, dest, "--step", 10, "--force", target=cloud).exit_code == 0
+    assert read_tree(dest) == first
+    assert not [p for p in tmp_path.iterdir() if "cloudckpt-tmp" in p.name]
+
+    verified = ok_json(run("verify", url, "--all", "--read-data", "--json", target=cloud))
+    assert verified["ok"] and verified["exit_code"] == 0
+    assert [c["status"] for c in verified["checkpoints"]] == ["ok", "ok"]
+    assert verified["checkpoints"][1]["bytes_read"] == sum(map(len, first.values()))
+
+    pinned = ok_json(run("pin", url, 10, "--label", "best", "--json", target=cloud))
+    assert [(p["step"], p["label"]) for p in pinned["pins"]] == [(10, "best")]
+    listing = ok_json(run("ls", url, "--json", target=cloud))
+    assert listing["checkpoints"][1]["pins"] == ["best"]
+    assert run("pin", url, 99, target=cloud).exit_code == 3
+    assert ok_json(run("unpin", url, 10, "--json", target=cloud))["pins"] == []
+
+    gc = ok_json(run("gc", url, "--dry-run", "--json", target=cloud))
+    assert gc["dry_run"] and gc["deleted_objects"] == 0 and not gc["deleted_orphans"]
+    assert run("repair", url, target=cloud).stdout.count("nothing to repair") == 1
+
+
+def test_bad_input_exit_codes(cloud, tmp_path):
+    url = cloud.url
+    scheme = url.split("://")[0]
+    bad_url = run("ls", f"{scheme}://", target=cloud)
+    assert bad_url.exit_code == 2 and "no bucket name" in bad_url.stderr
+    other_bucket = url.replace("://", "://no-such-bucket-", 1)
+    missing = run("ls", other_bucket, target=cloud)
+    assert missing.exit_code == 3, missing.output
+    assert run("show", url, target=cloud).exit_code == 3  # empty run
+    assert run("restore", url, tmp_path / "d", target=cloud).exit_code == 3
+    assert not (tmp_path / "d").exists()
+    assert run("verify", url, target=cloud).exit_code == 3
+    assert run("push", tmp_path / "nope", url, "--step", 1, target=cloud).exit_code == 2
+    assert run("push", tmp_path, url, target=cloud).exit_code == 2  # --step is required
+    assert run("ls", url, "-o", "novalue", target=cloud).exit_code == 2
+    assert run("ls", url, "-o", "x:={bad json", target=cloud).exit_code == 2
+    if cloud.backend == "s3":  # (gcsfs accepts any keyword, so GCS cannot refuse one)
+        unknown = run("ls", url, "-o", "bogus_option=1", target=cloud)
+        assert unknown.exit_code == 2 and "bogus_option" in unknown.stderr
+    else:
+        assert run("ls", url, "--profile", "p", target=cloud).exit_code == 2
+    assert run("frobnicate").exit_code == 2
+
+    # --json errors are machine-readable too.
+    err = run("show", url, "--step", 5, "--json", target=cloud)
+    assert err.exit_code == 3
+    assert json.loads(err.stdout)["error"]["type"] == "CheckpointNotFoundError"
+    assert json.loads(err.stdout)["error"]["exit_code"] == 3
+    assert "Traceback" not in err.output
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_damage_fallback_and_repair(cloud, manager_factory, tmp_path, damage):
+    url = cloud.url
+    store = open_store(url, cloud.storage_options)
+    writer = manager_factory(cloud, auto_gc=False)
+    for step in (1, 2):
+        with writer.save(step=step) as d:
+            (d / "w.bin").write_bytes(bytes([step]) * 100_000)
+        writer.wait()
+    latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
+    step2 = latest.current
+
+    # A bit flip in step 2's data: only --read-data sees it; restore falls back to step 1.
+    flip_bit(store, step2.ckpt + "files/w.bin", seed=1)
+    assert run("verify", url, target=cloud).exit_code == 0
+    bad = run("verify", url, "--read-data", "--json", target=cloud)
+    assert bad.exit_code == 4
+    doc = json.loads(bad.stdout)
+    assert not doc["ok"] and doc["checkpoints"][0]["status"] == "damaged"
+    assert "does not match its digest" in doc["checkpoints"][0]["reasons"][0]
+    human = run("verify", url, "--read-data", target=cloud)
+    assert human.exit_code == 4 and "damaged" in human.stdout
+    fallback = ok_json(run("restore", url, tmp_path / "r", "--json", target=cloud))
+    assert fallback["step"] == 1 and [s["step"] for s in fallback["skipped"]] == [2]
+    assert "skipped step 2" in run("restore", url, tmp_path / "r2", target=cloud).stderr
+
+    # LATEST lost or damaged: reads fall back loudly, writes stop with "needs repair".
+    if damage == "missing":
+        store.delete(protocol.LATEST_KEY)
+    else:
+        flip_bit(store, protocol.LATEST_KEY, seed=2)
+    listing = run("ls", url, "--json", target=cloud)
+    assert listing.exit_code == 0 and json.loads(listing.stdout)["from_commit_records"] is True
+    assert "cloudckpt repair" in listing.stderr
+    make_tree(tmp_path / "src", 3)
+    for args in (
+        ("push", tmp_path / "src", url, "--step", 3),
+        ("pin", url, 1),
+        ("gc", url, "--dry-run"),
+        ("verify", url),
+    ):
+        result = run(*args, target=cloud)
+        assert result.exit_code == 6, (args, result.output)
+        assert "cloudckpt repair" in result.stderr + result.stdout
+
+    dry = ok_json(run("repair", url, "--dry-run", "--json", target=cloud))
+    assert dry["action"] == "would-rebuild"
+    fixed = ok_json(run("repair", url, "--json", target=cloud))
+    assert fixed["action"] == "rebuilt" and fixed["current_step"] == 2
+    assert fixed["epoch"] > latest.writer.epoch and fixed["seq"] > latest.seq
+    assert fixed["latest_state"] == {"missing": "missing", "corrupt": "damaged"}[damage]
+    assert ok_json(run("repair", url, "--json", target=cloud))["action"] == "healthy"
+
+    # The writer from before is fenced; the CLI may write again without --force (the
+    # run's writer is now `repair`, which is not a process that keeps committing).
+    with pytest.raises(FencedError):
+        with writer.save(step=3) as d:
+            (d / "w.bin").write_bytes(b"zombie")
+        writer.wait()
+    pushed = ok_json(run("push", tmp_path / "src", url, "--step", 3, "--json", target=cloud))
+    assert pushed["epoch"] == fixed["epoch"] + 1
+    assert [c["step"] for c in ok_json(run("ls", url, "--json", target=cloud))["checkpoints"]] == [
+        3, 2, 1,
+    ]  # fmt: skip
+    store.close()
+
+
+def test_exit_code_table_is_what_the_code_does():
+    from cloudckpt import errors
+
+    codes = dict(EXIT_CODE_TABLE)
+    assert exit_code_for(errors.DestinationNotEmptyError("x")) == 7 and 7 in codes
+    assert exit_code_for(errors.NeedsRepairError("x")) == 6 and 6 in codes
+    assert exit_code_for(errors.FencedError("x")) == 5
+    assert exit_code_for(errors.CorruptionError("x")) == 4
+    assert exit_code_for(errors.CheckpointNotFoundError("x")) == 3
+    assert exit_code_for(errors.BucketNotFoundError("x")) == 3
+    assert exit_code_for(errors.ConfigurationError("x")) == 2
+    assert exit_code_for(errors.CredentialsError("x")) == 8
+    assert exit_code_for(errors.OutcomeUnknownError("x")) == 9
+    assert exit_code_for(errors.StagingError("x")) == 1
+    assert exit_code_for(RuntimeError("x")) == 1
+    documented = Path(__file__).parent.parent / "docs" / "cli.md"
+    text = documented.read_text()
+    for code, _ in EXIT_CODE_TABLE:
+        assert f"| {code} " in text, f"exit code {code} is not documented in docs/cli.md"
+
+
+# --- as a real process: environment variables, secrets, interrupts ------------------------
+
+
+def cloudckpt(*args, env=None, **kwargs):
+    return subprocess.run(
+        [sys.executable, "-m", "cloudckpt.cli", *map(str, args)],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **kwargs,
+    )
+
+
+def test_environment_configures_stores_and_secrets_are_never_printed(
+    s3_target, gcs_target, tmp_path
+):
+    secret = "Sup3rS3cretValue-do-not-print"
+    aws = {
+        "AWS_ENDPOINT_URL": s3_target.storage_options["endpoint_url"],
+        "AWS_ACCESS_KEY_ID": "AKIAEXAMPLEKEYID0000",
+        "AWS_SECRET_ACCESS_KEY": secret,
+        "AWS_REGION": "us-east-1",
+    }
+    make_tree(tmp_path / "src", 1)
+    pushed = cloudckpt("push", tmp_path / "src", s3_target.url, "--step", 1, env=aws)
+    assert pushed.returncode == 0, pushed.stderr
+    # That push's process has exited, so a second push needs no --force.
+    pushed = cloudckpt("push", tmp_path / "src", s3_target.url, "--step", 2, "--json", env=aws)
+    assert pushed.returncode == 0, pushed.stderr
+    assert json.loads(pushed.stdout)["fenced_writer"]["active"] is False
+    listed = cloudckpt("ls", s3_target.url, "--json", env=aws)
+    assert [c["step"] for c in json.loads(listed.stdout)["checkpoints"]] == [2, 1]
+
+    gcs = {"STORAGE_EMULATOR_HOST": gcs_target.storage_options["endpoint_url"]}
+    listed = cloudckpt("ls", gcs_target.url, "-o", "token=anon", "--json", env=gcs)
+    assert listed.returncode == 0, listed.stderr
+    assert json.loads(listed.stdout)["checkpoints"] == []
+
+    failures = [
+        cloudckpt("-vv", "ls", s3_target.url.replace("://", "://missing-"), env=aws),
+        cloudckpt(
+            "ls",
+            s3_target.url.replace("://", "://missing-"),
+            "-o",
+            f"secret={secret}",
+            "-o",
+            "key=AKIAEXAMPLEKEYID0000",
+            "--json",
+            env=aws,
+        ),
+    ]
+    for failed in failures:
+        assert failed.returncode == 3, failed.stderr
+        assert "cloudckpt: error: bucket 'missing-" in failed.stderr
+        assert secret not in failed.stdout + failed.stderr
+    assert "Traceback" in failures[0].stderr  # -vv shows it (and still no secret)
+    assert "Traceback" not in failures[1].stderr
+    assert json.loads(failures[1].stdout)["error"]["exit_code"] == 3
+
+
+def test_interrupted_restore_leaves_dest_as_it_was(s3_target, manager_factory, tmp_path):
+    from cloudckpt import TransferConfig
+
+    mgr = manager_factory(s3_target, auto_gc=False, transfer=TransferConfig(concurrency=4))
+    with mgr.save(step=1) as d:
+        (d / "big.bin").write_bytes(random.Random(1).randbytes(64 * MiB))
+        (d / "small.txt").write_bytes(b"new")
+    mgr.wait()
+    env = {"AWS_EC2_METADATA_DISABLED": "true"}
+    parent = tmp_path / "area"
+    dest = parent / "dest"
+    dest.mkdir(parents=True)
+    (dest / "old.txt").write_bytes(b"the previous contents")
+
+    def interrupted(sig) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "cloudckpt.cli",
+                "restore",
+                s3_target.url,
+                str(dest),
+                "--force",
+                *flags(s3_target),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, **env},
+        )
+        # Wait until the download is under way: the temporary directory beside DEST holds
+        # the preallocated file, then interrupt while bytes are still arriving.
+        while proc.poll() is None:
+            tmps = [p for p in parent.iterdir() if "cloudckpt-tmp" in p.name]
+            if tmps and (tmps[0] / "big.bin").exists():
+                break
+            time.sleep(0.002)
+        assert proc.poll() is None, "the restore finished before it could be interrupted"
+        proc.send_signal(sig)
+        proc.communicate(timeout=60)
+        return proc
+
+    # Ctrl-C (and SIGTERM): DEST untouched, the temporary directory cleaned up.
+    for sig, code in ((2, 130), (15, 130)):
+        proc = interrupted(sig)
+        assert proc.returncode == code
+        assert read_tree(dest) == {"old.txt": b"the previous contents"}
+        assert sorted(p.name for p in parent.iterdir()) == ["dest"]
+
+    # SIGKILL (no cleanup possible): DEST is still exactly as it was.
+    proc = interrupted(9)
+    assert proc.returncode == -9
+    assert read_tree(dest) == {"old.txt": b"the previous contents"}
+
+    # And a restore that runs to the end replaces it.
+    done = cloudckpt("restore", s3_target.url, dest, "--force", *flags(s3_target), env=env)
+    assert done.returncode == 0, done.stderr
+    assert read_tree(dest)["small.txt"] == b"new" and "old.txt" not in read_tree(dest)
+
+
+def test_interrupted_push_flushes_once_and_abandons_on_the_second_signal(s3_target, tmp_path):
+    store = open_store(s3_target.url, s3_target.storage_options)
+
+    def push(step: int, signals: int, size: int) -> subprocess.CompletedProcess:
+        src = tmp_path / f"src{step}"
+        src.mkdir()
+        (src / "big.bin").write_bytes(random.Random(step).randbytes(size))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cloudckpt.cli", "push", str(src), s3_target.url,
+             "--step", str(step), "--force", *flags(s3_target)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        prefix = f"ckpt/{step:012d}-"
+        while proc.poll() is None and not any(store.list(prefix)):
+            time.sleep(0.01)  # until the attempt's ATTEMPT.json is in the bucket
+        assert proc.poll() is None, "the push finished before it could be interrupted"
+        for _ in range(signals):
+            proc.send_signal(15)
+            time.sleep(0.1)
+        out, err = proc.communicate(timeout=120)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    flushed = push(1, signals=1, size=32 * MiB)
+    assert flushed.returncode == 0, flushed.stderr
+    assert "waiting for the upload in progress to commit" in flushed.stderr
+    latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
+    assert latest.current.step == 1
+
+    abandoned = push(2, signals=2, size=128 * MiB)  # still uploading at the 2nd signal
+    assert abandoned.returncode == 130, abandoned.stderr
+    latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
+    assert latest.current.step == 1 and [r.step for r in latest.retained()] == [1]
+    assert any(store.list("ckpt/000000000002-")), "the abandoned attempt should stay for GC"
+    store.close()
