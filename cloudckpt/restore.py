@@ -15,6 +15,7 @@ fresh temporary directory beside the destination, so nothing lands outside it.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import logging
 import os
 import secrets
@@ -147,6 +148,12 @@ def _prepare_destination(into: Path, overwrite: bool) -> None:
     if into.is_dir() and any(into.iterdir()) and not overwrite:
         raise DestinationNotEmptyError(f"{into} is not empty")
     into.parent.mkdir(parents=True, exist_ok=True)
+    # A restore into this destination that was killed (SIGKILL, power loss) leaves its
+    # temporary directory beside it; nothing else writes these names.
+    for leftover in into.parent.glob(f".{glob.escape(into.name)}.cloudckpt-*-*"):
+        if leftover.is_dir() and leftover.name.split(".cloudckpt-")[-1][:4] in ("tmp-", "old-"):
+            log.info("removing %s, left by an interrupted restore", leftover)
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _place(tmp: Path, into: Path) -> None:

@@ -262,3 +262,19 @@ def test_destination_not_empty(target, manager_factory, tmp_path):
     assert _read_tree(dest) == {"keep": b"old"}
     res = mgr.restore(into=dest, overwrite=True)
     assert _read_tree(res.path) == {"a": b"new"}
+
+
+def test_leftovers_of_a_killed_restore_are_cleaned_up(memory_target, manager_factory, tmp_path):
+    mgr = manager_factory(memory_target)
+    with mgr.save(step=1) as d:
+        (d / "a").write_bytes(b"1")
+    mgr.wait()
+    dest = tmp_path / "dest"
+    leftover = tmp_path / ".dest.cloudckpt-tmp-0123abcd"  # as a SIGKILLed restore leaves it
+    leftover.mkdir()
+    (leftover / "a").write_bytes(b"partial")
+    unrelated = tmp_path / ".other.cloudckpt-tmp-0123abcd"
+    unrelated.mkdir()
+    mgr.restore(into=dest)
+    assert not leftover.exists() and unrelated.exists()
+    assert (dest / "a").read_bytes() == b"1"
