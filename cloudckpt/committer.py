@@ -18,7 +18,7 @@ import dataclasses
 import datetime as dt
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from cloudckpt import protocol
 from cloudckpt.errors import (
@@ -42,6 +42,7 @@ from cloudckpt.stores import CREATE, PutMode, Store, Update
 log = logging.getLogger("cloudckpt.commit")
 
 MAX_CAS_ATTEMPTS = 20
+_SETTING_FIELDS = frozenset(f.name for f in dataclasses.fields(Settings))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,11 +102,15 @@ class Committer:
         writer_id: str,
         settings: Settings,
         *,
+        inherit: Iterable[str] = (),
         clock: Callable[[], dt.datetime] = _utcnow,
     ) -> None:
+        """``settings`` are written into LATEST by the claim and every commit, except the
+        fields named in ``inherit``, which keep the run's current values."""
         self.store = store
         self.writer_id = writer_id
         self.settings = settings
+        self._inherit = frozenset(inherit)
         self._clock = clock
         self._mine: VersionedLatest | None = None  # what this writer last wrote
 
@@ -158,10 +163,15 @@ class Committer:
             now = self._clock()
             if current is None:
                 if run_has_data(self.store):
+                    if self._reread_quietly() is not None:
+                        continue  # a racing writer created the run after our read
                     raise NeedsRepairError(f"{self.store.url} holds checkpoints but no LATEST")
                 writer = protocol.Writer(1, self.writer_id, protocol.iso(now))
                 new, mode = protocol.initial(writer, self.settings, now), CREATE
             else:
+                if self._inherit:
+                    mine = {f: getattr(self.settings, f) for f in _SETTING_FIELDS - self._inherit}
+                    self.settings = dataclasses.replace(current.latest.settings, **mine)
                 new = protocol.claim(current.latest, self.writer_id, self.settings, now)
                 mode = Update(current.version)
             try:
@@ -226,7 +236,12 @@ class Committer:
             if seen.latest.find(record.commit_id):
                 # Our write landed; its answer was lost, or an SDK retry met our own write.
                 write_commit_record(self.store, new.to_bytes(), new.seq)
-                self._mine = seen
+                if seen.latest.writer == self._mine.latest.writer:
+                    self._mine = seen
+                else:
+                    # A newer writer claimed after our commit landed. Keep our own writer
+                    # (not theirs) as the fencing reference: the next commit must fail.
+                    self._mine = VersionedLatest(new, base.version)
                 return seen.latest
             if seen.version == base.version:
                 continue  # nothing changed: the write did not land; send it again

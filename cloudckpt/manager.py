@@ -43,8 +43,9 @@ from cloudckpt.errors import (
 )
 from cloudckpt.failpoints import hit as failpoint
 from cloudckpt.gc import GCReport, collect_garbage
-from cloudckpt.protocol import CheckpointRecord, Latest, Manifest, Settings
+from cloudckpt.protocol import INHERIT, CheckpointRecord, Latest, Manifest, Settings
 from cloudckpt.restore import RestoreResult, load_latest_for_reading, restore
+from cloudckpt.restore import _prepare_destination as check_destination
 from cloudckpt.retry import IDEMPOTENT_RETRY, call_with_retries
 from cloudckpt.staging import COMMITTED, DURABLE, FAILED, STAGED, Attempt, StagingArea
 from cloudckpt.stores import CREATE, OVERWRITE, Store, open_store
@@ -150,10 +151,9 @@ class SaveHandle:
 
     def result(self, timeout: float | None = None) -> CommitInfo:
         """Wait for the commit. Raises TimeoutError if it is not done within ``timeout``."""
-        try:
-            return self._future.result(timeout)
-        except cf.TimeoutError:
-            raise TimeoutError(f"the save of step {self.step} is not committed yet") from None
+        if not _wait_interruptibly([self._future], timeout):
+            raise TimeoutError(f"the save of step {self.step} is not committed yet")
+        return self._future.result()
 
     def done(self) -> bool:
         return self._future.done()
@@ -164,6 +164,20 @@ class SaveHandle:
     def __repr__(self) -> str:
         state = "pending" if not self.done() else ("failed" if self.exception() else "committed")
         return f"<SaveHandle step={self.step} {state}>"
+
+
+def _wait_interruptibly(futures: list[cf.Future], timeout: float | None) -> bool:
+    """Wait for ``futures``; True when all are done. Waits in short slices: a signal
+    (Ctrl-C, SIGTERM) delivered to one of the transfer threads does not wake a main thread
+    blocked on a lock, so one long wait would delay its handler until the save finished."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            return all(f.done() for f in futures)
+        _, pending = cf.wait(futures, 0.2 if remaining is None else min(remaining, 0.2))
+        if not pending:
+            return True
 
 
 @dataclasses.dataclass
@@ -184,6 +198,10 @@ class CheckpointManager:
             Default: a fresh temporary directory (no crash recovery across restarts).
         keep_last: keep the newest N committed checkpoints (None: keep all).
         keep_every: also keep every checkpoint whose step is a multiple of K.
+            keep_last, keep_every and gc_grace are run settings stored in LATEST: left
+            unset, they keep the run's current values (defaults for a new run: keep_last=3,
+            keep_every=None, gc_grace=2 h), so restarting a job with default arguments
+            never changes how much of its history is kept.
         storage_options: passed to the store as fsspec users pass them (credentials,
             ``endpoint_url``, ``client_kwargs``, ``profile``, ``token``...).
         gc_grace: seconds before unreferenced data may be deleted; also the longest a save
@@ -204,10 +222,10 @@ class CheckpointManager:
         url: str | Store,
         *,
         staging_dir: str | os.PathLike[str] | None = None,
-        keep_last: int | None = 3,
-        keep_every: int | None = None,
+        keep_last: int | None = INHERIT,
+        keep_every: int | None = INHERIT,
         storage_options: Mapping[str, Any] | None = None,
-        gc_grace: float = 2 * 3600,
+        gc_grace: float = INHERIT,
         auto_gc: bool = True,
         gc_interval: float = 600,
         max_pending: int = 1,
@@ -222,7 +240,7 @@ class CheckpointManager:
             )
         if max_pending < 0:
             raise ConfigurationError("max_pending must be >= 0")
-        if gc_grace < 1:
+        if gc_grace is not INHERIT and gc_grace < 1:
             raise ConfigurationError("gc_grace must be at least 1 second")
         self._owns_store = not isinstance(url, Store)
         self.store: Store = (
@@ -231,10 +249,14 @@ class CheckpointManager:
             else url
         )
         self.url = self.store.url
-        self.settings = Settings(
-            keep_last=keep_last, keep_every=keep_every, gc_grace_s=int(gc_grace)
-        )
-        protocol.RetentionPolicy(keep_last, keep_every)  # validates
+        given = {
+            "keep_last": keep_last,
+            "keep_every": keep_every,
+            "gc_grace_s": gc_grace if gc_grace is INHERIT else int(gc_grace),
+        }
+        explicit = {k: v for k, v in given.items() if v is not INHERIT}
+        settings = dataclasses.replace(Settings(), **explicit)
+        protocol.RetentionPolicy(settings.keep_last, settings.keep_every)  # validates
         self._tmp_staging = None
         if staging_dir is None:
             self._tmp_staging = tempfile.TemporaryDirectory(prefix="cloudckpt-staging-")
@@ -243,7 +265,9 @@ class CheckpointManager:
         self._leftovers = list(self.staging.journaled())
         self.engine = TransferEngine(transfer)
         self.writer_id = protocol.new_writer_id()
-        self.committer = Committer(self.store, self.writer_id, self.settings)
+        self.committer = Committer(
+            self.store, self.writer_id, settings, inherit=set(given) - set(explicit)
+        )
         self._progress = progress
         self._auto_gc = auto_gc
         self._gc_interval = gc_interval
@@ -254,6 +278,7 @@ class CheckpointManager:
         self._cv = threading.Condition()
         self._queue: collections.deque[_Job] = collections.deque()
         self._reserved = 0  # saves inside their with-block, holding a queue slot
+        self._open: dict[SaveHandle, int] = {}  # those saves -> the thread that entered them
         self._inflight: _Job | None = None
         self._handles: list[SaveHandle] = []
         self._worker: threading.Thread | None = None
@@ -261,6 +286,15 @@ class CheckpointManager:
         self._closed = False
         self._fenced: FencedError | None = None
         self._commit_lock = threading.Lock()  # the committer is single-threaded
+        # Test hook (cloudckpt.testing.simulation): run each save in the thread that hands
+        # it over instead of on the background thread, so a seeded scheduler can
+        # interleave managers deterministically.
+        self._synchronous = False
+
+    @property
+    def settings(self) -> Settings:
+        """The run settings this writer commits with (the run's own once it has claimed)."""
+        return self.committer.settings
 
     # ---------------------------------------------------------------- public API
 
@@ -279,9 +313,12 @@ class CheckpointManager:
             DestinationNotEmptyError, StoreError, CommitConflictError.
         """
         self._check_open()
+        # Check the destination before claiming: a bad argument must not fence the writer.
+        check_destination(Path(into).expanduser().absolute(), overwrite)
         with self._commit_lock:
             latest = self.committer.claim()
             recovered = self._recover(latest)
+        self._drain()
         for job in recovered:
             try:
                 job.handle.result()
@@ -334,13 +371,24 @@ class CheckpointManager:
     def wait(self, timeout: float | None = None) -> None:
         """Wait until every save handed over so far has committed or failed.
 
+        Saves that other threads are still writing (inside ``save()``'s block, e.g. a
+        background serializer) are waited for too, so ``close()`` never loses them.
+
         Raises: the first failed save's error (others are logged); TimeoutError.
         """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        me = threading.get_ident()
         with self._cv:
+            while any(thread != me for thread in self._open.values()):
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"saves still being written after {timeout}s")
+                self._cv.wait(remaining)
             handles = list(self._handles)
-        _done, not_done = cf.wait([h._future for h in handles], timeout)
-        if not_done:
-            raise TimeoutError(f"{len(not_done)} save(s) still pending after {timeout}s")
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not _wait_interruptibly([h._future for h in handles], remaining):
+            pending = sum(not h.done() for h in handles)
+            raise TimeoutError(f"{pending} save(s) still pending after {timeout}s")
         errors = [h for h in handles if h.exception() is not None]
         with self._cv:
             self._handles = [h for h in self._handles if h not in handles]
@@ -458,12 +506,14 @@ class CheckpointManager:
                     continue
                 self._cv.wait()
             self._reserved += 1
+            self._open[handle] = threading.get_ident()
         try:
             attempt_id = protocol.new_attempt_id(dt.datetime.now(dt.timezone.utc))
             return self.staging.new_attempt(attempt_id, handle.step, handle.metadata)
         except BaseException:
             with self._cv:
                 self._reserved -= 1
+                self._open.pop(handle, None)
                 self._cv.notify_all()
             raise
 
@@ -481,6 +531,7 @@ class CheckpointManager:
             handle._attempt.remove()
         with self._cv:
             self._reserved -= 1
+            self._open.pop(handle, None)
             self._cv.notify_all()
         handle._future.set_exception(
             CloudCkptError(
@@ -495,20 +546,32 @@ class CheckpointManager:
         handle.handed_over_at = time.perf_counter()
         with self._cv:
             self._reserved -= 1
+            self._open.pop(handle, None)
             self._queue.append(_Job(handle, attempt))
             self._handles.append(handle)
             self._ensure_worker()
             self._cv.notify_all()
+        self._drain()
 
     def _ensure_worker(self) -> None:
-        if self._worker is None:
+        if self._worker is None and not self._synchronous:
             self._worker = threading.Thread(target=self._run, name="cloudckpt-saver", daemon=True)
             self._worker.start()
 
-    def _run(self) -> None:
+    def _drain(self) -> None:
+        """Synchronous mode: run every queued save now, in this thread."""
+        if not self._synchronous:
+            return
+        self._worker = threading.current_thread()
+        try:
+            self._run(until_idle=True)
+        finally:
+            self._worker = None
+
+    def _run(self, until_idle: bool = False) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._closing:
+                while not self._queue and not self._closing and not until_idle:
                     self._cv.wait()
                 if not self._queue:
                     return
@@ -610,6 +673,7 @@ class CheckpointManager:
                 self.store, prefix + protocol.FILES_DIR, attempt.list_files(), self._progress
             )
             failpoint("save.after_upload")
+            self._check_uploaded(prefix + protocol.FILES_DIR, entries)
             now = dt.datetime.now(dt.timezone.utc)
             manifest = Manifest(
                 ckpt=prefix,
@@ -656,6 +720,25 @@ class CheckpointManager:
             info.commit_seconds,
         )
         return info
+
+    def _check_uploaded(self, files_prefix: str, entries: list[protocol.FileEntry]) -> None:
+        """One listing: every file is stored with the size that was sent. A store or proxy
+        that silently keeps fewer bytes would otherwise get a torn checkpoint committed."""
+        listed = call_with_retries(
+            lambda: list(self.store.list(files_prefix)), what="list the uploaded files"
+        )
+        sizes = {o.key[len(files_prefix) :]: o.size for o in listed}
+        for entry in entries:
+            stored = sizes.get(entry.path)
+            if stored != entry.size:
+                raise StoreError(
+                    f"{self.url}{files_prefix}{entry.path} holds "
+                    f"{'nothing' if stored is None else f'{stored} bytes'} after uploading "
+                    f"{entry.size} bytes; the checkpoint was not committed",
+                    key=files_prefix + entry.path,
+                    hint="The store or a proxy lost part of the upload. Save again; "
+                    "check any proxy between this host and the store",
+                )
 
     def _fail(self, attempt: Attempt) -> None:
         # Only the local copy goes; what reached the store stays for GC (DESIGN §6.7).

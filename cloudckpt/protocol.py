@@ -252,6 +252,17 @@ class RetentionPolicy:
                 raise ConfigurationError(f"{name} must be a positive int or None, got {value!r}")
 
 
+class _Inherit:
+    """Default of a run setting: keep what the run's LATEST says (or the default for a new
+    run), so a writer that does not say otherwise never silently changes retention."""
+
+    def __repr__(self) -> str:
+        return "INHERIT"
+
+
+INHERIT: Any = _Inherit()
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """Run-wide settings every writer and GC honour, carried in LATEST."""
@@ -475,9 +486,11 @@ def pin(base: Latest, commit_id: str, label: str, now: dt.datetime) -> Latest:
     return _next(base, now, "pin", pins=pins, history=history, tombstones=tombstones)
 
 
-def unpin(base: Latest, commit_id: str, now: dt.datetime) -> Latest:
-    """Remove a pin; retention then decides whether the checkpoint stays."""
-    pins = tuple(p for p in base.pins if p.commit_id != commit_id)
+def unpin(base: Latest, commit_id: str | Iterable[str], now: dt.datetime) -> Latest:
+    """Remove the pins of one checkpoint (or several, in one write); retention then
+    decides whether they stay."""
+    ids = {commit_id} if isinstance(commit_id, str) else set(commit_id)
+    pins = tuple(p for p in base.pins if p.commit_id not in ids)
     unpinned = dataclasses.replace(base, pins=pins)
     history, tombstones = _apply_retention(
         unpinned, base.current, base.history, base.settings, base.seq + 1
@@ -500,6 +513,14 @@ def forget_tombstones(base: Latest, commit_ids: Iterable[str], now: dt.datetime)
     ids = set(commit_ids)
     tombstones = tuple(t for t in base.tombstones if t.record.commit_id not in ids)
     return _next(base, now, "gc-forget", tombstones=tombstones)
+
+
+def sweep(base: Latest, now: dt.datetime) -> Latest:
+    """GC, before deleting unreferenced attempts: a write that changes nothing but ``seq``.
+    A commit that was decided before it and delayed in flight then fails its
+    compare-and-swap, re-reads and re-checks its deadline (StaleAttemptError), so it
+    cannot land after GC judged its attempt old enough to delete."""
+    return _next(base, now, "gc-sweep")
 
 
 # --- manifests ---------------------------------------------------------------------------

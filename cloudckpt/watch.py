@@ -203,10 +203,7 @@ class Watcher:
                 latest = self._read_run(store)
             finally:
                 store.close()
-            if latest is not None:  # keep the run's retention: claiming writes settings
-                manager_options.setdefault("keep_last", latest.settings.keep_last)
-                manager_options.setdefault("keep_every", latest.settings.keep_every)
-                manager_options.setdefault("gc_grace", latest.settings.gc_grace_s)
+            # Retention and grace left unset keep the run's own (the manager inherits them).
             manager_options.setdefault("max_pending", 2)
             self.manager = CheckpointManager(
                 url, storage_options=storage_options, **manager_options

@@ -417,11 +417,18 @@ def test_interrupted_push_flushes_once_and_abandons_on_the_second_signal(s3_targ
         while proc.poll() is None and not any(store.list(prefix)):
             time.sleep(0.01)  # until the attempt's ATTEMPT.json is in the bucket
         assert proc.poll() is None, "the push finished before it could be interrupted"
+        seen = []
         for _ in range(signals):
             proc.send_signal(15)
-            time.sleep(0.1)
+            # Wait until the push has handled this signal before sending the next one: two
+            # SIGTERMs that arrive before Python runs its handler coalesce into one.
+            while proc.poll() is None:
+                line = proc.stderr.readline()
+                seen.append(line)
+                if "interrupted" in line or not line:
+                    break
         out, err = proc.communicate(timeout=120)
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, "".join(seen) + err)
 
     flushed = push(1, signals=1, size=32 * MiB)
     assert flushed.returncode == 0, flushed.stderr

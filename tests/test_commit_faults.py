@@ -377,3 +377,19 @@ def test_gc_grace_cannot_undercut_the_runs_setting(memory_target, manager_factor
     clock.advance(10)
     report = mgr.gc(grace=1)
     assert report.grace_seconds == 1000 and not report.deleted_checkpoints
+
+
+def test_run_settings_are_inherited_unless_given(memory_target, manager_factory, tmp_path):
+    first = manager_factory(memory_target, keep_last=5, gc_grace=9000)
+    _save(first, 1).result()
+    again = manager_factory(memory_target)  # defaults: keep the run's settings
+    again.resume(into=tmp_path / "r1")
+    assert (again.settings.keep_last, again.settings.gc_grace_s) == (5, 9000)
+    _save(again, 2).result()
+    latest = protocol.parse_latest(open_store(memory_target.url).get(protocol.LATEST_KEY)[0])
+    assert latest.settings.keep_last == 5 and latest.settings.gc_grace_s == 9000
+    changed = manager_factory(memory_target, keep_last=2)
+    changed.resume(into=tmp_path / "r2")
+    assert (changed.settings.keep_last, changed.settings.gc_grace_s) == (2, 9000)
+    fresh = manager_factory(open_store("memory://fresh-run-settings/run"))
+    assert fresh.settings.keep_last == 3

@@ -391,15 +391,9 @@ def push_cmd(
     total = sum(p.stat().st_size for p in files)
     with _closing(store_args.open(url)) as store:
         previous = check_takeover(store, force=force)
-        settings = {}
+        settings = {}  # unset: the manager keeps the run's retention and grace
         head = read_latest(store) if previous is not None else None
         if head is not None:
-            s = head.latest.settings
-            settings = {
-                "keep_last": s.keep_last,
-                "keep_every": s.keep_every,
-                "gc_grace": s.gc_grace_s,
-            }
             current = head.latest.current
             if current is not None and step <= current.step:
                 warn(

@@ -1,0 +1,166 @@
+"""Lightning Trainer + CloudCheckpointIO against the moto S3 server, in child processes.
+
+A tiny LightningModule (MLP with dropout, AdamW, a per-step StepLR) trains on synthetic
+data in a child process (tests/scripts/lightning_train.py), checkpointing at every epoch
+end. One run is SIGKILLed while a later checkpoint is uploading and resumed on a "new host"
+(a fresh directory) from the store; its losses must equal an uninterrupted run's. Another
+run gets SIGTERM mid-epoch and must commit an emergency checkpoint and exit with status 0.
+
+Why exact equality holds: same seeds, ``deterministic=True``, one CPU thread, no workers, a
+seeded ``DistributedSampler`` (one replica) whose order depends only on the epoch, and
+``RNGStateCallback`` restoring the RNG (dropout is on) at the epoch boundary the checkpoint
+was taken at. The resumed run repeats the same float operations in the same order.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("lightning")
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from childrun import ChildRun, read_events
+
+from cloudckpt.restore import load_latest_for_reading
+from cloudckpt.stores import open_store
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).parent / "scripts" / "lightning_train.py"
+MAX_EPOCHS, STEPS_PER_EPOCH = 6, 4
+
+
+def _bucket(moto_server, name: str) -> tuple[str, dict[str, Any]]:
+    moto_server.create_bucket(name)
+    return f"s3://{name}/run", moto_server.storage_options()
+
+
+def _latest(url: str, options: dict[str, Any]):
+    store = open_store(url, options)
+    try:
+        latest, _ = load_latest_for_reading(store)
+        return latest
+    finally:
+        store.close()
+
+
+def _start(tmp: Path, name: str, *args: str, options=None) -> ChildRun:
+    return ChildRun(
+        SCRIPT,
+        ["--root", str(tmp / name), *args],
+        events=tmp / f"{name}.jsonl",
+        log=tmp / f"{name}.log",
+        storage_options=options,
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(moto_server, tmp_path_factory):
+    """Three children start at once (importing lightning takes most of the time): the run
+    to be killed; the run that will resume it, which waits after its imports until the test
+    says go; and one that first trains the uninterrupted reference run, then the run that
+    gets SIGTERM."""
+    tmp = tmp_path_factory.mktemp("lightning")
+    kill_url, kill_options = _bucket(moto_server, "pl-kill")
+    preempt_url, preempt_options = _bucket(moto_server, "pl-preempt")
+    epochs = f"--max-epochs={MAX_EPOCHS}"
+    started = {
+        "killed": _start(
+            tmp,
+            "killed",
+            f"--url={kill_url}",
+            epochs,
+            "--upload-latency=0.4",  # slow uploads: a later checkpoint is in flight at the kill
+            options=kill_options,
+        ),
+        "resumed": _start(
+            tmp,
+            "resumed",
+            f"--url={kill_url}",
+            epochs,
+            "--resume",
+            f"--wait-for={tmp / 'go'}",
+            options=kill_options,
+        ),
+        "preempted": _start(
+            tmp,
+            "preempted",
+            f"--reference-first={tmp / 'reference.jsonl'}",  # 6 epochs without cloudckpt
+            f"--url={preempt_url}",
+            "--max-epochs=200",
+            options=preempt_options,
+        ),
+    }
+    preempted = started["preempted"]
+    # SIGTERM mid-epoch (step 6 of 4-step epochs), from a thread.
+    preempted.signal_when(
+        lambda: any(e["step"] >= 6 for e in preempted.events("loss")), signal.SIGTERM, 400
+    )
+    yield {
+        **started,
+        "tmp": tmp,
+        "kill_url": (kill_url, kill_options),
+        "preempt_url": (preempt_url, preempt_options),
+    }
+    for run in started.values():
+        run.kill()
+
+
+def test_sigkill_then_resume_in_a_fresh_dir_matches_an_uninterrupted_run(runs):
+    url, options = runs["kill_url"]
+    killed, resumed, tmp = runs["killed"], runs["resumed"], runs["tmp"]
+
+    def committed_and_one_in_flight() -> bool:
+        latest = _latest(url, options)
+        saved = [e["step"] for e in killed.events("saved")]
+        return bool(latest and latest.current and saved) and max(saved) > latest.current.step
+
+    killed.wait_until(committed_and_one_in_flight, 240, "a commit with a later save in flight")
+    killed.kill()
+    killed.wait(10)
+    current = _latest(url, options).current
+    assert max(e["step"] for e in killed.events("saved")) > current.step
+    assert current.step % STEPS_PER_EPOCH == 0
+    assert current.metadata["filename"] == f"epoch={current.step // 4 - 1}-step={current.step}.ckpt"
+
+    (tmp / "go").touch()  # the new host resumes from the store into a fresh directory
+    assert resumed.wait(300) == 0, resumed.log_tail()
+    new_dir = tmp / "resumed" / "checkpoints"
+    assert resumed.events("resumed")[0]["path"] == str(new_dir / current.metadata["filename"])
+    assert resumed.events("train_start")[0]["global_step"] == current.step
+
+    reference = tmp / "reference.jsonl"
+    runs["preempted"].wait_until(
+        lambda: read_events(reference, "end"), 300, "the end of the reference run"
+    )
+    expected = {e["step"]: (e["loss"], e["lr"]) for e in read_events(reference, "loss")}
+    got = {e["step"]: (e["loss"], e["lr"]) for e in resumed.events("loss")}
+    total = MAX_EPOCHS * STEPS_PER_EPOCH
+    assert sorted(got) == list(range(current.step, total))
+    assert got == {step: expected[step] for step in got}  # bitwise-equal losses and lrs
+
+    latest = _latest(url, options)
+    assert latest.current.step == total
+    # ModelCheckpoint(save_top_k=1) removed older local files; the store kept keep_last=3.
+    local = sorted(p.name for p in new_dir.glob("*.ckpt"))
+    assert f"epoch={MAX_EPOCHS - 1}-step={total}.ckpt" in local and "last.ckpt" in local
+    assert len(latest.retained()) == 3
+
+
+def test_sigterm_mid_epoch_commits_an_emergency_checkpoint_and_exits_zero(runs):
+    run = runs["preempted"]
+    url, options = runs["preempt_url"]
+    assert run.wait(300) == 0, run.log_tail()
+    end = run.events("end")[0]
+    assert end["preempted"] is True
+    assert 6 <= end["global_step"] < 800
+    latest = _latest(url, options)
+    assert latest.current.step == end["global_step"]
+    emergency = [r for r in latest.retained() if r.metadata["filename"].startswith("preempted-")]
+    assert [r.step for r in emergency] == [end["global_step"]]
+    assert "preemption notice (signal): received SIGTERM" in run.log_tail(100_000)

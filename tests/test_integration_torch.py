@@ -1,0 +1,250 @@
+"""save_state / load_state: nested state dicts through the moto S3 server."""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+
+from safetensors import safe_open  # noqa: E402
+
+from cloudckpt import CloudCkptError, ConfigurationError  # noqa: E402
+from cloudckpt.integrations import torch as ct  # noqa: E402
+from cloudckpt.integrations.torch import StateSaver, load_state, save_state  # noqa: E402
+
+
+class Opaque:
+    """Neither a tensor nor plain data: goes to objects.pt."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        return isinstance(other, Opaque) and other.value == self.value
+
+    def __hash__(self):
+        return hash(self.value)
+
+
+def _model_and_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 4)
+    )
+    model[2].weight = torch.nn.Parameter(torch.randn(8, 4).T)  # a non-contiguous parameter
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=10)
+    for _ in range(2):
+        model(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+    return model, optimizer, scheduler
+
+
+def _nested_state():
+    model, optimizer, scheduler = _model_and_optimizer()
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),  # int keys, tuples (betas), 0-d step tensors
+        "scheduler": scheduler.state_dict(),
+        "step": 1234,
+        "name": "run-é",
+        "flags": [True, False, None],
+        "floats": (0.1, -0.0, math.inf, math.nan, 1e300),
+        "big": 2**70,
+        "dtypes": {
+            "bf16": torch.randn(3, 5, dtype=torch.bfloat16),
+            "f16": torch.randn(7, dtype=torch.float16),
+            "i64": torch.tensor([2**62, -3], dtype=torch.int64),
+            "bool": torch.tensor([[True, False], [False, True]]),
+            "u8": torch.arange(5, dtype=torch.uint8),
+            "scalar": torch.tensor(3.5),
+            "empty": torch.zeros(0, 3),
+        },
+        "views": {
+            "transposed": base.T,  # non-contiguous
+            "strided": base[::2, 1::3],
+            "tied_a": base,
+            "tied_b": base,  # the same tensor twice: one entry, one object after loading
+            "row": base[1],  # overlaps base: stored as its own copy
+        },
+        7: "an int key",
+        (1, "a"): "a tuple key",
+        "odd/key%": torch.ones(2),
+        "rng": {"numpy": np.random.RandomState(3).get_state(), "torch": torch.get_rng_state()},
+        "np_scalar": np.float32(1.5),
+        "meta": {
+            "dtype": torch.bfloat16,
+            "device": torch.device("cpu"),
+            "size": torch.Size([2, 3]),
+        },
+        "blob": b"\x00\xffbytes",
+        "odict": collections.OrderedDict([("z", 1), ("a", 2)]),
+    }
+
+
+def _assert_same(a, b, path="state"):
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), path
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}/{k!r}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{path}/{i}")
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b), path
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), path
+    else:
+        assert a == b, path
+        if isinstance(a, float):
+            assert math.copysign(1, a) == math.copysign(1, b), path
+
+
+def test_round_trip_of_a_nested_state_through_s3(s3_target, manager_factory, tmp_path):
+    state = _nested_state()
+    writer = manager_factory(s3_target)
+    handle = save_state(writer, 1234, state, metadata={"loss": 0.5})
+    assert handle.blocking_seconds > 0
+    info = handle.result(timeout=60)
+    assert info.step == 1234 and info.metadata == {"loss": 0.5}
+    assert info.num_files == 2  # tensors.safetensors + state.json: no pickle was needed
+
+    reader = manager_factory(s3_target)
+    restored = reader.resume(into=tmp_path / "restored")
+    loaded = load_state(restored)
+    _assert_same(state, loaded)
+    assert loaded["views"]["tied_a"] is loaded["views"]["tied_b"]
+    assert loaded["model"]._metadata == state["model"]._metadata
+    assert type(loaded["optimizer"]["param_groups"][0]["betas"]) is tuple
+
+    # The optimizer and model accept what came back.
+    model, optimizer, scheduler = _model_and_optimizer()
+    model.load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    scheduler.load_state_dict(loaded["scheduler"])
+    np.random.set_state(loaded["rng"]["numpy"])
+
+    # Any safetensors reader can open the tensors, named by their key paths.
+    with safe_open(str(restored.path / "tensors.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert {"model/0.weight", "optimizer/state/0/exp_avg", "dtypes/bf16", "odd%2Fkey%25"} <= names
+    doc = json.loads((restored.path / "state.json").read_text())
+    assert doc["format"] == "cloudckpt.torch/1"
+    # Views of one storage that are not the same view are independent copies, noted:
+    assert ["views/row", "views/strided", "views/tied_a", "views/transposed"] in doc[
+        "shared_storage"
+    ]
+
+
+def test_the_loop_waits_only_for_the_copy_and_buffers_are_reused(
+    s3_target, manager_factory, tmp_path, monkeypatch
+):
+    mgr = manager_factory(s3_target)
+    weights = {"w": torch.full((256, 256), 1.0), "b": torch.zeros(256)}
+
+    real_save = ct._st.save_file
+    writing = threading.Event()
+
+    def slow_save(tensors, path, metadata=None):
+        writing.set()
+        time.sleep(0.5)  # a slow local disk
+        real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(ct._st, "save_file", slow_save)
+    first = save_state(mgr, 1, weights)
+    # Returned before the file was written; the tensors may change at once.
+    assert first.blocking_seconds < 0.5
+    weights["w"].fill_(2.0)
+    weights["b"].fill_(2.0)
+    saver = ct._savers[mgr]
+    allocations = saver.pool.allocations
+    # The second save reuses the buffers, so it must wait for the first write to finish
+    # before copying (otherwise step 1 would be written with step 2's values).
+    second = save_state(mgr, 2, weights)
+    assert writing.is_set()
+    assert saver.pool.allocations == allocations == 2
+    first.result(timeout=60)
+    second.result(timeout=60)
+
+    one = load_state(mgr.restore(into=tmp_path / "one", step=1))
+    two = load_state(mgr.restore(into=tmp_path / "two", step=2))
+    assert torch.all(one["w"] == 1.0) and torch.all(one["b"] == 0.0)
+    assert torch.all(two["w"] == 2.0) and torch.all(two["b"] == 2.0)
+
+    # A state whose shapes changed: new buffers; the unused ones are freed.
+    save_state(mgr, 3, {"w": torch.ones(3)}).result(timeout=60)
+    assert saver.pool.nbytes == 3 * 4
+
+
+def test_close_waits_for_a_state_still_being_written(s3_target, manager_factory, monkeypatch):
+    real_save = ct._st.save_file
+
+    def slow_save(*args, **kwargs):
+        time.sleep(0.5)
+        real_save(*args, **kwargs)
+
+    monkeypatch.setattr(ct._st, "save_file", slow_save)
+    mgr = manager_factory(s3_target)
+    handle = save_state(mgr, 5, {"x": torch.ones(10)})
+    mgr.close()  # must not lose the save whose files were still being written
+    assert handle.done() and handle.result().step == 5
+    assert manager_factory(s3_target).latest().step == 5
+
+
+def test_unusual_leaves_are_pickled_and_loaded_weights_only(s3_target, manager_factory, tmp_path):
+    mgr = manager_factory(s3_target)
+    state = {"model": {"w": torch.ones(2)}, "extra": Opaque(3), "sparse": torch.eye(3).to_sparse()}
+    save_state(mgr, 1, state).result(timeout=60)
+    restored = mgr.restore(into=tmp_path / "r")
+    assert (restored.path / "objects.pt").is_file()
+
+    with pytest.raises(CloudCkptError, match="add_safe_globals"):
+        load_state(restored)
+    with torch.serialization.safe_globals([Opaque]):
+        loaded = load_state(restored)
+    assert loaded["extra"] == Opaque(3)
+    assert torch.equal(loaded["sparse"].to_dense(), torch.eye(3))
+    assert load_state(restored.path, weights_only=False)["extra"] == Opaque(3)
+
+
+def test_bad_states_are_refused_before_anything_is_written(s3_target, manager_factory):
+    mgr = manager_factory(s3_target)
+    cyclic: dict = {"a": 1}
+    cyclic["self"] = cyclic
+    with pytest.raises(ConfigurationError, match="cycle"):
+        save_state(mgr, 1, cyclic)
+    with pytest.raises(ConfigurationError, match="tensor is used as a dict key"):
+        save_state(mgr, 1, {torch.ones(1): 1})
+    with pytest.raises(ConfigurationError, match="not supported"):
+        save_state(mgr, 1, {Opaque(1): 1})
+    assert mgr.latest() is None
+
+
+def test_load_state_explains_a_directory_it_cannot_read(tmp_path):
+    with pytest.raises(CloudCkptError, match=r"holds no state\.json"):
+        load_state(tmp_path)
+
+
+def test_a_private_saver_can_be_closed(s3_target, manager_factory, tmp_path):
+    mgr = manager_factory(s3_target)
+    saver = StateSaver(mgr)
+    handle = saver.save(9, {"t": torch.arange(4)})
+    saver.close()
+    assert saver.pool.nbytes == 0
+    assert handle.result(timeout=60).step == 9
+    assert torch.equal(load_state(mgr.restore(into=tmp_path / "r"))["t"], torch.arange(4))
