@@ -17,14 +17,17 @@ from collections.abc import Callable, Iterator
 
 POINTS = (
     "save.after_marker",
+    "save.after_part",
     "save.after_upload",
     "save.after_manifest",
     "commit.before_cas",
     "commit.after_cas",
     "commit.after_record",
+    "restore.after_range",
     "restore.after_download",
     "gc.after_inventory",
     "gc.after_mark",
+    "gc.after_sweep",
     "gc.after_delete_manifest",
     "gc.after_delete_data",
     "gc.after_delete_marker",

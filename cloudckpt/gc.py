@@ -137,9 +137,15 @@ def collect_garbage(
         head = read_latest(store)
     except CorruptRecordError as exc:
         raise NeedsRepairError(f"LATEST of {store.url} is unreadable ({exc}); GC stopped") from None
-    if head is None:
-        if run_has_data(store):
+    if head is None and run_has_data(store):
+        # Read again: a writer may have created the run between the two reads.
+        try:
+            head = read_latest(store)
+        except CorruptRecordError as exc:
+            raise NeedsRepairError(f"LATEST of {store.url} is unreadable ({exc})") from None
+        if head is None:
             raise NeedsRepairError(f"{store.url} has checkpoint data but no LATEST; GC stopped")
+    if head is None:
         return GCReport(dry_run, int(grace_seconds or 0), store.now())
     latest = head.latest
     grace = latest.settings.gc_grace_s
@@ -163,18 +169,27 @@ def collect_garbage(
         t for t in latest.tombstones if _age(now, inv.seq_time(t.dropped_seq, latest_time)) > grace
     ]
     if expired and not dry_run:
-        ids = {t.record.commit_id for t in expired}
+        # A tombstone is identified by its checkpoint AND the seq that dropped it: a pin
+        # and an unpin between our read and our mark drop the checkpoint anew, and its
+        # grace period starts again.
+        keys = {(t.record.commit_id, t.dropped_seq) for t in expired}
 
         def mark(cur: Latest, at: dt.datetime) -> Latest | None:
-            todo = [t for t in cur.tombstones if t.record.commit_id in ids and t.state == "pending"]
-            return protocol.mark_deleting(cur, ids, at) if todo else None
+            todo = {
+                t.record.commit_id
+                for t in cur.tombstones
+                if (t.record.commit_id, t.dropped_seq) in keys and t.state == "pending"
+            }
+            return protocol.mark_deleting(cur, todo, at) if todo else None
 
         marked = edit_latest(store, mark)
         failpoint("gc.after_mark")
         # Delete only what the LATEST we wrote (or found) marks: a pin may have brought a
         # checkpoint back between our read and our mark.
         expired = [
-            t for t in marked.tombstones if t.record.commit_id in ids and t.state == "deleting"
+            t
+            for t in marked.tombstones
+            if (t.record.commit_id, t.dropped_seq) in keys and t.state == "deleting"
         ]
     for t in expired:
         report.deleted_checkpoints.append((t.record.step, t.record.ckpt))
@@ -195,12 +210,21 @@ def collect_garbage(
     fresh = read_latest(store) if not dry_run else head
     referenced = (fresh.latest if fresh else latest).referenced_prefixes()
     referenced |= {ckpt for _, ckpt in report.deleted_checkpoints}  # handled above
+    orphans = []
     for prefix in sorted(inv.attempts):
         if prefix in referenced:
             continue
         if _age(now, inv.born(prefix)) <= grace:
             report.kept_young.append(prefix)
             continue
+        orphans.append(prefix)
+    if orphans and not dry_run:
+        # Fence commits still in flight (see protocol.sweep), then judge again against
+        # the LATEST we wrote: whatever committed before it is referenced there.
+        swept = edit_latest(store, protocol.sweep)
+        failpoint("gc.after_sweep")
+        orphans = [p for p in orphans if p not in swept.referenced_prefixes()]
+    for prefix in orphans:
         report.deleted_orphans.append(prefix)
         if not dry_run:
             _abort_uploads_under(store, inv, prefix, report)

@@ -122,14 +122,17 @@ class Attempt:
 
     def fsync_files(self) -> None:
         """Make the staged files durable (so a crash-recovered attempt is never torn)."""
-        for dirpath, _dirnames, filenames in os.walk(self.files_dir):
-            for name in filenames:
-                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            _fsync_dir(Path(dirpath))
+        try:
+            for dirpath, _dirnames, filenames in os.walk(self.files_dir):
+                for name in filenames:
+                    fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                _fsync_dir(Path(dirpath))
+        except OSError as exc:  # ENOSPC/EIO surface here on some filesystems
+            raise _staging_error(exc, f"flush the staged files of attempt {self.id}") from None
 
     def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -31,6 +31,7 @@ from cloudckpt.errors import (
     ObjectNotFoundError,
     StagingError,
 )
+from cloudckpt.failpoints import hit as failpoint
 from cloudckpt.protocol import FileEntry
 from cloudckpt.retry import IDEMPOTENT_RETRY, SAFE_TO_RETRY, call_with_retries
 from cloudckpt.stores import OVERWRITE, MultipartUpload, PartInfo, Store, crc32c_b64
@@ -285,6 +286,7 @@ class TransferEngine:
             )
         for i, leaf in enumerate(digest.leaves_of(data, chunk_size)):
             leaves[offset // chunk_size + i] = leaf
+        failpoint("restore.after_range")
         fd = os.open(target, os.O_WRONLY)
         try:
             view, written = memoryview(data), 0
@@ -348,6 +350,7 @@ class _FileUpload:
             lambda: self.store.upload_part(self.upload, number, data, crc32c=crc),
             f"upload part {number} of {self.key}",
         )
+        failpoint("save.after_part")
         self.report(length)
         return leaves, part
 

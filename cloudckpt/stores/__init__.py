@@ -78,6 +78,11 @@ def split_url(url: str) -> tuple[str, str, str]:
             f"invalid URL {redact_url(url)!r}: no bucket name",
             hint=f"Write it as {scheme}://BUCKET/prefix",
         )
+    if scheme in ("s3", "s3a", "gs", "gcs") and "@" in parts.netloc:
+        raise ConfigurationError(
+            f"invalid URL {redact_url(url)!r}: credentials in the URL are not supported",
+            hint="Pass credentials through storage_options (or the usual environment)",
+        )
     if parts.query or parts.fragment:
         raise ConfigurationError(
             f"invalid URL {redact_url(url)!r}: query strings and fragments are not supported",
@@ -127,12 +132,21 @@ def open_store(
 
     from cloudckpt.stores.fsspec_store import FsspecStore
 
-    store = FsspecStore(url, options, unsafe_single_writer=unsafe_single_writer)
     if writable and not unsafe_single_writer:
-        missing = store.capabilities.missing_for_writing()
+        # Refuse before opening the filesystem: some (ftp, sftp) connect when opened.
+        import fsspec
+
+        try:
+            fsspec.get_filesystem_class(scheme)
+        except (ImportError, ValueError) as exc:
+            raise ConfigurationError(
+                f"cannot open {redact_url(url)}: {exc}",
+                hint="Install the fsspec implementation for this scheme, or check the URL",
+            ) from None
+        missing = Capabilities(create=False, update=False).missing_for_writing()
         raise UnsupportedBackendError(
             f"cannot write checkpoints to {redact_url(url)}: the {scheme}:// backend lacks "
             + " and ".join(missing),
             capability=", ".join(missing),
         )
-    return store
+    return FsspecStore(url, options, unsafe_single_writer=unsafe_single_writer)

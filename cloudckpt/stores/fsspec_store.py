@@ -67,6 +67,11 @@ class FsspecStore(Store):
                 f"cannot open {redact_url(url)}: {exc}",
                 hint="Install the fsspec implementation for this scheme, or check the URL",
             ) from None
+        except OSError as exc:  # some filesystems connect when opened (ftp, sftp)
+            raise ConfigurationError(
+                f"cannot open {redact_url(url)}: {type(exc).__name__}: {exc.strerror or exc}",
+                hint="Check the host, the path and the storage options in the URL",
+            ) from None
         self._root = path.rstrip("/")
         self.url = redact_url(url).rstrip("/") + "/"
         self._unsafe = unsafe_single_writer

@@ -677,16 +677,23 @@ class S3Store(Store):
 # --- keep session tokens out of botocore's DEBUG logs ---------------------------------
 
 _TOKEN_RE = re.compile(r"(?i)(x-amz-security-token['\"]?\s*[:=]\s*(?:b?['\"])?)[^'\"\s,}]+")
+_ACCESS_KEY_RE = re.compile(r"(Credential=)[^/\s'\"]+")
 
 
 class _RedactTokens(logging.Filter):
     """botocore logs request headers (and the canonical request) at DEBUG, session
-    token included; blank it so DEBUG logs of a training job hold no credentials."""
+    token and access key id included; blank them so DEBUG logs of a training job hold
+    no credentials."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
+        redacted = message
         if "security-token" in message.lower():
-            record.msg, record.args = _TOKEN_RE.sub(r"\1***", message), None
+            redacted = _TOKEN_RE.sub(r"\1***", redacted)
+        if "Credential=" in redacted:  # the access key id in the Authorization header
+            redacted = _ACCESS_KEY_RE.sub(r"\1***", redacted)
+        if redacted is not message:
+            record.msg, record.args = redacted, None
         return True
 
 

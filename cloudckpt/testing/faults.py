@@ -1,24 +1,47 @@
 """A fault-injecting store wrapper, for cloudckpt's tests and for users testing their setup.
 
-Wrap any store and add rules; each rule matches calls by operation and key and injects a
-fault, a fixed number of times or with a probability drawn from a seeded RNG::
+Wrap any store and add rules; each rule matches calls by operation, key (an fnmatch pattern
+or a predicate) and write mode, and injects a fault a fixed number of times, or with a
+probability drawn from the store's seeded RNG (so a seed replays)::
 
-    from cloudckpt.testing.faults import FaultInjectingStore, Rule, LoseResponse
-    store = FaultInjectingStore(open_store(url), seed=7)
-    store.add(Rule(ops={"put"}, key="LATEST", fault=LoseResponse(), times=1))
-    mgr = CheckpointManager(store, ...)
+    from cloudckpt import CheckpointManager, open_store
+    from cloudckpt.testing.faults import FaultInjectingStore, LoseResponse, Rule
+
+    store = FaultInjectingStore(open_store("s3://bucket/run", options), seed=7)
+    # The first compare-and-swap of LATEST lands, but its answer is lost:
+    store.add(Rule(LoseResponse(), ops={"put"}, key="LATEST", modes={"update"}))
+    # One in twenty data uploads fails before it reaches the store:
+    store.add(Rule(FailBefore(), ops={"put", "upload_part"}, key="ckpt/*/files/*",
+                   times=None, probability=0.05))
+    with CheckpointManager(store) as mgr:
+        ...
+    print(store.injected)          # Counter({'lose_response': 1, 'fail_before': 3})
 
 Faults (what real networks and stores do):
 
-- ``FailBefore``: the request fails before it has any effect (a refused connection, a 503).
-- ``LoseResponse``: the request is applied, then the answer is lost (a timeout).
+- ``FailBefore(error)``: the request fails before it has any effect (a refused connection,
+  a 503, a 403 with ``PermissionDeniedError``...).
+- ``LoseResponse(error, meanwhile)``: the request is applied, then the answer is lost (a
+  timeout, or a 500 after the write). ``meanwhile`` runs in the gap: another client acting
+  between the write landing and the caller learning of it.
 - ``DeliverTwice``: the request is applied twice (an SDK retry after a lost answer); a
   conditional write then answers "precondition failed" about its own success.
 - ``Conflict``: S3's 409 ConditionalRequestConflict (nothing applied).
-- ``Latency``: the call sleeps first.
-- ``Truncate``: the store keeps fewer bytes than were sent, and says nothing.
+- ``Latency(seconds)``: the call sleeps first.
+- ``Truncate(keep)``: the store keeps only the first ``keep`` bytes, and says nothing.
+- ``Callback(before, after)``: run code of yours just before or after the call (to
+  interleave another writer's action at an exact point).
+- ``Crash(after)``: the calling process dies (``SimulatedCrash``) before the request is
+  sent, or after it was applied.
 
-At-rest damage: ``flip_bit(store, key)`` and ``store.inner.delete("LATEST")``.
+Rules: ``times`` (None: unlimited), ``probability``, ``skip`` (let the first N matches
+through: "fail the third part"), ``modes`` ({"create", "update", "overwrite"}); ``fired``
+counts the faults a rule injected.
+
+At-rest damage (directly on the store, no rule needed): ``flip_bit(store, key)``,
+``truncate_object(store, key, keep)`` and ``delete_latest(store)``.
+
+Named crash points inside save, commit, restore and GC are in ``cloudckpt.failpoints``.
 """
 
 from __future__ import annotations
@@ -33,11 +56,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cloudckpt.errors import (
+    ObjectNotFoundError,
     OutcomeUnknownError,
     StoreConflictError,
     StoreError,
     TransientStoreError,
 )
+from cloudckpt.failpoints import SimulatedCrash
 from cloudckpt.stores.base import (
     CREATE,
     OVERWRITE,
@@ -80,13 +105,22 @@ class FailBefore(Fault):
 
 @dataclasses.dataclass
 class LoseResponse(Fault):
-    """Apply, then lose the answer (a timeout after the store acted)."""
+    """Apply, then lose the answer (a timeout after the store acted).
 
+    ``error``: what the caller sees (default: ``OutcomeUnknownError`` for writes,
+    ``TransientStoreError`` for reads). ``meanwhile``: called after the request was
+    applied and before the caller hears anything (another client acting in the gap).
+    """
+
+    error: type[StoreError] | None = None
+    meanwhile: Callable[[], Any] | None = None
     name = "lose_response"
 
     def run(self, call, op, key, store):
         call()
-        error = OutcomeUnknownError if op in WRITE_OPS else TransientStoreError
+        if self.meanwhile is not None:
+            self.meanwhile()
+        error = self.error or (OutcomeUnknownError if op in WRITE_OPS else TransientStoreError)
         raise error(f"injected timeout after {op} {key} was applied", key=key)
 
 
@@ -114,6 +148,8 @@ class Conflict(Fault):
 
 @dataclasses.dataclass
 class Latency(Fault):
+    """Sleep ``seconds`` before the call (a slow network or an overloaded store)."""
+
     seconds: float = 0.05
     name = "latency"
 
@@ -130,18 +166,56 @@ class Truncate(Fault):
     name = "truncate"
 
     def run(self, call, op, key, store):
-        store._truncate_next = self.keep
+        store._local.truncate = self.keep
         try:
             return call()
         finally:
-            store._truncate_next = None
+            store._local.truncate = None
+
+
+@dataclasses.dataclass
+class Callback(Fault):
+    """Run ``before()`` just before the call and ``after(result)`` just after it (the
+    call itself is unchanged). Use it to make another writer act at an exact point."""
+
+    before: Callable[[], Any] | None = None
+    after: Callable[[Any], Any] | None = None
+    name = "callback"
+
+    def run(self, call, op, key, store):
+        if self.before is not None:
+            self.before()
+        result = call()
+        if self.after is not None:
+            self.after(result)
+        return result
+
+
+@dataclasses.dataclass
+class Crash(Fault):
+    """The calling process dies: ``SimulatedCrash`` (a ``BaseException``) before the
+    request is sent, or (``after=True``) once it was applied."""
+
+    after: bool = False
+    name = "crash"
+
+    def run(self, call, op, key, store):
+        if self.after:
+            call()
+        raise SimulatedCrash(f"{op} {key} ({'after' if self.after else 'before'})")
 
 
 @dataclasses.dataclass
 class Rule:
     """Inject ``fault`` into calls of ``ops`` on keys matching ``key`` (an fnmatch pattern or
     a predicate), at most ``times`` times (None: unlimited), each with ``probability``.
-    ``modes`` restricts puts to some write modes (e.g. ``{"update"}``)."""
+    ``modes`` restricts puts to some write modes (e.g. ``{"update"}``); ``skip`` lets the
+    first N matching calls through. ``fired`` counts the faults injected.
+
+    Operations: get, get_range, head, list, list_multipart (reads); put, delete,
+    create_multipart, upload_part, complete_multipart, abort_multipart (writes). For
+    multipart calls ``key`` is the object's key; for list calls it is the prefix.
+    """
 
     fault: Fault
     ops: frozenset[str] | set[str] = frozenset({"put"})
@@ -149,6 +223,15 @@ class Rule:
     times: int | None = 1
     probability: float = 1.0
     modes: frozenset[str] | set[str] | None = None
+    skip: int = 0
+    fired: int = 0
+
+    def __post_init__(self) -> None:
+        unknown = set(self.ops) - WRITE_OPS - READ_OPS
+        if unknown:
+            raise ValueError(f"unknown store operation(s) {sorted(unknown)}")
+        if not 0.0 <= self.probability <= 1.0:
+            raise ValueError(f"probability must be within [0, 1], got {self.probability}")
 
     def matches(self, op: str, key: str, mode: str | None, rng: random.Random) -> bool:
         if op not in self.ops or self.times == 0:
@@ -156,7 +239,12 @@ class Rule:
         if self.modes is not None and mode not in self.modes:
             return False
         ok = fnmatch.fnmatchcase(key, self.key) if isinstance(self.key, str) else self.key(key)
-        return ok and (self.probability >= 1.0 or rng.random() < self.probability)
+        if not ok or (self.probability < 1.0 and rng.random() >= self.probability):
+            return False
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        return True
 
 
 def _mode_name(mode: PutMode) -> str:
@@ -178,7 +266,7 @@ class FaultInjectingStore(ForwardingStore):
         self.injected: collections.Counter[str] = collections.Counter()
         self.calls: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
-        self._truncate_next: int | None = None
+        self._local = threading.local()  # per-thread state of a running Truncate
 
     def add(self, rule: Rule) -> Rule:
         with self._lock:
@@ -196,13 +284,14 @@ class FaultInjectingStore(ForwardingStore):
             if rule is not None:
                 if rule.times is not None:
                     rule.times -= 1
+                rule.fired += 1
                 self.injected[rule.fault.name] += 1
         if rule is None:
             return call()
         return rule.fault.run(call, op, key, self)
 
     def _data(self, data: bytes | memoryview) -> bytes | memoryview:
-        keep = self._truncate_next
+        keep = getattr(self._local, "truncate", None)
         return data if keep is None else bytes(data)[:keep]
 
     # -- forwarded calls with injection points --
@@ -260,6 +349,9 @@ class FaultInjectingStore(ForwardingStore):
     def abort_multipart(self, upload: MultipartUpload) -> None:
         return self._call("abort_multipart", upload.key, lambda: self.inner.abort_multipart(upload))
 
+    def list_multipart(self, prefix: str = ""):
+        return self._call("list_multipart", prefix, lambda: self.inner.list_multipart(prefix))
+
 
 def flip_bit(store: Store, key: str, *, bit: int | None = None, seed: int = 0) -> int:
     """Flip one bit of the stored object ``key`` in place (same size); return its index."""
@@ -273,8 +365,29 @@ def flip_bit(store: Store, key: str, *, bit: int | None = None, seed: int = 0) -
     return index
 
 
+def truncate_object(store: Store, key: str, keep: int) -> None:
+    """Cut the stored object ``key`` to its first ``keep`` bytes (damage at rest)."""
+    data, _ = store.get(key)
+    store.put(key, data[:keep], mode=OVERWRITE)
+
+
+def delete_latest(store: Store) -> bytes:
+    """Delete LATEST (as an operator's mistake or a lifecycle rule would); return its bytes
+    so a test can put them back."""
+    from cloudckpt.protocol import LATEST_KEY
+
+    try:
+        data, _ = store.get(LATEST_KEY)
+    except ObjectNotFoundError:
+        return b""
+    store.delete(LATEST_KEY)
+    return data
+
+
 __all__ = [
+    "Callback",
     "Conflict",
+    "Crash",
     "DeliverTwice",
     "FailBefore",
     "Fault",
@@ -283,5 +396,7 @@ __all__ = [
     "LoseResponse",
     "Rule",
     "Truncate",
+    "delete_latest",
     "flip_bit",
+    "truncate_object",
 ]

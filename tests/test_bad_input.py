@@ -1,0 +1,414 @@
+"""Bad input: hostile manifests, malformed LATEST, wrong credentials, a missing bucket,
+permission denied, a full staging disk, unsupported URLs, a destination that is not empty.
+Each gets a clear error (its message and hint say what to do) and loses nothing: the
+store and the destination are left exactly as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from cloudckpt import (
+    BucketNotFoundError,
+    CheckpointManager,
+    ConfigurationError,
+    CorruptionError,
+    CredentialsError,
+    DestinationNotEmptyError,
+    NeedsRepairError,
+    PermissionDeniedError,
+    StagingError,
+    UnsupportedBackendError,
+    digest,
+    protocol,
+)
+from cloudckpt.gc import collect_garbage
+from cloudckpt.stores import open_store
+
+
+def _snapshot(store) -> dict[str, tuple[str, bytes]]:
+    return {o.key: (o.version, store.get(o.key)[0]) for o in store.list("")}
+
+
+def _save(mgr, step: int, data: bytes) -> None:
+    handle = mgr.save(step=step)
+    with handle as d:
+        (d / "f").write_bytes(data)
+    handle.result()
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+# --- hostile manifests -----------------------------------------------------------------
+
+
+def _commit_manifest(store, body: bytes, files: dict[str, bytes], step: int = 9, **record):
+    """Commit a hand-made manifest ``body`` as a hostile bucket writer could."""
+    latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
+    manifest = json.loads(body)
+    prefix = manifest["ckpt"]
+    for rel, data in files.items():
+        store.put(prefix + protocol.FILES_DIR + rel, data)
+    store.put(prefix + protocol.MANIFEST_NAME, body)
+    fields = dict(
+        ckpt=prefix,
+        step=step,
+        epoch=1,
+        commit_id=manifest["commit_id"],
+        manifest_sha256=hashlib.sha256(body).hexdigest(),
+        manifest_size=len(body),
+        committed_at="2030-01-01T00:00:00.000Z",
+        total_bytes=0,
+        num_files=len(manifest["files"]),
+        metadata={},
+    )
+    fields.update(record)
+    new = protocol.commit(
+        latest,
+        protocol.CheckpointRecord(**fields),
+        latest.settings,
+        protocol.parse_iso(fields["committed_at"]),
+    )
+    store.put(protocol.LATEST_KEY, new.to_bytes())
+
+
+def _manifest(entries: list[dict], step: int = 9, **extra) -> bytes:
+    attempt = "20300101T000000000Z-0badf00d"
+    body = {
+        "format": protocol.MANIFEST_FORMAT,
+        "ckpt": protocol.ckpt_prefix(step, 1, attempt),
+        "step": step,
+        "epoch": 1,
+        "commit_id": attempt,
+        "writer_id": "evil",
+        "created_at": "t",
+        "metadata": {},
+        "digest": {"algorithm": digest.ALGORITHM, "chunk_size": digest.CHUNK_SIZE},
+        "files": entries,
+        "total_bytes": sum(e["size"] for e in entries),
+        **extra,
+    }
+    return protocol._sealed(body)
+
+
+def _entry(path: str, data: bytes, **override) -> dict:
+    return {"path": path, "size": len(data), "digest": digest.tree_digest(data), **override}
+
+
+PWNED = b"pwned"
+HOSTILE = {
+    "absolute path": ([_entry("/tmp/cloudckpt-evil", PWNED)], {}, "absolute"),
+    "dot-dot": ([_entry("../escape", PWNED)], {}, "'..'"),
+    "dot-dot inside": ([_entry("a/../../b", PWNED)], {}, "'..'"),
+    "backslash": ([_entry("..\\evil", PWNED)], {}, "illegal"),
+    "huge size": ([_entry("f", PWNED, size=1 << 60)], {}, "out of range"),
+    "size beyond the object": ([_entry("f", PWNED, size=10**9)], {"f": PWNED}, "bytes"),
+    "wrong digest": ([_entry("f", b"other")], {"f": PWNED}, "digest"),
+    "duplicate path": ([_entry("f", PWNED), _entry("f", PWNED)], {"f": PWNED}, "twice"),
+    "file is a directory": ([_entry("a", PWNED), _entry("a/b", PWNED)], {}, "directory"),
+    "missing file": ([_entry("f", PWNED)], {}, "missing"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_manifest_falls_back_and_writes_nothing_outside(memory_target, tmp_path, case):
+    entries, files, reason = HOSTILE[case]
+    store = open_store(memory_target.url)
+    mgr = CheckpointManager(store, staging_dir=tmp_path / "s")
+    _save(mgr, 1, b"good")
+    _commit_manifest(store, _manifest(entries), files)
+    before = _snapshot(store)
+    dest = tmp_path / "deep" / "dest"
+    res = mgr.restore(into=dest)
+    assert res.step == 1 and _tree(dest) == {"f": b"good"}
+    assert [s.step for s in res.skipped] == [9] and reason in res.skipped[0].reason
+    outside = [p for p in tmp_path.rglob("*") if p.is_file() and p.read_bytes() == PWNED]
+    assert outside == [] and not Path("/tmp/cloudckpt-evil").exists()
+    assert _snapshot(store) == before  # a restore writes nothing
+    mgr.close()
+
+
+def test_manifest_that_does_not_match_its_record_is_refused(memory_target, tmp_path):
+    store = open_store(memory_target.url)
+    mgr = CheckpointManager(store, staging_dir=tmp_path / "s")
+    _save(mgr, 1, b"good")
+    body = _manifest([_entry("f", PWNED)])
+    # LATEST records another size and digest than the manifest that is stored.
+    _commit_manifest(store, body, {"f": PWNED}, manifest_sha256="0" * 64)
+    res = mgr.restore(into=tmp_path / "d")
+    assert res.step == 1 and "digest LATEST recorded" in res.skipped[0].reason
+    mgr.close()
+
+
+def test_nothing_intact_raises_with_every_reason(memory_target, tmp_path):
+    store = open_store(memory_target.url)
+    mgr = CheckpointManager(store, staging_dir=tmp_path / "s")
+    mgr.resume(into=tmp_path / "empty")
+    _commit_manifest(store, _manifest([_entry("../x", PWNED)]), {})
+    with pytest.raises(CorruptionError) as err:
+        mgr.restore(into=tmp_path / "d")
+    assert "'..'" in str(err.value) and "cloudckpt verify" in str(err.value)
+    assert err.value.skipped and not (tmp_path / "d").exists()
+    mgr.close()
+
+
+# --- malformed LATEST ------------------------------------------------------------------
+
+
+def _reseal(data: bytes, **changes) -> bytes:
+    body = json.loads(data)
+    body.update(changes)
+    return protocol._sealed(body)
+
+
+BAD_LATEST = {
+    "truncated": lambda d: d[: len(d) // 2],
+    "empty": lambda d: b"",
+    "not json": lambda d: b"\x00\xffnot json",
+    "a json list": lambda d: b"[1, 2]",
+    "edited without resealing": lambda d: d.replace(b'"seq":2', b'"seq":3'),
+    "future format": lambda d: _reseal(d, format="cloudckpt.latest/99"),
+    "broken seq chain": lambda d: _reseal(d, parent_seq=7),
+    "field of the wrong type": lambda d: _reseal(d, seq="2"),
+    "hostile checkpoint prefix": lambda d: _reseal(
+        d, current={**json.loads(d)["current"], "ckpt": "../../etc/"}
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_LATEST))
+def test_malformed_latest_needs_repair_and_nothing_changes(memory_target, tmp_path, case):
+    store = open_store(memory_target.url)
+    mgr = CheckpointManager(store, staging_dir=tmp_path / "s", auto_gc=False)
+    _save(mgr, 1, b"one")
+    mgr.close()
+    good, _ = store.get(protocol.LATEST_KEY)
+    assert b'"seq":2' in good
+    store.put(protocol.LATEST_KEY, BAD_LATEST[case](good))
+    before = _snapshot(store)
+    # A writer refuses (resume, or the claim of a first save), and GC refuses.
+    writer = CheckpointManager(store, staging_dir=tmp_path / "w")
+    with pytest.raises(NeedsRepairError, match="cloudckpt repair"):
+        writer.resume(into=tmp_path / "r")
+    handle = writer.save(step=2)
+    with handle as d:
+        (d / "f").write_bytes(b"two")
+    with pytest.raises(NeedsRepairError):
+        handle.result()
+    with pytest.raises(NeedsRepairError):
+        collect_garbage(store)
+    assert _snapshot(store) == before
+    # A reader falls back to the commit records, loudly.
+    res = writer.restore(into=tmp_path / "read")
+    assert res.from_commit_records and res.step == 1 and _tree(res.path) == {"f": b"one"}
+    assert _snapshot(store) == before
+    with pytest.raises(NeedsRepairError):
+        writer.close()
+
+
+# --- a full staging disk ---------------------------------------------------------------
+
+
+def _enospc(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("where", ["fsync", "journal", "mkdir"])
+def test_full_staging_disk_fails_the_save_cleanly(memory_target, tmp_path, monkeypatch, where):
+    store = open_store(memory_target.url)
+    mgr = CheckpointManager(store, staging_dir=tmp_path / "s")
+    _save(mgr, 1, b"one")
+    before = _snapshot(store)
+    with monkeypatch.context() as m:
+        if where == "fsync":  # the disk fills while the staged files are flushed
+            m.setattr(os, "fsync", _enospc)
+        elif where == "journal":
+            m.setattr(os, "replace", _enospc)
+        else:
+            m.setattr(Path, "mkdir", _enospc)
+        with pytest.raises(StagingError, match="staging disk is full") as err:
+            _save(mgr, 2, b"two")
+    assert "Free space" in str(err.value)
+    snapshot = _snapshot(store)
+    assert snapshot[protocol.LATEST_KEY] == before[protocol.LATEST_KEY]
+    assert {k for k in snapshot if not k.startswith("ckpt/")} == {
+        k for k in before if not k.startswith("ckpt/")
+    }
+    _save(mgr, 3, b"three")  # space again: saving works
+    assert mgr.latest().step == 3
+    with contextlib.suppress(StagingError):  # close() may report the failed save again
+        mgr.close()
+
+
+def test_restore_that_does_not_fit_fails_before_writing(memory_target, tmp_path, monkeypatch):
+    import shutil
+
+    import cloudckpt.restore as restore_mod
+
+    mgr = CheckpointManager(memory_target.url, staging_dir=tmp_path / "s")
+    _save(mgr, 1, b"x" * 1000)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(restore_mod.shutil, "disk_usage", lambda p: usage._replace(free=10))
+    with pytest.raises(StagingError, match="needs 1000 bytes") as err:
+        mgr.restore(into=tmp_path / "d")
+    assert "Free space" in str(err.value) and not (tmp_path / "d").exists()
+    assert not list(tmp_path.glob(".d.cloudckpt-tmp-*"))
+    mgr.close()
+
+
+# --- URLs, buckets, destinations -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url, error, hint",
+    [
+        ("ftp://ftp.invalid/run", UnsupportedBackendError, "unsafe_single_writer"),
+        ("http://example.invalid/run", UnsupportedBackendError, "compare-and-swap"),
+        ("zip://nothing", UnsupportedBackendError, "create-only"),
+        ("nosuchscheme://x/y", ConfigurationError, "Install the fsspec implementation"),
+        ("s3://", ConfigurationError, "s3://BUCKET/prefix"),
+        ("s3://bucket/run?versionId=1", ConfigurationError, "storage_options"),
+        ("", ConfigurationError, "s3://bucket"),
+        ("file://remotehost/x", ConfigurationError, "file:///absolute/path"),
+    ],
+)
+def test_unsupported_urls_are_refused_before_any_io(url, error, hint, tmp_path):
+    with pytest.raises(error) as err:
+        CheckpointManager(url, staging_dir=tmp_path / "s")
+    assert hint in str(err.value)
+
+
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+def test_missing_bucket_is_not_an_empty_run(backend, moto_server, gcs_server, tmp_path):
+    server = moto_server if backend == "s3" else gcs_server
+    scheme = "s3" if backend == "s3" else "gs"
+    url = f"{scheme}://no-such-bucket-cloudckpt/run"
+    mgr = CheckpointManager(
+        url, storage_options=server.storage_options(), staging_dir=tmp_path / "s"
+    )
+    with pytest.raises(BucketNotFoundError) as err:
+        mgr.resume(into=tmp_path / "r")
+    assert "no-such-bucket-cloudckpt" in str(err.value) and "create the bucket" in str(err.value)
+    with pytest.raises(BucketNotFoundError):
+        mgr.restore(into=tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+    mgr.close()
+
+
+def test_destination_not_empty_is_refused_and_left_alone(memory_target, tmp_path):
+    store = open_store(memory_target.url)
+    mgr = CheckpointManager(store, staging_dir=tmp_path / "s")
+    _save(mgr, 1, b"one")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "mine.txt").write_bytes(b"precious")
+    latest_before = store.get(protocol.LATEST_KEY)
+    for call in (mgr.restore, CheckpointManager(store, staging_dir=tmp_path / "w").resume):
+        with pytest.raises(DestinationNotEmptyError) as err:
+            call(into=dest)
+        assert "overwrite=True" in str(err.value)
+        assert _tree(dest) == {"mine.txt": b"precious"}
+        assert not list(tmp_path.glob(".dest.cloudckpt-*"))
+    # resume() refused before claiming: the writer was not fenced by a bad argument.
+    assert store.get(protocol.LATEST_KEY) == latest_before
+    _save(mgr, 2, b"two")
+    a_file = tmp_path / "a-file"
+    a_file.write_bytes(b"x")
+    with pytest.raises(DestinationNotEmptyError, match="not a directory"):
+        mgr.restore(into=a_file)
+    res = mgr.restore(into=dest, overwrite=True)  # explicit: replaces it
+    assert res.step == 2 and _tree(dest) == {"f": b"two"}
+    mgr.close()
+
+
+# --- credentials and permissions (a moto server that checks signatures and IAM) --------
+
+
+@pytest.fixture(scope="module")
+def iam_moto():
+    from cloudckpt.testing.moto_server import MotoServer
+
+    with MotoServer() as server:
+        iam = server.client().__class__
+        import boto3
+
+        kw = dict(
+            endpoint_url=server.endpoint_url,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
+        iam = boto3.client("iam", **kw)
+        iam.create_user(UserName="trainer")
+        deny_delete = {
+            "Version": "2012-10-17",
+            "Statement": [
+                {"Effect": "Allow", "Action": "s3:*", "Resource": "*"},
+                {"Effect": "Deny", "Action": "s3:DeleteObject", "Resource": "*"},
+            ],
+        }
+        iam.put_user_policy(
+            UserName="trainer", PolicyName="no-delete", PolicyDocument=json.dumps(deny_delete)
+        )
+        key = iam.create_access_key(UserName="trainer")["AccessKey"]
+        server.create_bucket("iam-bucket")
+        server.enforce_auth()
+        options = {
+            "endpoint_url": server.endpoint_url,
+            "key": key["AccessKeyId"],
+            "secret": key["SecretAccessKey"],
+            "client_kwargs": {"region_name": "us-east-1"},
+        }
+        yield server, options
+
+
+def test_wrong_credentials_are_reported_as_such(iam_moto, tmp_path):
+    _server, options = iam_moto
+    wrong = {**options, "key": "AKIAWRONGWRONGWRONG1", "secret": "WrongSecretWrongSecret"}
+    mgr = CheckpointManager(
+        "s3://iam-bucket/wrong", storage_options=wrong, staging_dir=tmp_path / "s"
+    )
+    with pytest.raises(CredentialsError) as err:
+        mgr.resume(into=tmp_path / "r")
+    assert "rejected the credentials" in str(err.value) and "storage_options" in str(err.value)
+    assert "WrongSecretWrongSecret" not in str(err.value) + repr(err.value)
+    mgr.close()
+
+
+def test_permission_denied_on_delete_stops_gc_and_loses_nothing(iam_moto, tmp_path):
+    _server, options = iam_moto
+    url = "s3://iam-bucket/denied"
+    mgr = CheckpointManager(
+        url,
+        storage_options=options,
+        staging_dir=tmp_path / "s",
+        keep_last=1,
+        gc_grace=1,
+        auto_gc=False,
+    )
+    _save(mgr, 1, b"one")
+    _save(mgr, 2, b"two")  # step 1 becomes a tombstone
+    time.sleep(2.2)  # past grace on the store's (1 s resolution) clock
+    with pytest.raises(PermissionDeniedError) as err:
+        mgr.gc()
+    assert "access denied" in str(err.value) and "permissions listed in" in str(err.value)
+    store = open_store(url, options)
+    latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
+    assert latest.current.step == 2
+    res = mgr.restore(into=tmp_path / "r")
+    assert res.step == 2 and _tree(res.path) == {"f": b"two"}
+    # The manifest of the tombstone could not be deleted, so neither could its data.
+    (tomb,) = latest.tombstones
+    assert store.exists(tomb.record.manifest_key)
+    assert store.exists(tomb.record.ckpt + protocol.FILES_DIR + "f")
+    mgr.close()

@@ -1,0 +1,100 @@
+"""Credentials never appear in logs (DEBUG, every logger, botocore's included), in error
+messages, or in reprs: distinctive secrets go through the S3 and GCS stores, through
+successful calls and failing ones, and are searched for in everything that was printed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from cloudckpt import CheckpointManager, CloudCkptError, open_store
+
+S3_KEY = "AKIACLOUDCKPTKEYID42"
+S3_SECRET = "SECRETcloudckptS3xyzzy/+plugh"
+S3_TOKEN = "TOKENcloudckptSessionQQQ"
+GCS_TOKEN = "ya29.SECRETcloudckptGCStoken"
+URL_PASSWORD = "PASSWORDcloudckptInURL"
+SECRETS = (S3_KEY, S3_SECRET, S3_TOKEN, GCS_TOKEN, URL_PASSWORD)
+
+
+def _exercise(url: str, options: dict, missing_url: str, tmp_path) -> list[str]:
+    """Save, restore and fail in a few ways; return every error's str and repr."""
+    if url.startswith("s3://"):  # no SDK retries: the unreachable endpoint fails fast
+        options = {**options, "config_kwargs": {"retries": {"max_attempts": 1}}}
+    seen: list[str] = []
+    mgr = CheckpointManager(url, storage_options=options, staging_dir=tmp_path / "s")
+    seen.append(repr(mgr.store))
+    with mgr.save(step=1) as d:
+        (d / "f").write_bytes(b"x" * 1000)
+    mgr.wait()
+    mgr.restore(into=tmp_path / "r")
+    failing = [
+        lambda: CheckpointManager(missing_url, storage_options=options).resume(into=tmp_path / "x"),
+        lambda: open_store(url, options).get("no/such/key"),
+        lambda: open_store(url, {**options, "endpoint_url": "http://127.0.0.1:9"}).get("LATEST"),
+        lambda: mgr.restore(into=tmp_path / "r"),  # not empty
+    ]
+    if url.startswith("s3://"):  # (gcsfs accepts unknown options silently)
+        failing.append(lambda: CheckpointManager(url, storage_options={**options, "x": 1}))
+    for call in failing:
+        with pytest.raises(CloudCkptError) as err:
+            call()
+        seen += [str(err.value), repr(err.value), repr(err.value.__cause__ or "")]
+    mgr.close()
+    return seen
+
+
+def _assert_clean(texts: list[str], caplog) -> None:
+    everything = "\n".join(texts) + "\n" + caplog.text
+    everything += "\n".join(str(r.__dict__) for r in caplog.records)
+    assert caplog.records, "nothing was logged: the test would prove nothing"
+    for secret in SECRETS:
+        assert secret not in everything, f"{secret} leaked"
+
+
+@pytest.fixture
+def debug_logs(caplog):
+    caplog.set_level(logging.DEBUG)  # the root logger: botocore, urllib3, gcsfs, aiohttp...
+    return caplog
+
+
+def test_s3_credentials_never_leak(moto_server, s3_target, tmp_path, debug_logs):
+    options = {
+        **s3_target.storage_options,
+        "key": S3_KEY,
+        "secret": S3_SECRET,
+        "token": S3_TOKEN,
+    }
+    texts = _exercise(s3_target.url, options, "s3://no-such-bucket-sec/run", tmp_path)
+    bad_url = f"s3://user:{URL_PASSWORD}@bucket/run"
+    with pytest.raises(CloudCkptError) as err:
+        CheckpointManager(bad_url, storage_options=options)
+    assert "credentials in the URL" in str(err.value)
+    texts += [str(err.value), repr(err.value)]
+    assert any("Authorization" in r.getMessage() for r in debug_logs.records)
+    _assert_clean(texts, debug_logs)
+
+
+def test_s3_credentials_from_the_environment_never_leak(
+    moto_server, s3_target, tmp_path, debug_logs, monkeypatch
+):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", S3_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
+    monkeypatch.setenv("AWS_SESSION_TOKEN", S3_TOKEN)
+    options = {k: v for k, v in s3_target.storage_options.items() if k not in ("key", "secret")}
+    texts = _exercise(s3_target.url, options, "s3://no-such-bucket-env/run", tmp_path)
+    _assert_clean(texts, debug_logs)
+
+
+def test_gcs_token_never_leaks(gcs_server, gcs_target, tmp_path, debug_logs):
+    from google.oauth2.credentials import Credentials
+
+    credentials = Credentials(token=GCS_TOKEN)  # sent as a bearer token on every request
+    options = {**gcs_target.storage_options, "token": credentials}
+    texts = _exercise(gcs_target.url, options, "gs://no-such-bucket-sec/run", tmp_path)
+    bad_url = f"gs://user:{URL_PASSWORD}@bucket/run"
+    with pytest.raises(CloudCkptError):
+        CheckpointManager(bad_url, storage_options=options)
+    _assert_clean(texts, debug_logs)
