@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
+import random
 import time
 from collections.abc import Callable, Iterable
 
@@ -155,7 +156,8 @@ class Committer:
             CommitConflictError: the claim kept losing races.
             StoreError: the store failed.
         """
-        for _ in range(MAX_CAS_ATTEMPTS):
+        last_error: Exception | None = None
+        for attempt in range(MAX_CAS_ATTEMPTS):
             try:
                 current = read_latest(self.store)
             except CorruptRecordError as exc:
@@ -178,12 +180,21 @@ class Committer:
                 self._mine = self._write(new, mode)
                 log.info("claimed %s as epoch %d", self.store.url, new.writer.epoch)
                 return new
-            except (PreconditionFailedError, StoreConflictError, OutcomeUnknownError):
+            except (
+                PreconditionFailedError,
+                StoreConflictError,
+                OutcomeUnknownError,
+                TransientStoreError,
+            ) as exc:
+                last_error = exc
                 seen = self._reread_quietly()
                 if seen and seen.latest.writer.id == self.writer_id:
                     self._mine = seen  # our claim landed; the answer was lost
                     return seen.latest
-                time.sleep(0.05)
+                # Back off: a store that answers 503 needs a moment, racing claimers too.
+                time.sleep(min(0.05 * 2**attempt, 2.0) * (0.5 + random.random()))
+        if isinstance(last_error, (TransientStoreError, OutcomeUnknownError)):
+            raise last_error
         raise CommitConflictError(f"could not claim {self.store.url}: LATEST kept changing")
 
     def _reread_quietly(self) -> VersionedLatest | None:

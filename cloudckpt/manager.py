@@ -122,6 +122,7 @@ class SaveHandle:
         self._future: cf.Future[CommitInfo] = cf.Future()
         self._attempt: Attempt | None = None
         self.blocking_seconds = 0.0  # time spent in save()'s enter and exit, not the caller's
+        self.observed = False
         self.handed_over_at = 0.0
 
     # -- context manager (save()) --
@@ -153,6 +154,7 @@ class SaveHandle:
         """Wait for the commit. Raises TimeoutError if it is not done within ``timeout``."""
         if not _wait_interruptibly([self._future], timeout):
             raise TimeoutError(f"the save of step {self.step} is not committed yet")
+        self.observed = True  # the caller has seen the outcome: wait()/close() won't re-raise it
         return self._future.result()
 
     def done(self) -> bool:
@@ -374,7 +376,8 @@ class CheckpointManager:
         Saves that other threads are still writing (inside ``save()``'s block, e.g. a
         background serializer) are waited for too, so ``close()`` never loses them.
 
-        Raises: the first failed save's error (others are logged); TimeoutError.
+        Raises: the first error of a failed save whose result() the caller has not
+        already collected (others are logged); TimeoutError.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         me = threading.get_ident()
@@ -389,7 +392,7 @@ class CheckpointManager:
         if not _wait_interruptibly([h._future for h in handles], remaining):
             pending = sum(not h.done() for h in handles)
             raise TimeoutError(f"{pending} save(s) still pending after {timeout}s")
-        errors = [h for h in handles if h.exception() is not None]
+        errors = [h for h in handles if h.exception() is not None and not h.observed]
         with self._cv:
             self._handles = [h for h in self._handles if h not in handles]
         for h in errors[1:]:

@@ -393,3 +393,34 @@ def test_run_settings_are_inherited_unless_given(memory_target, manager_factory,
     assert (changed.settings.keep_last, changed.settings.gc_grace_s) == (2, 9000)
     fresh = manager_factory(open_store("memory://fresh-run-settings/run"))
     assert fresh.settings.keep_last == 3
+
+
+def test_claim_rides_out_a_transient_store_error(faulty, manager_factory, tmp_path):
+    _save(manager_factory(faulty), 1).result()
+    faulty.add(Rule(FailBefore(), ops={"put"}, key="LATEST", times=2))  # 503 twice
+    res = manager_factory(faulty).resume(into=tmp_path / "r")
+    assert res.step == 1 and faulty.injected["fail_before"] == 2
+    assert _latest(faulty).writer.epoch == 2
+
+
+def test_close_does_not_reraise_an_error_the_caller_already_handled(faulty, tmp_path):
+    from cloudckpt import CheckpointManager
+
+    def failing_manager(name):
+        faulty.clear()
+        mgr = CheckpointManager(faulty, staging_dir=tmp_path / name)
+        _save(mgr, 1).result()
+        faulty.add(Rule(FailBefore(PreconditionFailedError), **LATEST_UPDATE, times=None))
+        return mgr
+
+    mgr = failing_manager("a")
+    handled = _save(mgr, 2)
+    with pytest.raises(CommitConflictError):
+        handled.result()
+    mgr.close()  # the caller saw that failure already: nothing to report
+
+    mgr = failing_manager("b")
+    unhandled = _save(mgr, 3)
+    with pytest.raises(CommitConflictError):
+        mgr.close()  # never collected: close() reports it
+    assert unhandled.exception() is not None

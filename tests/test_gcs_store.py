@@ -272,3 +272,11 @@ def test_now_agrees_with_object_times(gcs_target, open_target):
     assert before - dt.timedelta(seconds=1) <= written <= after + dt.timedelta(seconds=1)
     assert abs((store.head("clock").last_modified - written).total_seconds()) < 1e-3
     assert [o.key for o in store.list("")] == ["clock"]  # the clock leaves no objects
+
+
+def test_unknown_storage_option_is_refused(gcs_target):
+    from cloudckpt import ConfigurationError
+    from cloudckpt.stores import open_store
+
+    with pytest.raises(ConfigurationError, match="endpont_url"):
+        open_store(gcs_target.url, {**gcs_target.storage_options, "endpont_url": "x"})

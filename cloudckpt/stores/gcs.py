@@ -25,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import email.utils
+import functools
+import inspect
 import io
 import json
 import logging
@@ -129,6 +131,24 @@ def _parse_http_date(value: str | None) -> dt.datetime | None:
         return None
 
 
+# fsspec options every filesystem takes, and that gcsfs passes on to it.
+_FSSPEC_OPTIONS = frozenset(
+    {"use_listings_cache", "listings_expiry_time", "max_paths", "batch_size"}
+)
+
+
+@functools.cache
+def _accepted_options() -> frozenset[str]:
+    """Keyword arguments GCSFileSystem really uses (it accepts any, silently)."""
+    params = inspect.signature(GCSFileSystem.__init__).parameters
+    named = {
+        n
+        for n, p in params.items()
+        if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD
+    }
+    return frozenset(named - {"self", "asynchronous", "loop"}) | _FSSPEC_OPTIONS
+
+
 class GCSStore(Store):
     """A store on ``gs://bucket/prefix``. See the module docstring.
 
@@ -155,6 +175,14 @@ class GCSStore(Store):
         self._root = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.url = f"gs://{bucket}/{self._root}"
         self.capabilities = Capabilities(min_part_size=min_part_size)
+        unknown = set(storage_options) - _accepted_options()
+        if unknown:
+            # GCSFileSystem swallows unknown keyword arguments; a typo must not go unnoticed.
+            raise ConfigurationError(
+                f"unknown GCS storage option(s) {', '.join(sorted(map(repr, unknown)))} "
+                f"for {self.url}",
+                hint=f"Accepted options: {', '.join(sorted(_accepted_options()))}",
+            )
         try:
             # A private instance: gcsfs shares instances (and their caches) by arguments.
             self._fs = GCSFileSystem(skip_instance_cache=True, **storage_options)
