@@ -26,7 +26,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -180,6 +180,17 @@ def _wait_interruptibly(futures: list[cf.Future], timeout: float | None) -> bool
         _, pending = cf.wait(futures, 0.2 if remaining is None else min(remaining, 0.2))
         if not pending:
             return True
+
+
+@dataclasses.dataclass(frozen=True)
+class _BegunAttempt:
+    """An attempt whose prefix is chosen and whose ``ATTEMPT.json`` is written."""
+
+    step: int
+    epoch: int
+    commit_id: str  # the attempt id; also the save's commit_id
+    prefix: str  # ckpt/<step>-e<epoch>-<commit_id>/
+    deadline: float  # time.monotonic() after which the commit is refused (GC may own it)
 
 
 @dataclasses.dataclass
@@ -544,13 +555,20 @@ class CheckpointManager:
         )
 
     def _hand_over(self, handle: SaveHandle) -> None:
-        attempt = handle._attempt
-        attempt.set_state(STAGED, sync=False)
+        try:
+            handle._attempt.set_state(STAGED, sync=False)
+        except BaseException as exc:  # e.g. a full staging disk: release the queue slot
+            self._abandon(handle, exc)
+            raise
+        self._enqueue(handle)
+
+    def _enqueue(self, handle: SaveHandle) -> None:
+        """Queue a save whose block has ended for the background worker."""
         handle.handed_over_at = time.perf_counter()
         with self._cv:
             self._reserved -= 1
             self._open.pop(handle, None)
-            self._queue.append(_Job(handle, attempt))
+            self._queue.append(_Job(handle, handle._attempt))
             self._handles.append(handle)
             self._ensure_worker()
             self._cv.notify_all()
@@ -643,56 +661,17 @@ class CheckpointManager:
         """Upload, write the manifest, commit (runs on the worker thread)."""
         attempt, handle = job.attempt, job.handle
         try:
-            if self._fenced is not None:
-                raise self._fenced
-            with self._commit_lock:
-                recovered = self._claim_if_needed()
-            for earlier in recovered:  # staged by a crashed process; older, so first
-                try:
-                    earlier.handle._future.set_result(self._save(earlier))
-                except Exception as exc:
-                    earlier.handle._future.set_exception(exc)
-                    log.warning("could not commit recovered step %d: %s", earlier.handle.step, exc)
-            epoch = self.committer.epoch
-            started = time.monotonic()
-            grace = self.settings.gc_grace_s
-            deadline = started + grace - min(600.0, grace * 0.1)
-            attempt.fsync_files()
-            attempt.set_state(DURABLE)
-            remote_id = protocol.new_attempt_id(dt.datetime.now(dt.timezone.utc))
-            prefix = protocol.ckpt_prefix(handle.step, epoch, remote_id)
-            self._put_idempotent(
-                prefix + protocol.ATTEMPT_NAME,
-                protocol.attempt_body(
-                    ckpt=prefix,
-                    step=handle.step,
-                    epoch=epoch,
-                    writer_id=self.writer_id,
-                    started_at=dt.datetime.now(dt.timezone.utc),
-                ),
-            )
-            failpoint("save.after_marker")
+
+            def make_durable() -> None:
+                attempt.fsync_files()
+                attempt.set_state(DURABLE)
+
+            begun = self._begin_attempt(handle.step, before_marker=make_durable)
             entries = self.engine.upload_files(
-                self.store, prefix + protocol.FILES_DIR, attempt.list_files(), self._progress
+                self.store, begun.prefix + protocol.FILES_DIR, attempt.list_files(), self._progress
             )
             failpoint("save.after_upload")
-            self._check_uploaded(prefix + protocol.FILES_DIR, entries)
-            now = dt.datetime.now(dt.timezone.utc)
-            manifest = Manifest(
-                ckpt=prefix,
-                step=handle.step,
-                epoch=epoch,
-                commit_id=remote_id,
-                writer_id=self.writer_id,
-                created_at=protocol.iso(now),
-                files=tuple(entries),
-                metadata=handle.metadata,
-            )
-            body = manifest.to_bytes()
-            self._put_create(prefix + protocol.MANIFEST_NAME, body)
-            failpoint("save.after_manifest")
-            with self._commit_lock:
-                latest = self.committer.commit(manifest.record(body, now), deadline=deadline)
+            latest, manifest = self._finish_attempt(begun, entries, handle.metadata)
         except FencedError as exc:
             self._fenced = exc
             self._fail(attempt)
@@ -703,13 +682,101 @@ class CheckpointManager:
         # (A BaseException such as SimulatedCrash leaves everything as a dead process would.)
         attempt.set_state(COMMITTED)
         attempt.remove()
-        info = CommitInfo(
-            step=handle.step,
-            commit_id=remote_id,
+        return self._commit_info(begun, latest, manifest, handle)
+
+    # The save pipeline in reusable steps. ``_save`` runs them on one host; the multi-rank
+    # coordinator (cloudckpt.distributed, cloudckpt.integrations.dcp) runs ``_begin_attempt``
+    # and ``_finish_attempt`` around uploads that every rank makes into the same prefix.
+
+    def _begin_attempt(
+        self, step: int, *, before_marker: Callable[[], None] | None = None
+    ) -> _BegunAttempt:
+        """Claim the run if no one has yet (committing crash-recovered saves first), fix
+        the commit deadline, choose a fresh attempt prefix and write its ``ATTEMPT.json``.
+
+        ``before_marker`` runs after the deadline is fixed and before anything is written
+        to the store (``_save`` makes the staged files durable there).
+
+        Raises: FencedError, NeedsRepairError, CommitConflictError, StoreError, and what
+        ``before_marker`` raises.
+        """
+        if self._fenced is not None:
+            raise self._fenced
+        with self._commit_lock:
+            recovered = self._claim_if_needed()
+        for earlier in recovered:  # staged by a crashed process; older, so first
+            try:
+                earlier.handle._future.set_result(self._save(earlier))
+            except Exception as exc:
+                earlier.handle._future.set_exception(exc)
+                log.warning("could not commit recovered step %d: %s", earlier.handle.step, exc)
+        epoch = self.committer.epoch
+        started = time.monotonic()
+        grace = self.settings.gc_grace_s
+        deadline = started + grace - min(600.0, grace * 0.1)
+        if before_marker is not None:
+            before_marker()
+        remote_id = protocol.new_attempt_id(dt.datetime.now(dt.timezone.utc))
+        prefix = protocol.ckpt_prefix(step, epoch, remote_id)
+        self._put_idempotent(
+            prefix + protocol.ATTEMPT_NAME,
+            protocol.attempt_body(
+                ckpt=prefix,
+                step=step,
+                epoch=epoch,
+                writer_id=self.writer_id,
+                started_at=dt.datetime.now(dt.timezone.utc),
+            ),
+        )
+        failpoint("save.after_marker")
+        return _BegunAttempt(
+            step=step, epoch=epoch, commit_id=remote_id, prefix=prefix, deadline=deadline
+        )
+
+    def _finish_attempt(
+        self,
+        begun: _BegunAttempt,
+        entries: Sequence[protocol.FileEntry],
+        metadata: Mapping[str, Any],
+    ) -> tuple[Latest, Manifest]:
+        """Check that every uploaded file is stored whole (one listing), write the
+        manifest (create-only) and commit it with the fenced compare-and-swap of LATEST.
+
+        Raises: StoreError, FencedError, CommitConflictError, CommitStateUnknownError,
+        StaleAttemptError, NeedsRepairError.
+        """
+        entries = list(entries)
+        prefix = begun.prefix
+        self._check_uploaded(prefix + protocol.FILES_DIR, entries)
+        now = dt.datetime.now(dt.timezone.utc)
+        manifest = Manifest(
             ckpt=prefix,
-            epoch=epoch,
+            step=begun.step,
+            epoch=begun.epoch,
+            commit_id=begun.commit_id,
+            writer_id=self.writer_id,
+            created_at=protocol.iso(now),
+            files=tuple(entries),
+            metadata=metadata,
+        )
+        body = manifest.to_bytes()
+        self._put_create(prefix + protocol.MANIFEST_NAME, body)
+        failpoint("save.after_manifest")
+        with self._commit_lock:
+            latest = self.committer.commit(manifest.record(body, now), deadline=begun.deadline)
+        return latest, manifest
+
+    def _commit_info(
+        self, begun: _BegunAttempt, latest: Latest, manifest: Manifest, handle: SaveHandle
+    ) -> CommitInfo:
+        """The ``CommitInfo`` of a committed attempt (and the log line saying so)."""
+        info = CommitInfo(
+            step=begun.step,
+            commit_id=begun.commit_id,
+            ckpt=begun.prefix,
+            epoch=begun.epoch,
             seq=latest.seq,
-            num_files=len(entries),
+            num_files=len(manifest.files),
             total_bytes=manifest.total_bytes,
             blocking_seconds=handle.blocking_seconds,
             commit_seconds=time.perf_counter() - handle.handed_over_at,

@@ -424,3 +424,28 @@ def test_close_does_not_reraise_an_error_the_caller_already_handled(faulty, tmp_
     with pytest.raises(CommitConflictError):
         mgr.close()  # never collected: close() reports it
     assert unhandled.exception() is not None
+
+
+def test_a_failed_hand_over_releases_its_queue_slot(faulty, manager_factory, monkeypatch):
+    from cloudckpt.staging import Attempt
+
+    mgr = manager_factory(faulty)
+    real = Attempt.set_state
+
+    def full_disk(self, state, **kw):
+        if state == "staged":
+            raise StagingError("the staging disk is full while trying to write the journal")
+        return real(self, state, **kw)
+
+    monkeypatch.setattr(Attempt, "set_state", full_disk)
+    failed = mgr.save(step=1)
+    with pytest.raises(StagingError), failed as d:
+        (d / "f").write_bytes(b"x")
+    with pytest.raises(CloudCkptError):
+        failed.result(timeout=5)
+    # The slot is released (a leaked one would make every later save wait for the upload
+    # ahead of it) and the staging directory is gone.
+    assert mgr._reserved == 0 and not mgr._open
+    assert not any((mgr.staging.attempts_dir).iterdir())
+    monkeypatch.setattr(Attempt, "set_state", real)
+    _save(mgr, 2).result(timeout=30)

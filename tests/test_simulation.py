@@ -280,8 +280,7 @@ def test_a_silently_truncated_upload_is_never_committed(memory_target, tmp_path)
     assert read_latest(store).latest.current.step == 1
     res = restore(store, tmp_path / "r", TransferEngine())
     assert res.step == 1 and (res.path / "f").read_bytes() == b"good"
-    with pytest.raises(StoreError):  # close() reports the failed save once more
-        mgr.close()
+    mgr.close()  # the failure was collected through result(): close() does not repeat it
 
 
 def test_unpinning_a_step_with_two_pinned_checkpoints_writes_seq_plus_one(memory_target):

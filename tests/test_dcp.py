@@ -1,0 +1,226 @@
+"""torch.distributed.checkpoint through cloudckpt (CloudStorageWriter / CloudStorageReader).
+
+Multi-rank: the 2-rank torchrun job of tests/scripts/distrun.py (shared with
+test_distributed.py) saves DTensors sharded over both ranks with ``dcp.save`` (step 2) and
+``dcp.async_save`` (step 3), fails a DCP save on rank 1 (step 5), and, as a new job, loads
+steps 3 and 2 resharded onto another placement; a 1-process job then loads step 3 into
+plain tensors. Both loads must give the saved tensors exactly.
+
+Single process (no process group; DCP's no-dist mode): round trips, checkpoint ids,
+fencing through a claiming reader, fallback past a damaged checkpoint, and refusals.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+import torch
+import torch.distributed.checkpoint as dcp
+from distrun import main_run
+
+from cloudckpt import CheckpointManager, protocol
+from cloudckpt.committer import read_latest
+from cloudckpt.distributed import WORLD_SIZE_KEY, DistributedCheckpointManager
+from cloudckpt.errors import ConfigurationError
+from cloudckpt.integrations.dcp import (
+    DCP_KEY,
+    METADATA_FILE,
+    CloudStorageReader,
+    CloudStorageWriter,
+)
+from cloudckpt.restore import fetch_manifest
+from cloudckpt.stores import OVERWRITE, open_store
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+@pytest.fixture(scope="module")
+def run(moto_server, tmp_path_factory):
+    return main_run(moto_server, tmp_path_factory)
+
+
+# ------------------------------------------------------------------------------ 2 ranks
+
+
+def test_dcp_save_and_async_save_commit_every_ranks_shards_once(run):
+    main = run["main"]
+    store = open_store(run["url"], run["options"])
+    try:
+        latest = read_latest(store).latest
+        records = {r.step: r for r in latest.retained()}
+        assert records[3].commit_id == main.one(0, "dcp-saved", step=3)["commit"]
+        assert records[2].commit_id == main.one(0, "dcp-saved", step=2)["commit"]
+        assert main.one(1, "dcp-saved", step=2)["commit"] is None  # only rank 0 commits
+        for step, kind in ((2, "dcp"), (3, "dcp-async")):
+            record = records[step]
+            assert record.metadata == {"kind": kind, WORLD_SIZE_KEY: 2, DCP_KEY: "1.0.0"}
+            manifest = fetch_manifest(store, record)
+            assert sorted(f.path for f in manifest.files) == [
+                METADATA_FILE,
+                "__0_0.distcp",
+                "__1_0.distcp",
+            ]
+            # .metadata is DCP's own: a plain FileSystemReader can read a restored copy.
+            data, _ = store.get(record.ckpt + protocol.FILES_DIR + METADATA_FILE)
+            metadata = pickle.loads(data)
+            assert {i.relative_path for i in metadata.storage_data.values()} == {
+                "__0_0.distcp",
+                "__1_0.distcp",
+            }
+        for record in latest.retained():  # no commit for the DCP save that failed
+            assert record.step != 5
+        step5 = [o.key for o in store.list("ckpt/000000000005-")]
+        assert any(k.endswith("/" + protocol.ATTEMPT_NAME) for k in step5)  # it was opened
+        assert not any(k.endswith("/" + protocol.MANIFEST_NAME) for k in step5)
+    finally:
+        store.close()
+
+
+def test_a_failed_rank_fails_the_dcp_save_on_every_rank(run):
+    for rank in (0, 1):
+        failed = run["main"].one(rank, "save-failed", step=5)
+        assert failed["type"] == "CheckpointException"
+        assert "injected upload failure on rank 1" in failed["message"]
+
+
+def test_loads_on_2_ranks_and_on_1_process_give_the_saved_tensors(run):
+    main, load1 = run["main"], run["load1"]
+    for step in (2, 3):
+        expected = main.one(0, "expected", step=step)
+        for rank in (0, 1):  # resharded: saved Shard(0), loaded as Shard(1)
+            loaded = main.one(rank, "dcp-loaded", step=step)
+            assert (loaded["w"], loaded["b"]) == (expected["w"], expected["b"])
+            assert loaded["extra"] == {"step": step, "name": f"step-{step}"}
+            assert loaded["cache_left"] == []  # the node's download is removed after loading
+    one = load1.one(0, "dcp-loaded", step=3)
+    two = main.one(0, "dcp-loaded", step=3)
+    assert (one["w"], one["b"], one["extra"]) == (two["w"], two["b"], two["extra"])
+
+
+# ------------------------------------------------------------------------------ 1 process
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g)},
+        "opt": {"step": seed, "lr": 0.1 * seed},
+    }
+
+
+def _empty() -> dict:
+    return {"model": {"w": torch.zeros(4, 3), "b": torch.zeros(3)}, "opt": {"step": 0, "lr": 0.0}}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return (
+        torch.equal(a["model"]["w"], b["model"]["w"])
+        and torch.equal(a["model"]["b"], b["model"]["b"])
+        and a["opt"] == b["opt"]
+    )
+
+
+@pytest.fixture
+def mgr(s3_target, tmp_path):
+    m = DistributedCheckpointManager(
+        s3_target.url, storage_options=s3_target.storage_options, staging_dir=tmp_path / "s"
+    )
+    yield m
+    m.close()
+
+
+def test_save_async_save_and_load_in_one_process(mgr, tmp_path):
+    writer = CloudStorageWriter(mgr, step=10, metadata={"loss": 1.5})
+    dcp.save(_state(10), storage_writer=writer)
+    assert writer.commit_info.step == 10 and writer.commit_info.num_files == 2
+    fut = dcp.async_save(_state(20), storage_writer=CloudStorageWriter(mgr), checkpoint_id=20)
+    fut.result(timeout=60)
+    assert mgr.latest().step == 20
+    assert not any((mgr.staging.root / "dcp").iterdir())  # local staging is released
+
+    reader = CloudStorageReader(mgr, cache_dir=tmp_path / "cache")
+    assert reader.step == 20
+    got = _empty()
+    dcp.load(got, storage_reader=reader)
+    assert _same(got, _state(20))
+    older = _empty()
+    dcp.load(older, storage_reader=CloudStorageReader(mgr, step="step-10"))
+    assert _same(older, _state(10))
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_a_claiming_reader_fences_the_old_writer(s3_target, tmp_path):
+    opts = s3_target.storage_options
+    old = CheckpointManager(s3_target.url, storage_options=opts, staging_dir=tmp_path / "a")
+    dcp.save(_state(1), storage_writer=CloudStorageWriter(old, step=1))
+    new = DistributedCheckpointManager(
+        s3_target.url, storage_options=opts, staging_dir=tmp_path / "b"
+    )
+    reader = CloudStorageReader(new, claim=True)  # resuming: fences the old writer
+    got = _empty()
+    dcp.load(got, storage_reader=reader)
+    assert _same(got, _state(1))
+    with pytest.raises(BaseException, match=r"FencedError|claimed by writer"):
+        dcp.save(_state(2), storage_writer=CloudStorageWriter(old, step=2))
+    with pytest.raises(BaseException, match=r"FencedError|claimed by writer"):  # stays fenced
+        dcp.save(_state(3), storage_writer=CloudStorageWriter(old, step=3))
+    dcp.save(_state(4), storage_writer=CloudStorageWriter(new, step=4))
+    assert [c.step for c in new.list()] == [4, 1]
+    old.close()
+    new.close()
+
+
+def test_a_damaged_checkpoint_is_skipped_for_an_older_one(mgr):
+    dcp.save(_state(1), storage_writer=CloudStorageWriter(mgr, step=1))
+    writer = CloudStorageWriter(mgr, step=2)
+    dcp.save(_state(2), storage_writer=writer)
+    key = writer.commit_info.ckpt + protocol.FILES_DIR + METADATA_FILE
+    data, _ = mgr.store.get(key)
+    mgr.store.put(key, bytes([data[0] ^ 1]) + data[1:], mode=OVERWRITE)  # one flipped bit
+    reader = CloudStorageReader(mgr)
+    assert reader.step == 1
+    assert [s.step for s in reader.skipped] == [2]
+    assert "does not match its digest" in reader.skipped[0].reason
+    got = _empty()
+    dcp.load(got, storage_reader=reader)
+    assert _same(got, _state(1))
+
+
+def test_refusals(mgr):
+    # No step: refused before anything is uploaded.
+    with pytest.raises(BaseException, match="needs the step"):
+        dcp.save(_state(1), storage_writer=CloudStorageWriter(mgr))
+    with pytest.raises(ConfigurationError, match="is not a step"):
+        CloudStorageWriter(mgr, step="latest")
+    # Nothing committed yet: the reader says so, and dcp.load fails clearly.
+    empty = CloudStorageReader(mgr)
+    assert empty.step is None
+    with pytest.raises(BaseException, match="no committed checkpoint"):
+        dcp.load(_empty(), storage_reader=empty)
+    # A checkpoint not written by DCP.
+    with mgr.save(5) as d:
+        (d / "f").write_bytes(b"x")
+    mgr.wait()
+    with pytest.raises(ConfigurationError, match="was not saved by DCP"):
+        CloudStorageReader(mgr)
+    # Writers hold threads and clients: DCP's process-based async executor cannot take one.
+    with pytest.raises(TypeError, match="THREAD"):
+        pickle.dumps(CloudStorageWriter(mgr, step=6))
+    # DCP's plan caching reuses an old plan, which would name an old attempt: refused.
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        dcp.save(_state(7), storage_writer=CloudStorageWriter(mgr, step=7), planner=planner)
+        with pytest.raises(BaseException, match=r"[Pp]lan caching"):
+            dcp.save(_state(7), storage_writer=CloudStorageWriter(mgr, step=8), planner=planner)
+    assert mgr.latest().step == 7

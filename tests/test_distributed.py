@@ -1,0 +1,360 @@
+"""Multi-rank checkpoints (cloudckpt.distributed) under torchrun, against the moto server.
+
+The 2-rank jobs are launched with ``python -m torch.distributed.run --nproc_per_node=2``
+(gloo, CPU, loopback only); each rank writes JSON events (tests/scripts/dist_ckpt.py) and
+the tests check them against what the store holds. To keep the slow torchrun start-ups
+few, one job checks many things (tests/scripts/distrun.py, shared with test_dcp.py), and
+the two kill jobs run side by side:
+
+- ``main``: a multi-rank save commits once with both ranks' files; a rank whose upload
+  fails, or whose ``save()`` block raises, means no commit and the same error on every
+  rank at once; colliding paths are refused;
+  a new job resumes once per node; a restore where each rank is its own node.
+- ``kill``: rank 1 stalls after its first uploaded file; the test SIGKILLs it (a dead rank)
+  or SIGSTOPs it (a hung rank). No commit lands, the previous checkpoint stays current,
+  and the surviving rank raises a clear ``CollectiveError`` at once (dead peer) or within
+  the collective timeout (hung peer), never hanging.
+
+Single-process behaviour (world size 1, no process group) is tested in-process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from distrun import Launch, main_run
+
+from cloudckpt import CommitInfo, ConfigurationError, DestinationNotEmptyError, digest, protocol
+from cloudckpt.committer import read_latest
+from cloudckpt.distributed import (
+    WORLD_SIZE_KEY,
+    DistributedCheckpointManager,
+    DistributedRestoreResult,
+    RankFailedError,
+    _find_collision,
+    rank_dir,
+)
+from cloudckpt.errors import StoreError
+from cloudckpt.restore import fetch_manifest
+from cloudckpt.stores import open_store
+
+KILL_TIMEOUT = 8.0  # the kill jobs' collective timeout, seconds
+
+
+def payload(rank: int) -> bytes:
+    """What rank ``rank`` saves as shard.bin in the main job (see dist_ckpt.py)."""
+    return f"shard of rank {rank} ".encode() * (1000 * (rank + 1))
+
+
+@pytest.fixture(scope="module")
+def run(moto_server, tmp_path_factory):
+    return main_run(moto_server, tmp_path_factory)
+
+
+@pytest.fixture
+def store(run):
+    s = open_store(run["url"], run["options"])
+    yield s
+    s.close()
+
+
+def attempts(store, step: int) -> dict[str, list[str]]:
+    """Attempt prefix -> object names under it, for the attempts of ``step``."""
+    found: dict[str, list[str]] = {}
+    for obj in store.list(protocol.CKPT_PREFIX):
+        prefix = "/".join(obj.key.split("/")[:2]) + "/"
+        parsed = protocol.parse_ckpt_prefix(prefix)
+        if parsed and parsed[0] == step:
+            found.setdefault(prefix, []).append(obj.key[len(prefix) :])
+    return found
+
+
+def commit_records(store) -> list[protocol.Latest]:
+    out = []
+    for obj in sorted(store.list(protocol.COMMITS_PREFIX), key=lambda o: o.key):
+        out.append(protocol.parse_latest(store.get(obj.key)[0]))
+    return out
+
+
+# ------------------------------------------------------------------------------ 2 ranks
+
+
+def test_a_multi_rank_save_commits_once_with_every_ranks_files(run, store):
+    main = run["main"]
+    saved = [main.one(r, "saved", step=1) for r in (0, 1)]
+    assert saved[0]["commit_id"] == saved[1]["commit_id"] and saved[0]["seq"] == saved[1]["seq"]
+    assert saved[0]["num_files"] == 4
+
+    # One attempt prefix for the step, shared by both ranks; ATTEMPT.json from rank 0 only.
+    (prefix, names), *others = attempts(store, 1).items()
+    assert not others
+    assert sorted(names) == sorted(
+        [
+            protocol.ATTEMPT_NAME,
+            protocol.MANIFEST_NAME,
+            "files/rank-00000/extra.pt",
+            "files/rank-00000/shard.bin",
+            "files/rank-00001/extra.pt",
+            "files/rank-00001/shard.bin",
+        ]
+    )
+
+    latest = read_latest(store).latest
+    record = next(r for r in latest.retained() if r.step == 1)
+    assert record.commit_id == saved[0]["commit_id"] and record.ckpt == prefix
+    assert record.metadata == {"loss": 0.5, WORLD_SIZE_KEY: 2}
+    manifest = fetch_manifest(store, record)
+    files = {f.path: f for f in manifest.files}
+    for rank in (0, 1):
+        shard = files[f"{rank_dir(rank)}/shard.bin"]
+        assert shard.size == len(payload(rank))
+        assert shard.digest == digest.tree_digest(payload(rank))
+
+    # Exactly one write of LATEST made step 1 current, by the first job's single writer.
+    commits = [c for c in commit_records(store) if c.op == "commit" and c.current.step == 1]
+    assert len(commits) == 1 and commits[0].current.commit_id == record.commit_id
+
+
+def test_a_failed_rank_means_no_commit_and_the_same_error_everywhere(run, store):
+    main = run["main"]
+    for rank in (0, 1):
+        failed = main.one(rank, "save-failed", step=4)
+        assert failed["type"] == "RankFailedError"
+        assert "step 4 was not committed" in failed["message"]
+        assert failed["failures"] == {"1": "StoreError: injected upload failure on rank 1"}
+    latest = read_latest(store).latest
+    assert 4 not in {r.step for r in latest.retained()}
+    assert all(t.record.step != 4 for t in latest.tombstones)
+    # The coordinator opened the attempt and rank 0 uploaded; no manifest was written.
+    ((_, names),) = attempts(store, 4).items()
+    assert protocol.ATTEMPT_NAME in names and protocol.MANIFEST_NAME not in names
+    assert "files/rank-00000/shard.bin" in names
+    assert not any(n.startswith("files/rank-00001/") for n in names)
+
+
+def test_a_rank_whose_block_raises_fails_the_save_everywhere_at_once(run, store):
+    for rank in (0, 1):
+        failed = run["main"].one(rank, "save-failed", step=6)
+        assert failed["type"] == "RankFailedError"
+        assert (
+            "rank 1: CloudCkptError: its save() block raised RuntimeError: the model refused "
+            "to serialize" in failed["message"]
+        )
+        assert failed["seconds"] < 10  # not the 30 s collective timeout
+    assert not attempts(store, 6)  # refused before the attempt was opened
+
+
+def test_colliding_user_paths_are_refused_before_anything_is_uploaded(run):
+    main = run["main"]
+    for rank in (0, 1):
+        failed = main.one(rank, "save-failed", step="collide")
+        assert failed["type"] == "ConfigurationError"
+        assert "ranks 0 and 1 both write 'same.bin'" in failed["message"]
+    other = open_store(run["url"] + "-collide", run["options"])
+    try:
+        assert list(other.list("")) == []  # not even a claim
+    finally:
+        other.close()
+
+
+def test_resume_claims_on_rank_0_and_downloads_once_per_node(run, store):
+    main = run["main"]
+    resumed = [main.one(r, "resumed") for r in (0, 1)]
+    step1 = main.one(0, "saved", step=1)
+    for r in resumed:
+        assert r["step"] == 1 and r["commit_id"] == step1["commit_id"]
+        assert r["ok"] and r["saved_world_size"] == 2
+        assert r["files"] == [
+            "rank-00000/extra.pt",
+            "rank-00000/shard.bin",
+            "rank-00001/extra.pt",
+            "rank-00001/shard.bin",
+        ]
+    record = next(r for r in read_latest(store).latest.retained() if r.step == 1)
+    assert resumed[0]["downloaded"] == record.total_bytes  # the node leader fetched it all
+    assert resumed[1]["downloaded"] == 0  # and rank 1 read the leader's copy
+    # Only rank 0 claimed: one epoch bump over the first job's.
+    assert read_latest(store).latest.writer.epoch == 2
+    claims = [c for c in commit_records(store) if c.op == "claim"]
+    assert [c.writer.epoch for c in claims] == [1, 2]
+
+    # As if each rank were its own node: each downloads only its own directory.
+    for rank in (0, 1):
+        split = main.one(rank, "restored-split")
+        assert split["ok"]
+        assert split["files"] == [f"{rank_dir(rank)}/extra.pt", f"{rank_dir(rank)}/shard.bin"]
+
+
+def test_a_restore_at_world_size_1_fetches_every_ranks_files(run):
+    restored = run["load1"].one(0, "restored")
+    assert restored["saved_world_size"] == 2
+    assert len(restored["files"]) == 4
+    assert restored["shards"] == [hashlib.sha256(payload(r)).hexdigest() for r in (0, 1)]
+
+
+# ------------------------------------------------------------------------------ kills
+
+
+@pytest.fixture(scope="module")
+def kills(moto_server, tmp_path_factory):
+    """Two 2-rank jobs side by side; in each, rank 1 stalls mid-upload of step 2 and is
+    then SIGKILLed (dead) or SIGSTOPped (hung). Returns what happened to each."""
+    work = tmp_path_factory.mktemp("dist-kill")
+    jobs = {}
+    for how in ("sigkill", "sigstop"):
+        bucket = f"kill-{how}-{os.urandom(3).hex()}"
+        moto_server.create_bucket(bucket)
+        url = f"s3://{bucket}/run"
+        jobs[how] = (
+            url,
+            Launch(
+                "kill",
+                url,
+                work / how,
+                moto_server.storage_options(),
+                extra=("--timeout", str(KILL_TIMEOUT)),
+            ),
+        )
+    out = {}
+    try:
+        waiting, deadline = dict(jobs), time.monotonic() + 120
+        while waiting:  # signal each job's rank 1 as soon as it stalls
+            for how, (url, job) in list(waiting.items()):
+                stalled = job.work / "stalled.json"
+                if stalled.exists():
+                    victim = json.loads(stalled.read_text())["pid"]
+                    os.kill(victim, signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
+                    out[how] = {"url": url, "job": job, "victim": victim, "at": time.time()}
+                    del waiting[how]
+                elif job.proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"rank 1 of {how} never stalled:\n{job.log_tail()}")
+            time.sleep(0.02)
+        job = out["sigstop"]["job"]
+        job.wait_for(lambda: job.events(0, "save-failed"), 60, "rank 0's error")
+        os.kill(out["sigstop"]["victim"], signal.SIGKILL)  # done with it; torchrun may finish
+        for how in jobs:
+            out[how]["rc"] = out[how]["job"].wait(60)
+    finally:
+        for _, job in jobs.values():
+            job.kill()
+    return out
+
+
+@pytest.mark.parametrize("how", ["sigkill", "sigstop"])
+def test_a_dead_or_hung_rank_leaves_no_commit_and_the_survivor_fails_clearly(
+    kills, moto_server, how
+):
+    job, url = kills[how]["job"], kills[how]["url"]
+    assert kills[how]["rc"] != 0  # torchrun reports the failed job
+    assert job.one(0, "saved", step=1) and job.one(1, "saved", step=1)
+    failed = job.one(0, "save-failed", step=2)
+    assert failed["type"] == "CollectiveError"
+    assert "rank 0 lost contact with the other ranks while uploading step 2" in failed["message"]
+    waited = failed["at"] - kills[how]["at"]  # from the signal to the survivor's error
+    if how == "sigkill":  # gloo sees the closed connection at once
+        assert waited < KILL_TIMEOUT / 2
+    else:  # a hung peer: the collective timeout ends the wait
+        assert "Timed out" in failed["message"]
+        assert KILL_TIMEOUT - 1.5 <= waited < KILL_TIMEOUT + 5
+    # The group is unusable now: further saves are refused at once, with the same error.
+    assert job.one(0, "refused")["type"] == "CollectiveError"
+    assert job.one(0, "exit")
+
+    store = open_store(url, moto_server.storage_options())
+    try:
+        latest = read_latest(store).latest
+        assert latest.current.step == 1 and not latest.history
+        ((_, names),) = attempts(store, 2).items()
+        assert protocol.MANIFEST_NAME not in names  # the attempt never got a manifest
+        assert "files/rank-00000/part-0.bin" in names  # though rank 0 had uploaded
+    finally:
+        store.close()
+
+
+# ------------------------------------------------------------------------------ 1 process
+
+
+def test_single_process_save_and_resume(memory_target, tmp_path):
+    mgr = DistributedCheckpointManager(memory_target.url, staging_dir=tmp_path / "s", timeout=5)
+    assert (mgr.rank, mgr.world_size, mgr.is_coordinator, mgr.local_ranks) == (0, 1, True, (0,))
+    assert mgr.resume(tmp_path / "empty") is None
+    handle = mgr.save(3, metadata={"k": 1})
+    with handle as d:
+        (d / "sub").mkdir()
+        (d / "sub" / "a.bin").write_bytes(b"abc")
+    info = handle.result(timeout=30)
+    assert isinstance(info, CommitInfo) and info.num_files == 1
+    assert (tmp_path / "s" / "rank-00000").is_dir()  # each rank stages in its own directory
+    mgr.close()
+
+    again = DistributedCheckpointManager(memory_target.url, staging_dir=tmp_path / "s2")
+    res = again.resume(tmp_path / "r")
+    assert isinstance(res, DistributedRestoreResult)
+    assert res.step == 3 and res.saved_world_size == 1
+    assert res.metadata == {"k": 1, WORLD_SIZE_KEY: 1}
+    assert (res.rank_path / "sub" / "a.bin").read_bytes() == b"abc"
+    again.close()
+
+
+def test_user_paths_and_a_failed_upload_in_a_single_process(memory_target, tmp_path):
+    mgr = DistributedCheckpointManager(memory_target.url, staging_dir=tmp_path, per_rank_dirs=False)
+    original = mgr.engine.upload_files
+
+    def failing(*args, **kwargs):
+        raise StoreError("injected")
+
+    mgr.engine.upload_files = failing
+    handle = mgr.save(1)
+    with handle as d:
+        (d / "model.bin").write_bytes(b"m")
+    with pytest.raises(RankFailedError, match="rank 0: StoreError: injected") as err:
+        handle.result(timeout=30)
+    assert err.value.failures == {0: "StoreError: injected"}
+    assert isinstance(err.value.__cause__, StoreError)
+    mgr.engine.upload_files = original  # a rank failure does not break the manager
+    abandoned = mgr.save(2)
+    with pytest.raises(ValueError), abandoned as d:
+        raise ValueError("boom")
+    with pytest.raises(RankFailedError, match=r"block raised ValueError: boom"):
+        abandoned.result(timeout=30)
+    with mgr.save(2) as d:
+        (d / "model.bin").write_bytes(b"m2")
+    mgr.wait()
+    assert mgr.latest().step == 2
+    restored = mgr.restore(tmp_path / "r")
+    assert (restored.path / "model.bin").read_bytes() == b"m2"
+    with pytest.raises(DestinationNotEmptyError):  # checked before anything is claimed
+        mgr.resume(tmp_path / "r")
+    mgr.close()
+
+
+def test_arguments_that_would_misalign_ranks_are_refused(memory_target, tmp_path):
+    with pytest.raises(ConfigurationError, match="backpressure='block'"):
+        DistributedCheckpointManager(memory_target.url, backpressure="drop_oldest")
+    with pytest.raises(ConfigurationError, match="timeout"):
+        DistributedCheckpointManager(memory_target.url, timeout=0)
+
+
+@pytest.mark.parametrize(
+    ("paths", "problem"),
+    [
+        ([["a", "b"], ["c"]], None),
+        ([["rank-00000/a"], ["rank-00001/a"]], None),
+        ([["a"], ["b", "a"]], "ranks 0 and 1 both write 'a'"),
+        ([["x/y"], ["x"]], "rank 1 writes the file 'x', but rank 0 writes 'x/y'"),
+    ],
+)
+def test_collisions_between_ranks(paths, problem):
+    found = _find_collision(paths)
+    assert found == problem if problem is None else problem in found
