@@ -462,7 +462,8 @@ class CheckpointManager:
     def close(self, timeout: float | None = None) -> None:
         """Wait for pending saves (see ``wait``), then release threads, staging and store.
 
-        Raises: the first failed save's error, after everything is released.
+        Raises: the first error of a failed save whose result() the caller has not
+        already collected (as ``wait``), after everything is released; TimeoutError.
         """
         if self._closed:
             return

@@ -18,6 +18,7 @@ from cloudckpt import FencedError, protocol
 from cloudckpt.cli import EXIT_CODE_TABLE, cli, exit_code_for
 from cloudckpt.stores import open_store
 from cloudckpt.testing.faults import flip_bit
+from cloudckpt.testing.proxy import FaultProxy, ProxyRule
 
 MiB = 1024 * 1024
 
@@ -402,13 +403,15 @@ def test_interrupted_restore_leaves_dest_as_it_was(s3_target, manager_factory, t
 def test_interrupted_push_flushes_once_and_abandons_on_the_second_signal(s3_target, tmp_path):
     store = open_store(s3_target.url, s3_target.storage_options)
 
-    def push(step: int, signals: int, size: int) -> subprocess.CompletedProcess:
+    def push(step: int, signals: int, size: int, via: str) -> subprocess.CompletedProcess:
         src = tmp_path / f"src{step}"
         src.mkdir()
         (src / "big.bin").write_bytes(random.Random(step).randbytes(size))
+        args = flags(s3_target)
+        args[args.index("--endpoint-url") + 1] = via
         proc = subprocess.Popen(
             [sys.executable, "-m", "cloudckpt.cli", "push", str(src), s3_target.url,
-             "--step", str(step), "--force", *flags(s3_target)],
+             "--step", str(step), "--force", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -430,13 +433,17 @@ def test_interrupted_push_flushes_once_and_abandons_on_the_second_signal(s3_targ
         out, err = proc.communicate(timeout=120)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, "".join(seen) + err)
 
-    flushed = push(1, signals=1, size=32 * MiB)
-    assert flushed.returncode == 0, flushed.stderr
-    assert "waiting for the upload in progress to commit" in flushed.stderr
-    latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
-    assert latest.current.step == 1
+    # Every part upload is held for a few seconds on its way to moto, so neither push can
+    # finish before its signals arrive, however fast this machine is today.
+    with FaultProxy(s3_target.storage_options["endpoint_url"], stall_seconds=4) as proxy:
+        proxy.add(ProxyRule("stall", methods={"PUT"}, path="partNumber="))
+        flushed = push(1, signals=1, size=32 * MiB, via=proxy.endpoint_url)
+        assert flushed.returncode == 0, flushed.stderr
+        assert "waiting for the upload in progress to commit" in flushed.stderr
+        latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
+        assert latest.current.step == 1
 
-    abandoned = push(2, signals=2, size=128 * MiB)  # still uploading at the 2nd signal
+        abandoned = push(2, signals=2, size=32 * MiB, via=proxy.endpoint_url)
     assert abandoned.returncode == 130, abandoned.stderr
     latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
     assert latest.current.step == 1 and [r.step for r in latest.retained()] == [1]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -181,10 +182,6 @@ def test_sigterm_mid_run_commits_an_emergency_checkpoint_and_stops_cleanly(runs)
     assert "preemption notice (signal): received SIGTERM" in run.log_tail(100_000)
 
 
-@pytest.mark.skipif(
-    os.environ.get("CLOUDCKPT_TEST_DDP") != "1",
-    reason="two-rank DDP run (~1 min of CPU); set CLOUDCKPT_TEST_DDP=1",
-)
 def test_two_ranks_barrier_resume_and_one_rank_sigterm(moto_server, tmp_path):
     """torchrun with 2 CPU ranks (gloo): only rank 0 commits, every rank's rng_state is in
     the checkpoint, resume() broadcasts rank 0's path, and SIGTERM to rank 1 alone stops
@@ -192,7 +189,9 @@ def test_two_ranks_barrier_resume_and_one_rank_sigterm(moto_server, tmp_path):
     url, options = _bucket(moto_server, "hf-ddp")
 
     def torchrun(name: str, *args: str) -> ChildRun:
-        port = 20000 + (os.getpid() * 7 + len(name)) % 20000
+        with socket.socket() as probe:  # a free port for the rendezvous
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
         return ChildRun(
             SCRIPT,
             ["--output-dir", str(tmp_path / name), f"--url={url}", *args],
