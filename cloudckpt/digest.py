@@ -14,9 +14,11 @@ disk, for users who want to check a restored file by hand.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 ALGORITHM = "sha256-tree"
 CHUNK_SIZE = 8 * 1024 * 1024
@@ -61,3 +63,35 @@ def tree_digest_of_file(path: str | os.PathLike[str], chunk_size: int = CHUNK_SI
             leaves.append(leaf(chunk))
             size += len(chunk)
     return root(leaves, size, chunk_size)
+
+
+# --- known payload digests -----------------------------------------------------------
+
+_known: dict[int, tuple[object, bytes]] = {}
+_known_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def known_sha256(data: bytes, sha256: bytes) -> Iterator[None]:
+    """While the block runs, ``sha256_if_known(data)`` answers ``sha256`` for exactly this
+    object (by identity, never by value). The transfer engine registers a one-chunk part's
+    leaf (which is the part's SHA-256) around its upload, so a store that signs payloads
+    need not hash the same bytes again. ``data`` must be immutable (``bytes``)."""
+    if type(data) is not bytes or len(sha256) != 32:
+        raise TypeError("known_sha256 takes bytes and a 32-byte SHA-256")
+    key = id(data)
+    with _known_lock:
+        _known[key] = (data, sha256)
+    try:
+        yield
+    finally:
+        with _known_lock:
+            entry = _known.get(key)
+            if entry is not None and entry[0] is data:
+                del _known[key]
+
+
+def sha256_if_known(data: object) -> bytes | None:
+    """The SHA-256 registered for this very object by ``known_sha256``, else None."""
+    entry = _known.get(id(data))
+    return entry[1] if entry is not None and entry[0] is data else None

@@ -56,6 +56,22 @@ log = logging.getLogger("cloudckpt")
 Backpressure = Literal["block", "drop_oldest"]
 
 
+def _run_in_thread(fn: Callable[[], None], name: str) -> cf.Future[None]:
+    """Run ``fn`` on a new daemon thread; the future carries its outcome."""
+    future: cf.Future[None] = cf.Future()
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # handed to whoever waits on the future
+            future.set_exception(exc)
+        else:
+            future.set_result(None)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
 @dataclasses.dataclass(frozen=True)
 class CommitInfo:
     """A committed save: what landed and what it cost.
@@ -661,17 +677,28 @@ class CheckpointManager:
     def _save(self, job: _Job) -> CommitInfo:
         """Upload, write the manifest, commit (runs on the worker thread)."""
         attempt, handle = job.attempt, job.handle
+
+        def make_durable() -> None:
+            attempt.fsync_files()
+            attempt.set_state(DURABLE)
+
+        # Flushing the staged files to disk (for crash recovery) runs beside the upload,
+        # which reads them from the page cache: the two overlap instead of adding up
+        # (docs/performance.md). The commit waits for both.
+        flushed = _run_in_thread(make_durable, f"cloudckpt-fsync-{handle.step}")
         try:
-
-            def make_durable() -> None:
-                attempt.fsync_files()
-                attempt.set_state(DURABLE)
-
-            begun = self._begin_attempt(handle.step, before_marker=make_durable)
-            entries = self.engine.upload_files(
-                self.store, begun.prefix + protocol.FILES_DIR, attempt.list_files(), self._progress
-            )
-            failpoint("save.after_upload")
+            try:
+                begun = self._begin_attempt(handle.step)
+                entries = self.engine.upload_files(
+                    self.store,
+                    begun.prefix + protocol.FILES_DIR,
+                    attempt.list_files(),
+                    self._progress,
+                )
+                failpoint("save.after_upload")
+                flushed.result()
+            finally:
+                cf.wait([flushed])  # never remove or reuse files still being flushed
             latest, manifest = self._finish_attempt(begun, entries, handle.metadata)
         except FencedError as exc:
             self._fenced = exc
@@ -689,17 +716,11 @@ class CheckpointManager:
     # coordinator (cloudckpt.distributed, cloudckpt.integrations.dcp) runs ``_begin_attempt``
     # and ``_finish_attempt`` around uploads that every rank makes into the same prefix.
 
-    def _begin_attempt(
-        self, step: int, *, before_marker: Callable[[], None] | None = None
-    ) -> _BegunAttempt:
+    def _begin_attempt(self, step: int) -> _BegunAttempt:
         """Claim the run if no one has yet (committing crash-recovered saves first), fix
         the commit deadline, choose a fresh attempt prefix and write its ``ATTEMPT.json``.
 
-        ``before_marker`` runs after the deadline is fixed and before anything is written
-        to the store (``_save`` makes the staged files durable there).
-
-        Raises: FencedError, NeedsRepairError, CommitConflictError, StoreError, and what
-        ``before_marker`` raises.
+        Raises: FencedError, NeedsRepairError, CommitConflictError, StoreError.
         """
         if self._fenced is not None:
             raise self._fenced
@@ -715,8 +736,6 @@ class CheckpointManager:
         started = time.monotonic()
         grace = self.settings.gc_grace_s
         deadline = started + grace - min(600.0, grace * 0.1)
-        if before_marker is not None:
-            before_marker()
         remote_id = protocol.new_attempt_id(dt.datetime.now(dt.timezone.utc))
         prefix = protocol.ckpt_prefix(step, epoch, remote_id)
         self._put_idempotent(

@@ -3,12 +3,20 @@
 Uploads: each file above ``multipart_threshold`` goes up in parts sized from the file size
 within S3's limits (5 MiB..5 GiB, at most 10,000 parts), always a multiple of the 8 MiB
 digest chunk. Workers read their part with ``pread`` (no shared file position), compute the
-part's digest leaves and its CRC32C in the same pass, and upload it with the CRC32C the
-store verifies. Memory in flight is bounded by ``concurrency x part_size``.
+part's digest leaves and its CRC32C in the same pass, and upload it (one ``sendall``, no
+copy) with the CRC32C the store verifies. A part of exactly one chunk (the default size)
+has its leaf registered as its SHA-256 (``digest.known_sha256``): a store that signs
+payloads (S3 over plain HTTP) uses it instead of hashing the bytes a second time.
 
-Downloads: files are fetched in chunk-aligned ranges by the same number of workers, hashed
-as they arrive, and written with ``pwrite`` into preallocated files; a file counts only
-when every leaf matches its recorded digest.
+Downloads: files are fetched in chunk-aligned ranges by the same number of workers, read
+straight into reused buffers where the store can (``get_range_into``), hashed there and
+written with ``pwrite`` into preallocated files. The worker that writes a file's last range
+checks the file's digest and fsyncs it, so flushing one file overlaps downloading the
+others; a file counts only when every leaf matches its recorded digest.
+
+Memory in flight is bounded by ``concurrency x part_size`` (uploads) and ``concurrency x
+range_size`` (downloads). Download buffers are kept between transfers (fresh memory costs a
+page fault per 4 KiB on first touch); ``close()`` frees them.
 
 Retries: transient errors and checksum mismatches are retried with backoff; part uploads
 and fresh-prefix puts are idempotent, so a lost answer is retried too.
@@ -22,6 +30,7 @@ import dataclasses
 import os
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 
 from cloudckpt import digest
@@ -48,12 +57,13 @@ class TransferConfig:
     ``part_size``: preferred multipart part size; raised when a file would need more parts
     than the store allows. ``multipart_threshold``: files at least this big go multipart.
     ``range_size``: download range size. All sizes are rounded up to the 8 MiB chunk.
+    One chunk per part (the default) lets a payload-signing store reuse the chunk's digest.
     """
 
     concurrency: int = 16
-    part_size: int = 16 * MiB
+    part_size: int = 8 * MiB
     multipart_threshold: int = 16 * MiB
-    range_size: int = 16 * MiB
+    range_size: int = 8 * MiB
     attempts: int = 6
 
     def __post_init__(self) -> None:
@@ -102,6 +112,31 @@ class _Progress:
                 self._callback(n)
 
 
+class _BufferPool:
+    """Download buffers reused across ranges and transfers, up to ``keep`` of them."""
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bytearray:
+        with self._lock:
+            for i in range(len(self._free) - 1, -1, -1):
+                if len(self._free[i]) == size:
+                    return self._free.pop(i)
+        return bytearray(size)
+
+    def give(self, buf: bytearray) -> None:
+        with self._lock:
+            if len(self._free) < self._keep:
+                self._free.append(buf)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
 def _read_at(path: Path, offset: int, length: int) -> bytes:
     """``length`` bytes at ``offset``; each worker opens its own descriptor, so thousands
     of files never hold thousands of descriptors open."""
@@ -138,9 +173,11 @@ class TransferEngine:
         self._pool = cf.ThreadPoolExecutor(
             self.config.concurrency, thread_name_prefix="cloudckpt-transfer"
         )
+        self._buffers = _BufferPool(self.config.concurrency)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._buffers.clear()
 
     def __enter__(self) -> TransferEngine:
         return self
@@ -221,7 +258,8 @@ class TransferEngine:
         progress: ProgressCallback | None = None,
     ) -> None:
         """Download ``entries`` from under ``prefix`` into the directory ``dest``, verifying
-        every byte against the manifest. Paths must already be validated as safe.
+        every byte against the manifest. Paths must already be validated as safe. Every
+        file is fsynced once verified.
 
         Raises:
             CorruptionError: a file is missing, has the wrong size, or fails its digest.
@@ -230,7 +268,6 @@ class TransferEngine:
         report = _Progress(progress)
         range_size = _round_up(self.config.range_size, chunk_size)
         tasks: list[cf.Future] = []
-        files: list[tuple[FileEntry, Path, list]] = []
         for entry in entries:
             target = dest.joinpath(*entry.path.split("/"))
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -240,61 +277,83 @@ class TransferEngine:
                 os.ftruncate(fd, entry.size)
             finally:
                 os.close(fd)
-            leaves: list = [None] * -(-entry.size // chunk_size)
-            files.append((entry, target, leaves))
+            download = _FileDownload(prefix + entry.path, entry, target, chunk_size)
+            if entry.size == 0:
+                download.finish()  # no ranges: check the digest of nothing now
+                continue
             for offset in range(0, entry.size, range_size):
                 length = min(range_size, entry.size - offset)
                 tasks.append(
-                    self._pool.submit(
-                        self._download_range,
-                        store,
-                        prefix + entry.path,
-                        entry,
-                        target,
-                        offset,
-                        length,
-                        leaves,
-                        chunk_size,
-                        report,
-                    )
+                    self._pool.submit(self._download_range, store, download, offset, length, report)
                 )
         self._wait_all(tasks)
-        for entry, target, leaves in files:
-            if digest.root(leaves, entry.size, chunk_size) != entry.digest:
-                raise CorruptionError(f"{prefix}{entry.path} does not match its digest")
-            _fsync_path(target)
 
     def _download_range(
         self,
         store: Store,
-        key: str,
-        entry: FileEntry,
-        target: Path,
+        file: _FileDownload,
         offset: int,
         length: int,
-        leaves: list,
-        chunk_size: int,
         report: _Progress,
     ) -> None:
+        key, entry, chunk_size = file.key, file.entry, file.chunk_size
+        into = getattr(store, "get_range_into", None)
+        buf = self._buffers.take(_round_up(self.config.range_size, chunk_size))
         try:
-            data = self._retry(lambda: store.get_range(key, offset, length), f"download {key}")
-        except ObjectNotFoundError:
-            raise CorruptionError(f"{key} is missing from the store") from None
-        if len(data) != length:
-            raise CorruptionError(
-                f"{key} is shorter than the {entry.size} bytes its manifest records"
-            )
-        for i, leaf in enumerate(digest.leaves_of(data, chunk_size)):
-            leaves[offset // chunk_size + i] = leaf
-        failpoint("restore.after_range")
-        fd = os.open(target, os.O_WRONLY)
-        try:
-            view, written = memoryview(data), 0
-            while written < length:
-                written += os.pwrite(fd, view[written:], offset + written)
+            view = memoryview(buf)[:length]
+            try:
+                if into is not None:
+                    got = self._retry(lambda: into(key, offset, view), f"download {key}")
+                else:
+                    data = self._retry(
+                        lambda: store.get_range(key, offset, length), f"download {key}"
+                    )
+                    got = min(len(data), length)
+                    view[:got] = data[:got]
+            except ObjectNotFoundError:
+                raise CorruptionError(f"{key} is missing from the store") from None
+            if got != length:
+                raise CorruptionError(
+                    f"{key} is shorter than the {entry.size} bytes its manifest records"
+                )
+            leaves = digest.leaves_of(view, chunk_size)
+            failpoint("restore.after_range")
+            fd = os.open(file.target, os.O_WRONLY)
+            try:
+                written = 0
+                while written < length:
+                    written += os.pwrite(fd, view[written:], offset + written)
+            finally:
+                os.close(fd)
+            view.release()
         finally:
-            os.close(fd)
+            self._buffers.give(buf)
         report(length)
+        if file.add(offset // chunk_size, leaves):
+            file.finish()
+
+
+class _FileDownload:
+    """One file being downloaded: its leaves as ranges arrive; the worker that adds the
+    last range verifies the file and fsyncs it."""
+
+    def __init__(self, key: str, entry: FileEntry, target: Path, chunk_size: int) -> None:
+        self.key, self.entry, self.target, self.chunk_size = key, entry, target, chunk_size
+        self.leaves: list = [None] * -(-entry.size // chunk_size)
+        self._missing = len(self.leaves)
+        self._lock = threading.Lock()
+
+    def add(self, first: int, leaves: list[bytes]) -> bool:
+        """Record the leaves of a range; True for the call that completes the file."""
+        with self._lock:
+            self.leaves[first : first + len(leaves)] = leaves
+            self._missing -= len(leaves)
+            return self._missing == 0
+
+    def finish(self) -> None:
+        if digest.root(self.leaves, self.entry.size, self.chunk_size) != self.entry.digest:
+            raise CorruptionError(f"{self.key} does not match its digest")
+        _fsync_path(self.target)
 
 
 class _FileUpload:
@@ -335,9 +394,11 @@ class _FileUpload:
     def _single(self) -> tuple[list[bytes], None]:
         data = _read_at(self.path, 0, self.before.size)
         leaves = digest.leaves_of(data)
-        self.engine._retry(
-            lambda: self.store.put(self.key, data, mode=OVERWRITE), f"upload {self.key}"
-        )
+        known = digest.known_sha256(data, leaves[0]) if len(leaves) == 1 else nullcontext()
+        with known:
+            self.engine._retry(
+                lambda: self.store.put(self.key, data, mode=OVERWRITE), f"upload {self.key}"
+            )
         self.report(len(data))
         return leaves, None
 
@@ -346,10 +407,13 @@ class _FileUpload:
         data = _read_at(self.path, offset, length)
         leaves = digest.leaves_of(data)
         crc = crc32c_b64(data)
-        part = self.engine._retry(
-            lambda: self.store.upload_part(self.upload, number, data, crc32c=crc),
-            f"upload part {number} of {self.key}",
-        )
+        # A one-chunk part's leaf is its SHA-256: a payload-signing store reuses it.
+        known = digest.known_sha256(data, leaves[0]) if len(leaves) == 1 else nullcontext()
+        with known:
+            part = self.engine._retry(
+                lambda: self.store.upload_part(self.upload, number, data, crc32c=crc),
+                f"upload part {number} of {self.key}",
+            )
         failpoint("save.after_part")
         self.report(length)
         return leaves, part

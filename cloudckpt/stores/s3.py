@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import email.utils
+import http.client
 import logging
 import os
 import re
@@ -36,10 +37,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 import botocore
+import botocore.auth
 import botocore.config
 import botocore.exceptions as bce
+import botocore.handlers
+import botocore.response
 import botocore.session
 
+from cloudckpt import digest
 from cloudckpt.errors import (
     BucketNotFoundError,
     ChecksumMismatchError,
@@ -177,6 +182,100 @@ def _client_error_info(exc: bce.ClientError) -> tuple[str, int, str, int]:
     return code, status, str(error.get("Message", "")), int(meta.get("RetryAttempts") or 0)
 
 
+class _PrehashedS3SigV4Auth(botocore.auth.S3SigV4Auth):
+    """S3 SigV4 that, when botocore would SHA-256 the payload (plain HTTP, or payload
+    signing switched on), takes the digest the transfer engine registered for exactly this
+    body object (``digest.known_sha256``: a one-chunk part's leaf, computed from these very
+    bytes), which saves hashing every uploaded byte twice. Any other body is hashed by
+    botocore as usual."""
+
+    def payload(self, request: Any) -> str:
+        known = digest.sha256_if_known(request.body)
+        if (
+            known is not None
+            and not self._is_streaming_checksum_payload(request)
+            and self._should_sha256_sign_payload(request)
+        ):
+            return known.hex()
+        return super().payload(request)
+
+
+def _send_bytes_whole(client: Any) -> None:
+    """Send PutObject/UploadPart ``bytes`` bodies as they are, in one ``sendall``.
+
+    botocore wraps a bytes body in a ``BytesIO`` (``convert_body_to_file_like_object``);
+    urllib3 then sends it 16 KiB at a time (a new bytes object each), adds an
+    ``Expect: 100-continue`` round trip, and a payload-signing client reads it again in
+    1 MiB copies to hash it. Every body this store sends is immutable ``bytes``, which a
+    retry simply sends again, so the wrapper buys nothing here. Only this client changes."""
+    handler = getattr(botocore.handlers, "convert_body_to_file_like_object", None)
+    if handler is None:
+        return
+    for op in ("PutObject", "UploadPart"):
+        client.meta.events.unregister(f"before-parameter-build.s3.{op}", handler)
+
+
+def _use_prehashed_payloads(client: Any) -> None:
+    """Make this client's plain S3 SigV4 signer a ``_PrehashedS3SigV4Auth`` (only this
+    client; other signature versions are left alone; no-op if botocore's internals differ)."""
+    signer = getattr(client, "_request_signer", None)
+    get_auth = getattr(signer, "get_auth_instance", None)
+    if get_auth is None:
+        return
+
+    def get_auth_instance(*args: Any, **kwargs: Any) -> Any:
+        auth = get_auth(*args, **kwargs)
+        if type(auth) is botocore.auth.S3SigV4Auth:
+            auth.__class__ = _PrehashedS3SigV4Auth
+        return auth
+
+    signer.get_auth_instance = get_auth_instance
+
+
+def _read_body_into(resp: Mapping[str, Any], buf: memoryview) -> int:
+    """Read a GetObject response body into ``buf``; return the body's length.
+
+    When the body is botocore's plain ``StreamingBody`` over an ``http.client`` response of
+    known length that fits, the bytes are read straight from the socket into ``buf`` and
+    the connection goes back to the pool; otherwise (other botocore versions, checksum-
+    validating bodies) through ``read()`` and one copy. A body longer than ``buf`` reports
+    its full length (the caller treats that as damage) and only ``len(buf)`` bytes are kept.
+    Raises OSError / http.client.HTTPException / botocore errors from the transport.
+    """
+    body = resp["Body"]
+    declared = resp.get("ContentLength")
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if not (
+        type(body) is botocore.response.StreamingBody
+        and isinstance(fp, http.client.HTTPResponse)
+        and not fp.chunked
+        and isinstance(declared, int)
+        and fp.length == declared
+        and declared <= len(buf)
+        and hasattr(raw, "release_conn")
+    ):
+        data = body.read()
+        n = min(len(data), len(buf))
+        buf[:n] = memoryview(data)[:n]
+        return len(data)
+    got = 0
+    try:
+        while got < declared:
+            n = fp.readinto(buf[got:declared])
+            if not n:
+                break
+            got += n
+    except BaseException:
+        body.close()  # never hand a half-read connection back to the pool
+        raise
+    if got < declared:
+        body.close()
+        raise http.client.IncompleteRead(b"", declared - got)
+    raw.release_conn()
+    return got
+
+
 class S3Store(Store):
     """A store rooted at ``s3://bucket/prefix``. See the module docstring.
 
@@ -274,11 +373,14 @@ class S3Store(Store):
                 kwargs["aws_session_token"] = token
         kwargs.update(client_kwargs)  # explicit client_kwargs win, as in s3fs
         try:
-            return session.create_client("s3", **kwargs)
+            client = session.create_client("s3", **kwargs)
         except (ValueError, bce.BotoCoreError) as exc:
             raise ConfigurationError(
                 f"cannot create an S3 client for {self.url}: {self._scrub(str(exc))}"
             ) from None
+        _send_bytes_whole(client)
+        _use_prehashed_payloads(client)
+        return client
 
     # --- error mapping --------------------------------------------------------------
 
@@ -502,6 +604,40 @@ class S3Store(Store):
                 return b""
             raise
 
+    def get_range_into(self, key: str, start: int, buf: memoryview) -> int:
+        """Read ``len(buf)`` bytes from offset ``start`` into ``buf`` (from the socket
+        straight into the buffer where botocore allows); return how many the store sent
+        (fewer only at the end of the object). Raises like ``get_range``; a response cut
+        short raises TransientStoreError."""
+        length = len(buf)
+        if length <= 0:
+            self.head(key)
+            return 0
+        params = self._with_extra(
+            "GetObject",
+            {
+                "Bucket": self.bucket,
+                "Key": self._full(key),
+                "Range": f"bytes={start}-{start + length - 1}",
+            },
+        )
+        try:
+            with self._errors("get_object", key):
+                resp = self._client.get_object(**params)
+                try:
+                    return _read_body_into(resp, buf)
+                except (OSError, http.client.HTTPException) as exc:
+                    raise TransientStoreError(
+                        f"get_object {self._where(key)}: the response broke off "
+                        f"({type(exc).__name__})",
+                        key=key,
+                    ) from exc
+        except StoreError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, bce.ClientError) and _client_error_info(cause)[1] == 416:
+                return 0
+            raise
+
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = OVERWRITE) -> ObjectInfo:
         """Raises PreconditionFailedError (lost create/compare-and-swap, or Update of a
         missing key), StoreConflictError (409), OutcomeUnknownError, BucketNotFoundError, ..."""
@@ -584,7 +720,7 @@ class S3Store(Store):
     ) -> PartInfo:
         """Raises ChecksumMismatchError (S3 BadDigest; moto never checks),
         ObjectNotFoundError (unknown upload), TransientStoreError (safe to retry), ..."""
-        body = bytes(data)
+        body = bytes(data)  # the same object when it is bytes already
         crc = crc32c or crc32c_b64(body)
         resp = self._call(
             "upload_part",

@@ -1,0 +1,1114 @@
+"""cloudckpt against what users would pick instead: one command, a table and a JSON file.
+
+    python -m benchmarks                      # the full run (about 15 minutes on 2 cores)
+    python -m benchmarks --quick              # a smoke run in well under a minute (CI)
+    python -m benchmarks --s3-url s3://bucket/prefix --gcs-url gs://bucket/prefix
+
+Every group runs its contenders side by side in the same process, rotating the order each
+round (A B C, B C A, C A B, ...), after one unmeasured warm-up round; figures are medians
+over ``--pairs`` rounds and every ratio is the median of the per-round ratios. Between
+measurements (never inside one) the harness deletes what the last contender wrote, calls
+``sync`` so no contender pays for another's disk writeback, and collects garbage.
+
+Groups (targets on a 2-core machine, from issue 7):
+
+- ``torch``: 1 GiB of tensors. Stall (time the training loop is blocked): cloudckpt
+  ``save_state`` vs ``torch.save`` to local disk (target: <= 0.1x) vs DCP ``async_save``
+  with its ``FileSystemWriter`` (target: <= 0.5x). save()-to-commit: ``save_state`` until
+  LATEST names the checkpoint vs ``torch.save`` followed by boto3 ``upload_file``
+  (target: >= 2x faster).
+- ``s3-upload``: a 1 GiB checkpoint of 8 files on local disk: cloudckpt ``save_dir`` until
+  committed vs boto3 ``upload_file`` per file (default ``TransferConfig``) vs s3fs ``put``
+  (targets: >= 1.5x each). Run once per payload-signing setting (``--signing``).
+- ``s3-restore``: cloudckpt ``restore`` (verified, fsynced) vs boto3 ``download_file`` per
+  file vs s3fs ``get`` (target: >= 2x boto3); plus cloudckpt with the fsync switched off
+  by the benchmark, to compare like with like.
+- ``gcs-upload`` / ``gcs-restore``: the same against fake-gcs-server, gcsfs as the peer.
+- ``moto-upload`` / ``moto-restore``: the S3 groups against moto (smaller), a realism check.
+
+S3 throughput groups use ``benchmarks/s3_endpoint.py`` (an in-memory endpoint cheap enough
+per byte to measure clients) unless ``--s3-url`` names a real bucket. Every S3 client gets
+the same botocore ``payload_signing_enabled`` setting (``unsigned``: UNSIGNED-PAYLOAD, what
+botocore does over HTTPS when a checksum is sent; ``signed``: SHA-256 of every payload, what
+it does over plain HTTP by default). Every cloudckpt figure includes computing the SHA-256
+tree digests (upload) or verifying them (restore).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime as dt
+import gc
+import json
+import logging
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+MiB = 1 << 20
+GiB = 1 << 30
+SCHEMA = "cloudckpt.bench/1"
+TEST_KEY, TEST_SECRET, REGION = "bench", "bench-secret", "us-east-1"
+
+log = logging.getLogger("cloudckpt.bench")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _proc_cpu(pid: int | None) -> float:
+    """CPU seconds (user + system) used so far by process ``pid`` and its threads."""
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _machine_busy_s(pids: list[int | None], window: float) -> float:
+    """CPU seconds per second used during ``window`` by processes other than ours."""
+
+    def total() -> float:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+    def ours() -> float:
+        return time.process_time() + sum(_proc_cpu(p) for p in pids)
+
+    t0, o0 = total(), ours()
+    time.sleep(window)
+    return max(0.0, (total() - t0) - (ours() - o0)) / window
+
+
+class _Quiet:
+    """Waits, between measurements, until other processes leave the CPUs alone (a shared
+    CI or dev machine otherwise makes single measurements meaningless); counts the
+    measurements that had to start on a busy machine."""
+
+    def __init__(self, enabled: bool, max_wait: float = 120.0, threshold: float = 0.15):
+        self.enabled, self.max_wait, self.threshold = enabled, max_wait, threshold
+        self.waited_s = 0.0
+        self.busy_starts = 0
+
+    def wait(self, pids: list[int | None]) -> None:
+        if not self.enabled or not os.path.exists("/proc/stat"):
+            return
+        started = time.monotonic()
+        while _machine_busy_s(pids, 0.5) > self.threshold * (os.cpu_count() or 1):
+            if time.monotonic() - started > self.max_wait:
+                self.busy_starts += 1
+                break
+            time.sleep(1.0)
+        self.waited_s += time.monotonic() - started
+
+
+QUIET = _Quiet(enabled=True)
+
+
+def _quiesce(pids: list[int | None] = ()) -> None:
+    """Between measurements: flush dirty pages (one contender's writeback must not slow
+    the next one), collect garbage, wait for other processes to leave the CPUs idle."""
+    gc.collect()
+    os.sync()
+    QUIET.wait(list(pids))
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _write_files(root: Path, total: int, count: int, seed: int = 0) -> list[Path]:
+    """``count`` files of random bytes totalling ``total`` bytes (incompressible)."""
+    root.mkdir(parents=True, exist_ok=True)
+    each = total // count
+    paths = []
+    block = os.urandom(min(each, 64 * MiB) or 1)
+    for i in range(count):
+        path = root / f"shard-{i:02d}.bin"
+        with open(path, "wb") as f:
+            left = each
+            f.write(i.to_bytes(8, "big") + seed.to_bytes(8, "big"))  # files differ
+            left -= 16
+            while left > 0:
+                n = min(left, len(block))
+                f.write(block[:n])
+                left -= n
+        paths.append(path)
+    return paths
+
+
+def _rm(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclasses.dataclass
+class Contender:
+    """One side of a comparison. ``run(round)`` does the measured work and returns its
+    metrics in seconds (at least ``"s"``, the wall time the harness also takes itself when
+    the contender does not report it); ``after(round)`` tidies up, unmeasured."""
+
+    name: str
+    run: Callable[[int], dict[str, float] | None]
+    after: Callable[[int], None] | None = None
+    cloudckpt: bool = False
+    note: str = ""
+
+
+@dataclasses.dataclass
+class Comparison:
+    metric: str  # the metric compared ("s", "stall", "commit")
+    baseline: str  # contender name
+    target: float | None  # baseline / cloudckpt must be >= target
+    cloudckpt: str = "cloudckpt"
+    label: str = ""
+
+
+@dataclasses.dataclass
+class Group:
+    name: str
+    title: str
+    nbytes: int
+    contenders: list[Contender]
+    comparisons: list[Comparison]
+    servers: dict[str, int | None] = dataclasses.field(default_factory=dict)
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _run_group(group: Group, pairs: int, warmup: int, profile_dir: Path | None) -> dict[str, Any]:
+    """Run the contenders in rotating order; return the group's JSON record."""
+    names = [c.name for c in group.contenders]
+    samples: dict[str, dict[str, list[float]]] = {n: {} for n in names}
+    total_rounds = warmup + pairs
+    print(f"\n== {group.title}", flush=True)
+    for r in range(total_rounds):
+        measured = r >= warmup
+        k = r % len(group.contenders)
+        order = group.contenders[k:] + group.contenders[:k]
+        line = []
+        for c in order:
+            _quiesce(list(group.servers.values()))
+            cpu0 = time.process_time()
+            srv0 = {s: _proc_cpu(pid) for s, pid in group.servers.items()}
+            profiler = _start_profile(profile_dir, group, c) if r == warmup else None
+            t0 = time.perf_counter()
+            metrics = c.run(r) or {}
+            wall = time.perf_counter() - t0
+            _stop_profile(profiler)
+            metrics.setdefault("s", wall)
+            metrics["cpu_client_s"] = time.process_time() - cpu0
+            for s, pid in group.servers.items():
+                metrics[f"cpu_{s}_s"] = _proc_cpu(pid) - srv0[s]
+            if c.after is not None:
+                c.after(r)
+            if measured:
+                for m, v in metrics.items():
+                    samples[c.name].setdefault(m, []).append(v)
+            line.append(f"{c.name} {metrics['s']:.2f}s")
+        tag = f"round {r - warmup + 1}/{pairs}" if measured else "warm-up"
+        print(f"   {tag}: " + ", ".join(line), flush=True)
+
+    contenders = {}
+    for c in group.contenders:
+        m = samples[c.name]
+        rec: dict[str, Any] = {
+            "cloudckpt": c.cloudckpt,
+            "metrics": {k: {"median": _median(v), "samples": v} for k, v in m.items()},
+        }
+        if c.note:
+            rec["note"] = c.note
+        s = _median(m.get("s", []))
+        if group.nbytes and s > 0:
+            rec["gib_per_s"] = group.nbytes / GiB / s
+        contenders[c.name] = rec
+    comparisons = []
+    for cmp in group.comparisons:
+        a = samples[cmp.cloudckpt].get(cmp.metric, [])
+        b = samples[cmp.baseline].get(cmp.metric, [])
+        ratios = [y / x for x, y in zip(a, b, strict=False) if x > 0]
+        speedup = _median(ratios)
+        comparisons.append(
+            {
+                "metric": cmp.metric,
+                "label": cmp.label or cmp.metric,
+                "cloudckpt": cmp.cloudckpt,
+                "baseline": cmp.baseline,
+                "cloudckpt_median_s": _median(a),
+                "baseline_median_s": _median(b),
+                "speedup": speedup,
+                "speedups": ratios,
+                "target": cmp.target,
+                "met": None if cmp.target is None else bool(speedup >= cmp.target),
+            }
+        )
+    return {
+        "name": group.name,
+        "title": group.title,
+        "bytes": group.nbytes,
+        "pairs": pairs,
+        "warmup": warmup,
+        "contenders": contenders,
+        "comparisons": comparisons,
+        **group.info,
+    }
+
+
+def _start_profile(profile_dir: Path | None, group: Group, c: Contender) -> Any:
+    """Profile the first measured run of every cloudckpt contender: py-spy (all threads,
+    native waits excluded) on this process and on the local servers when py-spy is
+    installed, else pyinstrument (main thread only)."""
+    if profile_dir is None or not c.cloudckpt:
+        return None
+    profile_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{group.name}--{c.name.replace(' ', '_').replace('(', '').replace(')', '')}"
+    pyspy = shutil.which("py-spy")
+    if pyspy:
+        procs = []
+        targets = {"client": os.getpid(), **group.servers}
+        for who, pid in targets.items():
+            if pid is None:
+                continue
+            out = profile_dir / f"{stem}--{who}.collapsed"
+            cmd = [pyspy, "record", "--pid", str(pid), "--rate", "250", "--format", "raw"]
+            cmd += ["--output", str(out), "--nonblocking"]
+            procs.append(
+                (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), out)
+            )
+        time.sleep(0.5)  # let py-spy attach
+        return ("py-spy", procs)
+    try:
+        import pyinstrument
+    except ImportError:
+        return None
+    p = pyinstrument.Profiler(interval=0.002, async_mode="disabled")
+    p.start()
+    return ("pyinstrument", (p, profile_dir / f"{stem}.txt"))
+
+
+def _stop_profile(profiler: Any) -> None:
+    if profiler is None:
+        return
+    kind, state = profiler
+    if kind == "pyinstrument":
+        p, path = state
+        p.stop()
+        path.write_text(p.output_text(unicode=False, color=False))
+        return
+    for proc, out in state:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if out.exists():
+            out.with_suffix(".top.txt").write_text(_top_frames(out))
+
+
+def _top_frames(collapsed: Path, n: int = 30) -> str:
+    """Where the samples of a py-spy raw profile are: own time per frame, and inclusive
+    time for the cloudckpt/botocore/urllib3 frames."""
+    own: dict[str, int] = {}
+    incl: dict[str, int] = {}
+    total = 0
+    for line in collapsed.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        k = int(count)
+        total += k
+        frames = stack.split(";")
+        own[frames[-1]] = own.get(frames[-1], 0) + k
+        for f in set(frames):
+            incl[f] = incl.get(f, 0) + k
+    out = [f"{total} samples (active threads only; 250 Hz)", "", "own time:"]
+    for f, k in sorted(own.items(), key=lambda x: -x[1])[:n]:
+        out.append(f"{100 * k / max(total, 1):6.1f}%  {f}")
+    out += ["", "inclusive (cloudckpt, botocore, s3transfer, urllib3, http):"]
+    keep = ("cloudckpt", "botocore", "s3transfer", "urllib3", "http/", "s3fs", "gcsfs")
+    ranked = [(f, k) for f, k in incl.items() if any(x in f for x in keep)]
+    for f, k in sorted(ranked, key=lambda x: -x[1])[:n]:
+        out.append(f"{100 * k / max(total, 1):6.1f}%  {f}")
+    return "\n".join(out) + "\n"
+
+
+# ----------------------------------------------------------------------------- stores
+
+
+class S3Target:
+    """Where the S3 groups write: the benchmark endpoint, moto, or a real bucket."""
+
+    def __init__(self, kind: str, url: str | None = None) -> None:
+        self.kind = kind  # "bench", "moto" or "real"
+        self.server: Any = None
+        self.pid: int | None = None
+        if kind == "bench":
+            from benchmarks.s3_endpoint import S3Endpoint
+
+            self.server = S3Endpoint(buckets=("bench",)).start()
+            self.pid = self.server.pid
+            self.endpoint_url: str | None = self.server.endpoint_url
+            self.bucket, self.root = "bench", f"run-{uuid.uuid4().hex[:8]}/"
+            self.creds: dict[str, Any] = {"key": TEST_KEY, "secret": TEST_SECRET}
+        elif kind == "moto":
+            from cloudckpt.testing.moto_server import MotoServer
+
+            self.server = MotoServer().start()
+            self.server.create_bucket("bench")
+            self.pid = self.server._proc.pid if self.server._proc else None
+            self.endpoint_url = self.server.endpoint_url
+            self.bucket, self.root = "bench", f"run-{uuid.uuid4().hex[:8]}/"
+            self.creds = {"key": TEST_KEY, "secret": TEST_SECRET}
+        else:
+            assert url and url.startswith("s3://")
+            bucket, _, prefix = url[5:].partition("/")
+            self.bucket = bucket
+            self.root = (prefix.strip("/") + "/" if prefix.strip("/") else "") + (
+                f"cloudckpt-bench-{uuid.uuid4().hex[:8]}/"
+            )
+            self.endpoint_url = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
+                "AWS_ENDPOINT_URL"
+            )
+            self.creds = {}
+        self._admin: Any = None
+
+    def config(self, signing: str) -> dict[str, Any]:
+        return {"s3": {"payload_signing_enabled": signing == "signed"}}
+
+    def storage_options(self, signing: str) -> dict[str, Any]:
+        opts: dict[str, Any] = dict(self.creds)
+        if self.endpoint_url:
+            opts["endpoint_url"] = self.endpoint_url
+        if self.kind != "real":
+            opts["client_kwargs"] = {"region_name": REGION}
+        opts["config_kwargs"] = self.config(signing)
+        return opts
+
+    def url(self, sub: str) -> str:
+        return f"s3://{self.bucket}/{self.root}{sub}"
+
+    def boto3_client(self, signing: str) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        kwargs: dict[str, Any] = {"config": Config(**self.config(signing))}
+        if self.endpoint_url:
+            kwargs["endpoint_url"] = self.endpoint_url
+        if self.kind != "real":
+            kwargs.update(
+                aws_access_key_id=TEST_KEY, aws_secret_access_key=TEST_SECRET, region_name=REGION
+            )
+        return boto3.client("s3", **kwargs)
+
+    def s3fs(self, signing: str) -> Any:
+        import s3fs
+
+        kwargs: dict[str, Any] = dict(self.creds)
+        if self.endpoint_url:
+            kwargs["endpoint_url"] = self.endpoint_url
+        if self.kind != "real":
+            kwargs["client_kwargs"] = {"region_name": REGION}
+        return s3fs.S3FileSystem(
+            config_kwargs=self.config(signing), skip_instance_cache=True, **kwargs
+        )
+
+    def drop(self, sub: str) -> None:
+        """Delete everything under ``root + sub`` (unmeasured)."""
+        prefix = self.root + sub
+        if self.kind == "bench":
+            self.server.reset(f"{self.bucket}/{prefix}")
+            return
+        if self._admin is None:
+            self._admin = self.boto3_client("unsigned")
+        paginator = self._admin.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                self._admin.delete_objects(Bucket=self.bucket, Delete={"Objects": keys})
+        for page in self._admin.get_paginator("list_multipart_uploads").paginate(
+            Bucket=self.bucket, Prefix=prefix
+        ):
+            for u in page.get("Uploads", []):
+                with contextlib.suppress(Exception):
+                    self._admin.abort_multipart_upload(
+                        Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"]
+                    )
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.drop("")
+        if self.server is not None:
+            self.server.stop()
+
+
+class GCSTarget:
+    """fake-gcs-server, or a real bucket (``--gcs-url``)."""
+
+    def __init__(self, url: str | None = None) -> None:
+        self.server: Any = None
+        self.pid: int | None = None
+        if url is None:
+            from cloudckpt.testing.gcs_server import FakeGCSServer
+
+            self.server = FakeGCSServer()
+            self.server.start()
+            self.server.create_bucket("bench")
+            self.pid = self.server._process.pid if self.server._process else None
+            self.options: dict[str, Any] = self.server.storage_options()
+            self.bucket, self.root = "bench", f"run-{uuid.uuid4().hex[:8]}/"
+        else:
+            bucket, _, prefix = url[5:].partition("/")
+            self.bucket = bucket
+            self.root = (prefix.strip("/") + "/" if prefix.strip("/") else "") + (
+                f"cloudckpt-bench-{uuid.uuid4().hex[:8]}/"
+            )
+            self.options = {}
+        self._fs: Any = None
+
+    def url(self, sub: str) -> str:
+        return f"gs://{self.bucket}/{self.root}{sub}"
+
+    def gcsfs(self) -> Any:
+        import gcsfs
+
+        return gcsfs.GCSFileSystem(skip_instance_cache=True, **self.options)
+
+    def drop(self, sub: str) -> None:
+        if self._fs is None:
+            self._fs = self.gcsfs()
+        path = f"{self.bucket}/{self.root}{sub}"
+        with contextlib.suppress(FileNotFoundError):
+            self._fs.rm(path, recursive=True)
+        self._fs.invalidate_cache()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.drop("")
+        if self.server is not None:
+            self.server.stop()
+
+
+# ----------------------------------------------------------------------------- groups
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        if args.workdir:
+            Path(args.workdir).mkdir(parents=True, exist_ok=True)
+        self.work = Path(tempfile.mkdtemp(prefix="cloudckpt-bench-", dir=args.workdir))
+        self.profile_dir = Path(args.profile) if args.profile else None
+        self.results: list[dict[str, Any]] = []
+
+    def close(self) -> None:
+        _rm(self.work)
+
+    def run(self, group: Group) -> None:
+        self.results.append(_run_group(group, self.args.pairs, self.args.warmup, self.profile_dir))
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def manager(self, url: str, options: dict[str, Any], name: str) -> Any:
+        from cloudckpt import CheckpointManager
+
+        return CheckpointManager(
+            url,
+            storage_options=options,
+            staging_dir=self.work / f"staging-{name}",
+            keep_last=1,
+            auto_gc=False,
+        )
+
+    # -- torch: stall and save()-to-commit --------------------------------------------
+
+    def torch_group(self, s3: S3Target, signing: str) -> None:
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        from cloudckpt.integrations.torch import save_state
+
+        args = self.args
+        n = max(1, args.tensors)
+        numel = args.state_mib * MiB // 4 // n
+        torch.manual_seed(0)
+        state = {f"layer{i}.weight": torch.randn(numel) for i in range(n)}
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        client = s3.boto3_client(signing)
+        mgr = self.manager(s3.url("torch-ck/"), s3.storage_options(signing), "torch")
+        disk = self.work / "torch"
+        disk.mkdir()
+        last: dict[str, Any] = {}
+
+        def touch() -> None:  # training changes the weights between checkpoints
+            for t in state.values():
+                t.add_(1e-3)
+
+        def cloudckpt(r: int) -> dict[str, float]:
+            touch()
+            t0 = time.perf_counter()
+            handle = save_state(mgr, r, state)
+            t1 = time.perf_counter()
+            info = handle.result()
+            t2 = time.perf_counter()
+            last["ckpt"] = info.ckpt
+            return {"stall": t1 - t0, "commit": t2 - t0, "s": t2 - t0}
+
+        def cloudckpt_after(r: int) -> None:
+            s3.drop(f"torch-ck/{last.pop('ckpt')}")
+
+        def torch_save(r: int) -> dict[str, float]:
+            touch()
+            path = disk / f"state-{r}.pt"
+            t0 = time.perf_counter()
+            torch.save(state, path)
+            t1 = time.perf_counter()
+            client.upload_file(str(path), s3.bucket, f"{s3.root}torch-boto3/state-{r}.pt")
+            t2 = time.perf_counter()
+            return {"stall": t1 - t0, "commit": t2 - t0, "upload_file": t2 - t1, "s": t2 - t0}
+
+        def torch_after(r: int) -> None:
+            (disk / f"state-{r}.pt").unlink()
+            s3.drop("torch-boto3/")
+
+        def dcp_async(r: int) -> dict[str, float]:
+            touch()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                t0 = time.perf_counter()
+                fut = dcp.async_save(state, storage_writer=FileSystemWriter(disk / f"dcp-{r}"))
+                t1 = time.perf_counter()
+                fut.result()
+                t2 = time.perf_counter()
+            return {"stall": t1 - t0, "written": t2 - t0, "s": t2 - t0}
+
+        group = Group(
+            name="torch",
+            title=f"stall and save()-to-commit: {nbytes / GiB:.2f} GiB in {n} fp32 tensors "
+            f"(S3 endpoint: {s3.kind}, {signing} payload)",
+            nbytes=nbytes,
+            contenders=[
+                Contender(
+                    "cloudckpt",
+                    cloudckpt,
+                    cloudckpt_after,
+                    cloudckpt=True,
+                    note="save_state: stall = until it returns; commit = until LATEST names "
+                    "the checkpoint (staged durably on local disk, uploaded, digests computed)",
+                ),
+                Contender(
+                    "torch.save + upload_file",
+                    torch_save,
+                    torch_after,
+                    note="stall = torch.save to local disk (page cache, no fsync); commit = "
+                    "that plus boto3 upload_file (default TransferConfig)",
+                ),
+                Contender(
+                    "DCP async_save",
+                    dcp_async,
+                    lambda r: _rm(disk / f"dcp-{r}"),
+                    note="stall = until async_save returns (FileSystemWriter, local disk); "
+                    "written = until its future completes",
+                ),
+            ],
+            comparisons=[
+                Comparison("stall", "torch.save + upload_file", 10.0, label="stall vs torch.save"),
+                Comparison("stall", "DCP async_save", 2.0, label="stall vs DCP async_save"),
+                Comparison(
+                    "commit",
+                    "torch.save + upload_file",
+                    2.0,
+                    label="save-to-commit vs torch.save + upload_file",
+                ),
+            ],
+            servers={"server": s3.pid},
+            info={"signing": signing, "endpoint": s3.kind},
+        )
+        try:
+            self.run(group)
+        finally:
+            mgr.close()
+            _rm(disk)
+            state.clear()
+            gc.collect()
+
+    # -- upload -------------------------------------------------------------------------
+
+    def source(self, mib: int, files: int) -> Path:
+        src = self.work / f"src-{mib}x{files}"
+        if not src.exists():
+            _write_files(src, mib * MiB, files)
+            os.sync()
+        return src
+
+    def s3_upload_group(self, s3: S3Target, signing: str, mib: int, name: str) -> None:
+        src = self.source(mib, self.args.files)
+        files = sorted(src.iterdir())
+        nbytes = sum(f.stat().st_size for f in files)
+        mgr = self.manager(s3.url("up-ck/"), s3.storage_options(signing), name)
+        client = s3.boto3_client(signing)
+        fs = s3.s3fs(signing)
+        last: dict[str, Any] = {}
+
+        def cloudckpt(r: int) -> None:
+            last["ckpt"] = mgr.save_dir(r, src).result().ckpt
+
+        def boto3_upload(r: int) -> None:
+            for f in files:
+                client.upload_file(str(f), s3.bucket, f"{s3.root}up-boto3/{r}/{f.name}")
+
+        def s3fs_put(r: int) -> None:
+            fs.put(f"{src}/", f"{s3.bucket}/{s3.root}up-s3fs/{r}/", recursive=True)
+
+        group = Group(
+            name=name,
+            title=f"upload {nbytes / GiB:.2f} GiB in {len(files)} files from local disk "
+            f"(S3 endpoint: {s3.kind}, {signing} payload)",
+            nbytes=nbytes,
+            contenders=[
+                Contender(
+                    "cloudckpt",
+                    cloudckpt,
+                    lambda r: s3.drop(f"up-ck/{last.pop('ckpt')}"),
+                    cloudckpt=True,
+                    note="save_dir until committed (hard links, ATTEMPT.json, parallel "
+                    "multipart with CRC32C and SHA-256 tree digests, listing check, "
+                    "manifest, LATEST)",
+                ),
+                Contender(
+                    "boto3 upload_file",
+                    boto3_upload,
+                    lambda r: s3.drop("up-boto3/"),
+                    note="one upload_file per file, default TransferConfig",
+                ),
+                Contender("s3fs put", s3fs_put, lambda r: s3.drop("up-s3fs/"), note="recursive"),
+            ],
+            comparisons=[
+                Comparison("s", "boto3 upload_file", 1.5),
+                Comparison("s", "s3fs put", 1.5),
+            ],
+            servers={"server": s3.pid},
+            info={"signing": signing, "endpoint": s3.kind},
+        )
+        try:
+            self.run(group)
+        finally:
+            mgr.close()
+
+    # -- restore ------------------------------------------------------------------------
+
+    def s3_restore_group(self, s3: S3Target, signing: str, mib: int, name: str) -> None:
+        import cloudckpt.transfer as transfer
+
+        src = self.source(mib, self.args.files)
+        files = sorted(src.iterdir())
+        nbytes = sum(f.stat().st_size for f in files)
+        mgr = self.manager(s3.url("down-ck/"), s3.storage_options(signing), name)
+        mgr.save_dir(0, src).result()
+        client = s3.boto3_client(signing)
+        for f in files:
+            client.upload_file(str(f), s3.bucket, f"{s3.root}down-peer/{f.name}")
+        fs = s3.s3fs(signing)
+        dest = self.work / "restore"
+
+        def cloudckpt(r: int) -> None:
+            mgr.restore(dest / f"ck-{r}")
+
+        def cloudckpt_nosync(r: int) -> None:
+            with _no_fsync(transfer):
+                mgr.restore(dest / f"cknf-{r}")
+
+        def boto3_download(r: int) -> None:
+            out = dest / f"boto3-{r}"
+            out.mkdir(parents=True)
+            for f in files:
+                client.download_file(s3.bucket, f"{s3.root}down-peer/{f.name}", str(out / f.name))
+
+        def s3fs_get(r: int) -> None:
+            out = dest / f"s3fs-{r}"
+            out.mkdir(parents=True)
+            fs.get(f"{s3.bucket}/{s3.root}down-peer/", f"{out}/", recursive=True)
+
+        group = Group(
+            name=name,
+            title=f"restore {nbytes / GiB:.2f} GiB in {len(files)} files to local disk "
+            f"(S3 endpoint: {s3.kind}, {signing} payload)",
+            nbytes=nbytes,
+            contenders=[
+                Contender(
+                    "cloudckpt",
+                    cloudckpt,
+                    lambda r: _rm(dest),
+                    cloudckpt=True,
+                    note="restore: LATEST, manifest, listing, parallel ranged GETs, every "
+                    "digest verified, files fsynced, directory renamed into place",
+                ),
+                Contender(
+                    "cloudckpt (no fsync)",
+                    cloudckpt_nosync,
+                    lambda r: _rm(dest),
+                    cloudckpt=True,
+                    note="the same with fsync switched off by the benchmark (like the peers)",
+                ),
+                Contender(
+                    "boto3 download_file",
+                    boto3_download,
+                    lambda r: _rm(dest),
+                    note="one download_file per file, default TransferConfig",
+                ),
+                Contender("s3fs get", s3fs_get, lambda r: _rm(dest), note="recursive"),
+            ],
+            comparisons=[
+                Comparison("s", "boto3 download_file", 2.0),
+                Comparison("s", "s3fs get", None),
+                Comparison(
+                    "s",
+                    "boto3 download_file",
+                    2.0,
+                    cloudckpt="cloudckpt (no fsync)",
+                    label="s (both without fsync)",
+                ),
+            ],
+            servers={"server": s3.pid},
+            info={"signing": signing, "endpoint": s3.kind},
+        )
+        try:
+            self.run(group)
+        finally:
+            mgr.close()
+            s3.drop("down-")
+
+    # -- GCS ----------------------------------------------------------------------------
+
+    def gcs_groups(self, gcs: GCSTarget, mib: int) -> None:
+        import cloudckpt.transfer as transfer
+
+        src = self.source(mib, self.args.files)
+        files = sorted(src.iterdir())
+        nbytes = sum(f.stat().st_size for f in files)
+        server = {"server": gcs.pid}
+        kind = "fake-gcs-server" if gcs.server else "GCS"
+
+        mgr = self.manager(gcs.url("up-ck/"), gcs.options, "gcs-up")
+        fs = gcs.gcsfs()
+        last: dict[str, Any] = {}
+
+        def up_ck(r: int) -> None:
+            last["ckpt"] = mgr.save_dir(r, src).result().ckpt
+
+        def up_gcsfs(r: int) -> None:
+            fs.put(f"{src}/", f"{gcs.bucket}/{gcs.root}up-gcsfs/{r}/", recursive=True)
+
+        up = Group(
+            name="gcs-upload",
+            title=f"upload {nbytes / GiB:.2f} GiB in {len(files)} files ({kind})",
+            nbytes=nbytes,
+            contenders=[
+                Contender(
+                    "cloudckpt",
+                    up_ck,
+                    lambda r: gcs.drop(f"up-ck/{last.pop('ckpt')}"),
+                    cloudckpt=True,
+                    note="save_dir until committed (parallel composite upload)",
+                ),
+                Contender("gcsfs put", up_gcsfs, lambda r: gcs.drop("up-gcsfs/")),
+            ],
+            comparisons=[Comparison("s", "gcsfs put", 1.5)],
+            servers=server,
+            info={"endpoint": kind},
+        )
+        try:
+            self.run(up)
+        finally:
+            mgr.close()
+
+        mgr = self.manager(gcs.url("down-ck/"), gcs.options, "gcs-down")
+        mgr.save_dir(0, src).result()
+        fs.put(f"{src}/", f"{gcs.bucket}/{gcs.root}down-peer/", recursive=True)
+        dest = self.work / "restore"
+
+        def down_ck(r: int) -> None:
+            mgr.restore(dest / f"ck-{r}")
+
+        def down_ck_nosync(r: int) -> None:
+            with _no_fsync(transfer):
+                mgr.restore(dest / f"cknf-{r}")
+
+        def down_gcsfs(r: int) -> None:
+            out = dest / f"gcsfs-{r}"
+            out.mkdir(parents=True)
+            fs.get(f"{gcs.bucket}/{gcs.root}down-peer/", f"{out}/", recursive=True)
+
+        down = Group(
+            name="gcs-restore",
+            title=f"restore {nbytes / GiB:.2f} GiB in {len(files)} files ({kind})",
+            nbytes=nbytes,
+            contenders=[
+                Contender("cloudckpt", down_ck, lambda r: _rm(dest), cloudckpt=True),
+                Contender(
+                    "cloudckpt (no fsync)", down_ck_nosync, lambda r: _rm(dest), cloudckpt=True
+                ),
+                Contender("gcsfs get", down_gcsfs, lambda r: _rm(dest)),
+            ],
+            comparisons=[
+                Comparison("s", "gcsfs get", 2.0),
+                Comparison(
+                    "s",
+                    "gcsfs get",
+                    2.0,
+                    cloudckpt="cloudckpt (no fsync)",
+                    label="s (both without fsync)",
+                ),
+            ],
+            servers=server,
+            info={"endpoint": kind},
+        )
+        try:
+            self.run(down)
+        finally:
+            mgr.close()
+            gcs.drop("down-")
+
+
+@contextlib.contextmanager
+def _no_fsync(transfer: Any) -> Iterator[None]:
+    """Benchmark-only: restore without fsyncing the files, as boto3/s3fs/gcsfs do."""
+    saved = transfer._fsync_path
+    transfer._fsync_path = lambda path: None
+    try:
+        yield
+    finally:
+        transfer._fsync_path = saved
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _fmt_s(x: float) -> str:
+    return "-" if x != x else (f"{x:.3f}" if x < 1 else f"{x:.2f}")
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = []
+    for g in results:
+        lines.append("")
+        lines.append(g["title"])
+        lines.append(
+            f"  {'contender':<28} {'median s':>9} {'GiB/s':>6} {'cpu client':>10} "
+            f"{'cpu server':>10}   other medians"
+        )
+        for name, c in g["contenders"].items():
+            m = c["metrics"]
+            other = ", ".join(
+                f"{k} {_fmt_s(v['median'])}"
+                for k, v in m.items()
+                if k not in ("s",) and not k.startswith("cpu_")
+            )
+            gib = c.get("gib_per_s")
+            lines.append(
+                f"  {name:<28} {_fmt_s(m['s']['median']):>9} "
+                f"{'' if gib is None else f'{gib:.2f}':>6} "
+                f"{_fmt_s(m['cpu_client_s']['median']):>10} "
+                f"{_fmt_s(m.get('cpu_server_s', {}).get('median', float('nan'))):>10}   {other}"
+            )
+        for cmp in g["comparisons"]:
+            target = "" if cmp["target"] is None else f"target >= {cmp['target']:g}x"
+            met = {True: "MET", False: "NOT MET", None: ""}[cmp["met"]]
+            who = "" if cmp["cloudckpt"] == "cloudckpt" else f" [{cmp['cloudckpt']}]"
+            lines.append(
+                f"  -> {cmp['label']}{who}: {cmp['baseline']} / cloudckpt = "
+                f"{cmp['speedup']:.2f}x  ({_fmt_s(cmp['baseline_median_s'])} s vs "
+                f"{_fmt_s(cmp['cloudckpt_median_s'])} s)  {target} {met}".rstrip()
+            )
+    return "\n".join(lines)
+
+
+def summary(results: list[dict[str, Any]]) -> str:
+    rows = [
+        f"{'group':<14} {'comparison':<46} {'ratio':>7} {'target':>8}  met",
+    ]
+    for g in results:
+        for cmp in g["comparisons"]:
+            who = "" if cmp["cloudckpt"] == "cloudckpt" else " (no fsync)"
+            label = f"{cmp['label']} vs {cmp['baseline']}{who}"
+            if cmp["label"].startswith(("stall", "save-to")):
+                label = cmp["label"]
+            sig = g.get("signing")
+            name = g["name"] + (f"/{sig[0]}" if sig and g["name"] != "torch" else "")
+            target = "" if cmp["target"] is None else f">={cmp['target']:g}x"
+            met = {True: "yes", False: "NO", None: "-"}[cmp["met"]]
+            rows.append(f"{name:<14} {label[:46]:<46} {cmp['speedup']:>6.2f}x {target:>8}  {met}")
+    return "\n".join(rows)
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for mod in ("cloudckpt", "torch", "boto3", "botocore", "s3transfer", "s3fs", "gcsfs"):
+        with contextlib.suppress(Exception):
+            out[mod] = __import__(mod).__version__
+    return out
+
+
+def _machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+    }
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+        info["cpu"] = next(x for x in cpuinfo if x.startswith("model name")).split(":")[1].strip()
+        meminfo = Path("/proc/meminfo").read_text().splitlines()
+        total = next(x for x in meminfo if x.startswith("MemTotal"))
+        info["mem_gib"] = round(int(total.split()[1]) / 2**20, 1)
+    return info
+
+
+# ----------------------------------------------------------------------------- main
+
+
+GROUPS = ("torch", "s3", "gcs", "moto")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes, 1 pair (CI smoke run)")
+    p.add_argument("--pairs", type=int, default=5, help="measured rounds per group (>= 5)")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured rounds per group")
+    p.add_argument("--mib", type=int, default=1024, help="checkpoint size for S3 groups")
+    p.add_argument("--files", type=int, default=8, help="files per checkpoint")
+    p.add_argument("--state-mib", type=int, default=1024, help="tensor state for 'torch'")
+    p.add_argument("--tensors", type=int, default=8, help="tensors in the state")
+    p.add_argument("--gcs-mib", type=int, default=1024, help="checkpoint size for GCS groups")
+    p.add_argument("--moto-mib", type=int, default=256, help="checkpoint size against moto")
+    p.add_argument(
+        "--signing",
+        default="unsigned,signed",
+        help="S3 payload signing settings to run: unsigned, signed or both (comma list); "
+        "the torch group and restores use the first",
+    )
+    p.add_argument("--groups", default=",".join(GROUPS), help=f"comma list of {', '.join(GROUPS)}")
+    p.add_argument("--s3-url", help="run the S3 groups against this bucket/prefix instead")
+    p.add_argument("--gcs-url", help="run the GCS groups against this bucket/prefix instead")
+    p.add_argument("--workdir", help="local directory for files and staging (default: tmp)")
+    p.add_argument("--json", default="cloudckpt-bench.json", help="where to write results")
+    p.add_argument("--profile", metavar="DIR", help="write profiles here (py-spy, pyinstrument)")
+    p.add_argument(
+        "--no-wait-idle",
+        action="store_true",
+        help="do not wait for other processes to leave the CPUs idle before each measurement",
+    )
+    args = p.parse_args(argv)
+    if args.quick:
+        args.pairs = min(args.pairs, 1) if "--pairs" not in (argv or sys.argv) else args.pairs
+        args.warmup = 0
+        args.mib = args.state_mib = args.gcs_mib = args.moto_mib = 24
+        args.files = 2
+        args.tensors = 2
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    QUIET.enabled = not args.no_wait_idle and not args.quick
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    groups = [g.strip() for g in args.groups.split(",") if g.strip()]
+    unknown = set(groups) - set(GROUPS)
+    if unknown:
+        raise SystemExit(f"unknown groups: {', '.join(sorted(unknown))}")
+    signings = [s.strip() for s in args.signing.split(",") if s.strip()]
+    if not signings or set(signings) - {"signed", "unsigned"}:
+        raise SystemExit("--signing takes unsigned, signed or both")
+    started = time.time()
+    bench = Bench(args)
+    print(
+        f"cloudckpt benchmarks: pairs={args.pairs} warm-up={args.warmup} work={bench.work} "
+        f"signing={','.join(signings)}",
+        flush=True,
+    )
+    try:
+        if "torch" in groups or "s3" in groups:
+            s3 = S3Target("real", args.s3_url) if args.s3_url else S3Target("bench")
+            try:
+                if "torch" in groups:
+                    bench.torch_group(s3, signings[0])
+                if "s3" in groups:
+                    for signing in signings:
+                        bench.s3_upload_group(s3, signing, args.mib, "s3-upload")
+                    bench.s3_restore_group(s3, signings[0], args.mib, "s3-restore")
+            finally:
+                s3.close()
+        if "gcs" in groups:
+            gcs = GCSTarget(args.gcs_url)
+            try:
+                bench.gcs_groups(gcs, args.gcs_mib)
+            finally:
+                gcs.close()
+        if "moto" in groups and not args.s3_url:
+            moto = S3Target("moto")
+            try:
+                bench.s3_upload_group(moto, signings[0], args.moto_mib, "moto-upload")
+                bench.s3_restore_group(moto, signings[0], args.moto_mib, "moto-restore")
+            finally:
+                moto.close()
+    finally:
+        bench.close()
+
+    doc = {
+        "schema": SCHEMA,
+        "command": " ".join(
+            ["python -m benchmarks", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "started_at": dt.datetime.fromtimestamp(started, dt.timezone.utc).isoformat(),
+        "duration_s": time.time() - started,
+        "quick": args.quick,
+        "config": {
+            "pairs": args.pairs,
+            "warmup": args.warmup,
+            "mib": args.mib,
+            "files": args.files,
+            "state_mib": args.state_mib,
+            "tensors": args.tensors,
+            "gcs_mib": args.gcs_mib,
+            "moto_mib": args.moto_mib,
+            "signing": signings,
+            "s3_url": args.s3_url,
+            "gcs_url": args.gcs_url,
+        },
+        "machine": _machine(),
+        "idle_wait": {
+            "enabled": QUIET.enabled,
+            "waited_s": round(QUIET.waited_s, 1),
+            "measurements_started_busy": QUIET.busy_starts,
+        },
+        "versions": _versions(),
+        "groups": bench.results,
+    }
+    print("\n" + table(bench.results))
+    print("\n" + summary(bench.results))
+    Path(args.json).write_text(json.dumps(doc, indent=2, allow_nan=True) + "\n")
+    print(f"\nresults: {args.json}  ({doc['duration_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

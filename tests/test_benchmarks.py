@@ -1,0 +1,46 @@
+"""The benchmark command works end to end (issue 7). No timing assertions: CI machines are
+noisy; this proves the one command runs every group against real servers and writes the
+JSON the docs describe."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(300)
+def test_quick_benchmark_runs_every_group_and_writes_its_json(tmp_path):
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--json", str(out),
+         "--workdir", str(tmp_path / "work")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "cloudckpt.bench/1" and doc["quick"] is True
+    names = [g["name"] for g in doc["groups"]]
+    for expected in ("torch", "s3-upload", "s3-restore", "gcs-upload", "gcs-restore",
+                     "moto-upload", "moto-restore"):  # fmt: skip
+        assert expected in names, names
+    assert names.count("s3-upload") == 2, "one upload group per payload-signing setting"
+    for group in doc["groups"]:
+        assert group["contenders"], group["name"]
+        for name, contender in group["contenders"].items():
+            median = contender["metrics"]["s"]["median"]
+            assert math.isfinite(median) and median > 0, (group["name"], name)
+        assert group["comparisons"], group["name"]
+        for cmp in group["comparisons"]:
+            assert cmp["baseline"] in group["contenders"]
+            assert math.isfinite(cmp["speedup"]) and cmp["speedup"] > 0
+    # The table and the summary of ratios reach the terminal.
+    assert " / cloudckpt = " in proc.stdout and "ratio" in proc.stdout
