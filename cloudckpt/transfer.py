@@ -63,7 +63,7 @@ class TransferConfig:
     concurrency: int = 16
     part_size: int = 8 * MiB
     multipart_threshold: int = 16 * MiB
-    range_size: int = 8 * MiB
+    range_size: int = 16 * MiB
     attempts: int = 6
 
     def __post_init__(self) -> None:
