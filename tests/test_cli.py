@@ -433,16 +433,21 @@ def test_interrupted_push_flushes_once_and_abandons_on_the_second_signal(s3_targ
         out, err = proc.communicate(timeout=120)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, "".join(seen) + err)
 
-    # Every part upload is held for a few seconds on its way to moto, so neither push can
-    # finish before its signals arrive, however fast this machine is today.
-    with FaultProxy(s3_target.storage_options["endpoint_url"], stall_seconds=4) as proxy:
+    # Every part upload is held on its way to moto, so no push can finish before its
+    # signals arrive, however fast or loaded this machine is: for a few seconds where the
+    # push must then commit, for longer than the test where it must not (a request still
+    # held when the proxy stops never reaches moto).
+    endpoint = s3_target.storage_options["endpoint_url"]
+    with FaultProxy(endpoint, stall_seconds=4) as proxy:
         proxy.add(ProxyRule("stall", methods={"PUT"}, path="partNumber="))
         flushed = push(1, signals=1, size=32 * MiB, via=proxy.endpoint_url)
-        assert flushed.returncode == 0, flushed.stderr
-        assert "waiting for the upload in progress to commit" in flushed.stderr
-        latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
-        assert latest.current.step == 1
+    assert flushed.returncode == 0, flushed.stderr
+    assert "waiting for the upload in progress to commit" in flushed.stderr
+    latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
+    assert latest.current.step == 1
 
+    with FaultProxy(endpoint, stall_seconds=600) as proxy:
+        proxy.add(ProxyRule("stall", methods={"PUT"}, path="partNumber="))
         abandoned = push(2, signals=2, size=32 * MiB, via=proxy.endpoint_url)
     assert abandoned.returncode == 130, abandoned.stderr
     latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])

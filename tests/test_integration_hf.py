@@ -134,7 +134,10 @@ def test_sigkill_then_resume_in_a_fresh_dir_matches_an_uninterrupted_run(runs):
     saved_locally = max(e["step"] for e in killed.events("saved"))
     assert saved_locally > current.step  # written locally, never committed
     assert current.step % SAVE_STEPS == 0 and current.metadata["emergency"] is False
-    assert (tmp / "killed" / f"checkpoint-{saved_locally}").is_dir()
+    # That save is still on local disk, or a later one is: the Trainer may have saved
+    # again and rotated it away (save_total_limit) just before the kill.
+    local = [int(p.name.rpartition("-")[2]) for p in (tmp / "killed").glob("checkpoint-*")]
+    assert local and max(local) >= saved_locally
 
     (tmp / "go").touch()  # the new host resumes from the store into a fresh directory
     assert resumed.wait(300) == 0, resumed.log_tail()

@@ -26,6 +26,7 @@ Faults (``ProxyRule.fault``):
                     close (a truncated download)
 ``stall``           hold the request for ``stall_seconds`` (the client times out), then
                     forward it anyway: a late duplicate of a request the client retried
+                    (a request still held when the proxy stops is dropped)
 ==================  ========================================================================
 
 Rules match by HTTP method and a substring of the request target (path and query), fire
@@ -44,7 +45,6 @@ import random
 import socket
 import struct
 import threading
-import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
@@ -206,6 +206,7 @@ class FaultProxy:
         self._threads: list[threading.Thread] = []
         self._sockets: set[socket.socket] = set()
         self._stopping = False
+        self._stopped = threading.Event()  # wakes stalled requests when the proxy stops
 
     # -- configuration --
 
@@ -236,6 +237,7 @@ class FaultProxy:
 
     def stop(self) -> None:
         self._stopping = True
+        self._stopped.set()
         with self._lock:
             sockets = list(self._sockets)
         for s in sockets:
@@ -305,8 +307,9 @@ class FaultProxy:
                     client.sendall(_error_response(503, "Service Unavailable", "SlowDown"))
                     _reset(client)
                     return
-                if fault == "stall":
-                    time.sleep(self.stall_seconds)
+                if fault == "stall" and self._stopped.wait(self.stall_seconds):
+                    _reset(client)  # stopped while holding it: the request never arrives
+                    return
                 forward = start + b"".join(
                     line for line in raw if not line.lower().startswith(b"expect:")
                 )
