@@ -717,7 +717,6 @@ class Bench:
     # -- restore ------------------------------------------------------------------------
 
     def s3_restore_group(self, s3: S3Target, signing: str, mib: int, name: str) -> None:
-        import cloudckpt.transfer as transfer
 
         src = self.source(mib, self.args.files)
         files = sorted(src.iterdir())
@@ -729,13 +728,6 @@ class Bench:
             client.upload_file(str(f), s3.bucket, f"{s3.root}down-peer/{f.name}")
         fs = s3.s3fs(signing)
         dest = self.work / "restore"
-
-        def cloudckpt(r: int) -> None:
-            mgr.restore(dest / f"ck-{r}")
-
-        def cloudckpt_nosync(r: int) -> None:
-            with _no_fsync(transfer):
-                mgr.restore(dest / f"cknf-{r}")
 
         def boto3_download(r: int) -> None:
             out = dest / f"boto3-{r}"
@@ -754,21 +746,7 @@ class Bench:
             f"(S3 endpoint: {s3.kind}, {signing} payload)",
             nbytes=nbytes,
             contenders=[
-                Contender(
-                    "cloudckpt",
-                    cloudckpt,
-                    lambda r: _rm(dest),
-                    cloudckpt=True,
-                    note="restore: LATEST, manifest, listing, parallel ranged GETs, every "
-                    "digest verified, files fsynced, directory renamed into place",
-                ),
-                Contender(
-                    "cloudckpt (no fsync)",
-                    cloudckpt_nosync,
-                    lambda r: _rm(dest),
-                    cloudckpt=True,
-                    note="the same with fsync switched off by the benchmark (like the peers)",
-                ),
+                *_restore_contenders(mgr, dest),
                 Contender(
                     "boto3 download_file",
                     boto3_download,
@@ -780,13 +758,7 @@ class Bench:
             comparisons=[
                 Comparison("s", "boto3 download_file", 2.0),
                 Comparison("s", "s3fs get", None),
-                Comparison(
-                    "s",
-                    "boto3 download_file",
-                    2.0,
-                    cloudckpt="cloudckpt (no fsync)",
-                    label="s (both without fsync)",
-                ),
+                _without_fsync("boto3 download_file"),
             ],
             servers={"server": s3.pid},
             info={"signing": signing, "endpoint": s3.kind},
@@ -800,7 +772,6 @@ class Bench:
     # -- GCS ----------------------------------------------------------------------------
 
     def gcs_groups(self, gcs: GCSTarget, mib: int) -> None:
-        import cloudckpt.transfer as transfer
 
         src = self.source(mib, self.args.files)
         files = sorted(src.iterdir())
@@ -846,13 +817,6 @@ class Bench:
         fs.put(f"{src}/", f"{gcs.bucket}/{gcs.root}down-peer/", recursive=True)
         dest = self.work / "restore"
 
-        def down_ck(r: int) -> None:
-            mgr.restore(dest / f"ck-{r}")
-
-        def down_ck_nosync(r: int) -> None:
-            with _no_fsync(transfer):
-                mgr.restore(dest / f"cknf-{r}")
-
         def down_gcsfs(r: int) -> None:
             out = dest / f"gcsfs-{r}"
             out.mkdir(parents=True)
@@ -863,21 +827,12 @@ class Bench:
             title=f"restore {nbytes / GiB:.2f} GiB in {len(files)} files ({kind})",
             nbytes=nbytes,
             contenders=[
-                Contender("cloudckpt", down_ck, lambda r: _rm(dest), cloudckpt=True),
-                Contender(
-                    "cloudckpt (no fsync)", down_ck_nosync, lambda r: _rm(dest), cloudckpt=True
-                ),
+                *_restore_contenders(mgr, dest),
                 Contender("gcsfs get", down_gcsfs, lambda r: _rm(dest)),
             ],
             comparisons=[
                 Comparison("s", "gcsfs get", 2.0),
-                Comparison(
-                    "s",
-                    "gcsfs get",
-                    2.0,
-                    cloudckpt="cloudckpt (no fsync)",
-                    label="s (both without fsync)",
-                ),
+                _without_fsync("gcsfs get"),
             ],
             servers=server,
             info={"endpoint": kind},
@@ -887,6 +842,43 @@ class Bench:
         finally:
             mgr.close()
             gcs.drop("down-")
+
+
+def _restore_contenders(mgr: Any, dest: Path) -> list[Contender]:
+    """cloudckpt's restore as shipped, and with fsync switched off (as the peers run)."""
+    import cloudckpt.transfer as transfer
+
+    def restore(r: int) -> None:
+        mgr.restore(dest / f"ck-{r}")
+
+    def restore_without_fsync(r: int) -> None:
+        with _no_fsync(transfer):
+            mgr.restore(dest / f"cknf-{r}")
+
+    return [
+        Contender(
+            "cloudckpt",
+            restore,
+            lambda r: _rm(dest),
+            cloudckpt=True,
+            note="restore: LATEST, manifest, listing, parallel ranged GETs, every "
+            "digest verified, files fsynced, directory renamed into place",
+        ),
+        Contender(
+            "cloudckpt (no fsync)",
+            restore_without_fsync,
+            lambda r: _rm(dest),
+            cloudckpt=True,
+            note="the same with fsync switched off by the benchmark (like the peers)",
+        ),
+    ]
+
+
+def _without_fsync(peer: str) -> Comparison:
+    """``peer`` against cloudckpt's restore with fsync off: like with like."""
+    return Comparison(
+        "s", peer, 2.0, cloudckpt="cloudckpt (no fsync)", label="s (both without fsync)"
+    )
 
 
 @contextlib.contextmanager

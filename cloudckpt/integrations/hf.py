@@ -47,7 +47,6 @@ uploads what it sees); a missing ``rng_state_<rank>.pth`` is reported in the log
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -66,6 +65,7 @@ from cloudckpt.errors import (
     ConfigurationError,
     FencedError,
 )
+from cloudckpt.integrations._pending import finish_pending
 from cloudckpt.manager import CheckpointManager, CommitInfo, SaveHandle
 from cloudckpt.preemption import PreemptionNotice, PreemptionWatcher
 from cloudckpt.stores import Store
@@ -595,27 +595,7 @@ class CheckpointCallback(TrainerCallback):
         """Wait for pending saves; raise if the newest one failed; close the manager."""
         mgr, self._mgr = self._mgr, None
         handles, self._handles = self._handles, []
-        deadline = None if timeout is None else time.monotonic() + timeout
-        newest_error: BaseException | None = None
-        timed_out = False
-        for i, handle in enumerate(handles):
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                self.last_commit = handle.result(timeout=remaining)
-            except TimeoutError:
-                # Only with a deadline (preemption): the machine is going away; the staged
-                # files stay in staging_dir, and a restart on this host commits them.
-                log.error("step %d is still uploading at the deadline; not waiting", handle.step)
-                timed_out = True
-            except CloudCkptError as exc:
-                if i == len(handles) - 1:
-                    newest_error = exc
-                else:
-                    log.error(
-                        "upload of step %d failed (a newer one followed): %s", handle.step, exc
-                    )
-        if not timed_out:
-            with contextlib.suppress(CloudCkptError):  # failures were handled above
-                mgr.close()
-        if newest_error is not None:
-            raise newest_error
+        finish_pending(mgr, handles, timeout, self._record_commit)
+
+    def _record_commit(self, info: CommitInfo) -> None:
+        self.last_commit = info

@@ -74,6 +74,7 @@ from cloudckpt.errors import (
     ConfigurationError,
     FencedError,
 )
+from cloudckpt.integrations._pending import finish_pending
 from cloudckpt.manager import CheckpointManager, CommitInfo, SaveHandle
 from cloudckpt.preemption import PreemptionNotice, PreemptionWatcher
 from cloudckpt.stores import Store
@@ -400,30 +401,11 @@ class CloudCheckpointIO(CheckpointIO):
     def _finish(self, timeout: float | None) -> None:
         mgr, self._mgr = self._mgr, None
         handles, self._handles = self._handles, []
-        if mgr is None:
-            return
-        deadline = None if timeout is None else time.monotonic() + timeout
-        newest_error: BaseException | None = None
-        timed_out = False
-        for i, handle in enumerate(handles):
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                self.last_commit = handle.result(timeout=remaining)
-            except TimeoutError:
-                log.error("step %d is still uploading at the deadline; not waiting", handle.step)
-                timed_out = True
-            except CloudCkptError as exc:
-                if i == len(handles) - 1:
-                    newest_error = exc
-                else:
-                    log.error(
-                        "upload of step %d failed (a newer one followed): %s", handle.step, exc
-                    )
-        if not timed_out:
-            with contextlib.suppress(CloudCkptError):
-                mgr.close()
-        if newest_error is not None:
-            raise newest_error
+        if mgr is not None:
+            finish_pending(mgr, handles, timeout, self._record_commit)
+
+    def _record_commit(self, info: CommitInfo) -> None:
+        self.last_commit = info
 
 
 def resume(
