@@ -110,16 +110,19 @@ def test_racing_claims_then_racing_commits_one_winner_the_rest_fenced(race_targe
 
 def test_racing_managers_lose_no_acknowledged_save(race_target, pool):
     at = _start(1.0)
-    results = list(
-        pool.map(
-            race_worker.manager_race,
-            [race_target.url] * WRITERS,
-            [race_target.storage_options] * WRITERS,
-            [f"m{i}" for i in range(WRITERS)],
-            [at + 0.6 * i for i in range(WRITERS)],  # each resumes while the last saves
-            [at + 0.6 * WRITERS + 1.5] * WRITERS,  # margin: a slow claim still fences
+    with multiprocessing.Manager() as sync:
+        barrier = sync.Barrier(WRITERS)  # every claim lands before each writer's last save
+        results = list(
+            pool.map(
+                race_worker.manager_race,
+                [race_target.url] * WRITERS,
+                [race_target.storage_options] * WRITERS,
+                [f"m{i}" for i in range(WRITERS)],
+                [at + 0.6 * i for i in range(WRITERS)],  # each resumes while the last saves
+                [at + 0.6 * WRITERS + 1.0] * WRITERS,
+                [barrier] * WRITERS,
+            )
         )
-    )
     store = open_store(race_target.url, race_target.storage_options)
     latest = read_latest(store).latest
     retained = {r.commit_id: r for r in latest.retained()}  # keep_last=None keeps all

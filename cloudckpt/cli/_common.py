@@ -111,6 +111,34 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise Interrupted()
 
 
+@contextlib.contextmanager
+def two_stage_interrupts(
+    on_first: Callable[[signal.Signals], None], on_second: Callable[[signal.Signals], None]
+) -> Iterator[None]:
+    """SIGTERM and Ctrl-C as a flush, then an abort, for commands that wait on uploads.
+
+    The handlers only call back (with the signal); they never raise into the
+    waiting code, so no signal can land half-way through handing a save over or printing
+    the first notice and escape the command's own handling (a raised interrupt there left
+    `push` waiting for an upload it had been told to abandon). ``on_second`` normally
+    ends the process with ``os._exit``; abandoning uploads is safe because nothing
+    uncommitted is ever visible, and GC reclaims the rest.
+    """
+    count = 0
+
+    def on_signal(signum: int, frame: Any) -> None:
+        nonlocal count
+        count += 1
+        (on_first if count == 1 else on_second)(signal.Signals(signum))
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 # --- output ----------------------------------------------------------------------------
 
 _JSON_KEY = "cloudckpt.json"

@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -21,7 +23,6 @@ from cloudckpt.cli._common import (
     INTERRUPTED,
     NEEDS_REPAIR,
     CloudCkptGroup,
-    Interrupted,
     StoreArgs,
     emit_json,
     human_bytes,
@@ -32,9 +33,13 @@ from cloudckpt.cli._common import (
     setup_logging,
     stdout_console,
     store_options,
+    two_stage_interrupts,
     warn,
 )
 from cloudckpt.errors import CheckpointNotFoundError, CorruptionError
+
+if TYPE_CHECKING:
+    from cloudckpt.manager import CommitInfo, SaveHandle
 
 _EPILOG = "Exit codes:\n\n\b\n" + "\n".join(
     f"  {code:>3}  {text}" for code, text in EXIT_CODE_TABLE
@@ -423,8 +428,9 @@ def push_cmd(
                     **settings,
                 )
                 try:
-                    handle = mgr.save_dir(step, src_dir, user_metadata)
-                    result = _wait_for_push(handle, own_staging)
+                    result = _wait_for_push(
+                        lambda: mgr.save_dir(step, src_dir, user_metadata), own_staging
+                    )
                 finally:
                     mgr.close()
         finally:
@@ -453,29 +459,36 @@ def push_cmd(
     )
 
 
-def _wait_for_push(handle: Any, own_staging: Path | None) -> Any:
-    """The first interrupt lets the upload in flight finish and commit (a flush, as
-    `watch` does on SIGTERM); a second one abandons it at once: the process exits without
-    waiting for transfer threads, so the attempt can never be committed afterwards (it
-    stays in the bucket, unreferenced, for GC)."""
-    try:
-        return handle.result()
-    except (KeyboardInterrupt, Interrupted):
+def _wait_for_push(start: Callable[[], SaveHandle], own_staging: Path | None) -> CommitInfo:
+    """Start the save (``start()`` hands it over and returns its handle) and wait for
+    its commit.
+
+    The first interrupt lets the upload finish and commit (a flush, as `watch` does on
+    SIGTERM); one that arrives while the save is being handed over counts the same way.
+    A second one abandons it at once: the process exits without waiting for transfer
+    threads, so the attempt can never be committed afterwards (it stays in the bucket,
+    unreferenced, for GC)."""
+    handle: SaveHandle | None = None
+
+    def flush(sig: signal.Signals) -> None:
         warn(
             "interrupted: waiting for the upload in progress to commit (interrupt again to "
             "abandon it; nothing half-done becomes visible)"
         )
-    try:
-        return handle.result()
-    except (KeyboardInterrupt, Interrupted):
-        if handle.done() and handle.exception() is None:
-            return handle.result()  # it committed just before the second interrupt
+
+    def abandon(sig: signal.Signals) -> None:
+        if handle is not None and handle.done() and handle.exception() is None:
+            return  # it committed just before this interrupt: report it
         info("cloudckpt: interrupted again: the upload is abandoned, nothing was committed")
         if own_staging is not None:
             shutil.rmtree(own_staging, ignore_errors=True)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(INTERRUPTED)
+
+    with two_stage_interrupts(flush, abandon):
+        handle = start()
+        return handle.result()
 
 
 # ---------------------------------------------------------------------------- verify

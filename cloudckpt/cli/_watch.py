@@ -20,6 +20,7 @@ from cloudckpt.cli._common import (
     json_mode,
     json_option,
     store_options,
+    two_stage_interrupts,
     warn,
 )
 from cloudckpt.cli._main import cli
@@ -140,20 +141,16 @@ def watch_cmd(
         on_event=on_event,
         **options,
     )
-    signals = {"count": 0}
 
-    def on_signal(signum: int, frame: Any) -> None:
-        signals["count"] += 1
-        name = signal.Signals(signum).name
-        if signals["count"] > 1:
-            # Abandoning uploads is safe: nothing uncommitted is ever visible; GC reclaims it.
-            info(f"{name} again: exiting now; uncommitted uploads are abandoned")
-            os._exit(128 + signum)
-        info(f"{name}: finishing the uploads in progress, then exiting (again to abort)")
+    def finish_then_exit(sig: signal.Signals) -> None:
+        info(f"{sig.name}: finishing the uploads in progress, then exiting (again to abort)")
         watcher.stop()
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
+    def exit_now(sig: signal.Signals) -> None:
+        info(f"{sig.name} again: exiting now; uncommitted uploads are abandoned")
+        os._exit(128 + sig.value)
+
+    with two_stage_interrupts(finish_then_exit, exit_now):
         if not json_mode():
             committed = watcher.committed_step
             info(
@@ -170,9 +167,6 @@ def watch_cmd(
                 }
             )
         watcher.run(poll, once=once)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     if watcher.fenced is not None:
         raise watcher.fenced
     given_up = [f for f in watcher.failed if not f["will_retry"]]

@@ -97,10 +97,25 @@ def content(name: str, step: int) -> bytes:
     return random.Random(f"{name}/{step}").randbytes(2000 + step)
 
 
-def manager_race(url: str, options: dict, name: str, at: float, until: float) -> dict:
-    """A full writer: resume (claiming the run) at ``at``, then save until fenced or
-    until ``until``."""
+def manager_race(url: str, options: dict, name: str, at: float, until: float, barrier) -> dict:
+    """A full writer: resume (claiming the run) at ``at``, then save until fenced or until
+    ``until``; then, once every writer has claimed (``barrier``), one last save, which
+    only the newest writer can commit (so every older one is certain to meet its fence,
+    however slow the store is)."""
     acks, fenced = [], False
+
+    def save(mgr: CheckpointManager, step: int) -> bool:
+        nonlocal fenced
+        try:
+            handle = mgr.save(step=step, metadata={"writer": name})
+            with handle as d:
+                (d / "model.bin").write_bytes(content(name, step))
+            acks.append((step, handle.result().commit_id))
+            return True
+        except FencedError:
+            fenced = True
+            return False
+
     with tempfile.TemporaryDirectory() as tmp:
         mgr = CheckpointManager(
             _store(url, options),
@@ -111,17 +126,11 @@ def manager_race(url: str, options: dict, name: str, at: float, until: float) ->
         _until(at)
         res = mgr.resume(into=Path(tmp) / "restore")
         step = (res.step if res else 0) + 1
-        while time.time() < until:
-            try:
-                handle = mgr.save(step=step, metadata={"writer": name})
-                with handle as d:
-                    (d / "model.bin").write_bytes(content(name, step))
-                info = handle.result()
-            except FencedError:
-                fenced = True
-                break
-            acks.append((step, info.commit_id))
+        while time.time() < until and save(mgr, step):
             step += 1
+        barrier.wait(timeout=120)
+        if not fenced:
+            save(mgr, step)
         try:
             mgr.close()
         except FencedError:
