@@ -52,6 +52,23 @@ def _start(delay: float = 0.5) -> float:
     return time.time() + delay
 
 
+def _race_with_barrier(pool, worker, target, prefix: str, *columns: list) -> list:
+    """Run ``worker(url, options, name, *column values, barrier)`` once per writer, all
+    at once, with one barrier they share; the results in writer order."""
+    with multiprocessing.Manager() as sync:
+        barrier = sync.Barrier(WRITERS)
+        return list(
+            pool.map(
+                worker,
+                [target.url] * WRITERS,
+                [target.storage_options] * WRITERS,
+                [f"{prefix}{i}" for i in range(WRITERS)],
+                *columns,
+                [barrier] * WRITERS,
+            )
+        )
+
+
 def test_racing_compare_and_swaps_from_one_base_have_one_winner(race_target, pool):
     store = open_store(race_target.url, race_target.storage_options)
     owner = Committer(store, "owner", protocol.Settings())
@@ -85,18 +102,10 @@ def test_racing_claims_then_racing_commits_one_winner_the_rest_fenced(race_targe
     Committer(store, "first", protocol.Settings(keep_last=None)).claim()
     start = read_latest(store).latest
     claim_at = _start()
-    with multiprocessing.Manager() as sync:
-        barrier = sync.Barrier(WRITERS)  # every claim lands before any commit
-        results = list(
-            pool.map(
-                race_worker.claim_then_commit,
-                [race_target.url] * WRITERS,
-                [race_target.storage_options] * WRITERS,
-                [f"w{i}" for i in range(WRITERS)],
-                [claim_at] * WRITERS,
-                [barrier] * WRITERS,
-            )
-        )
+    # The barrier: every claim lands before any commit.
+    results = _race_with_barrier(
+        pool, race_worker.claim_then_commit, race_target, "w", [claim_at] * WRITERS
+    )
     epochs = sorted(r["epoch"] for r in results)
     assert epochs == list(range(start.writer.epoch + 1, start.writer.epoch + 1 + WRITERS))
     winners = [r for r in results if r["outcome"] == "committed"]
@@ -110,19 +119,15 @@ def test_racing_claims_then_racing_commits_one_winner_the_rest_fenced(race_targe
 
 def test_racing_managers_lose_no_acknowledged_save(race_target, pool):
     at = _start(1.0)
-    with multiprocessing.Manager() as sync:
-        barrier = sync.Barrier(WRITERS)  # every claim lands before each writer's last save
-        results = list(
-            pool.map(
-                race_worker.manager_race,
-                [race_target.url] * WRITERS,
-                [race_target.storage_options] * WRITERS,
-                [f"m{i}" for i in range(WRITERS)],
-                [at + 0.6 * i for i in range(WRITERS)],  # each resumes while the last saves
-                [at + 0.6 * WRITERS + 1.0] * WRITERS,
-                [barrier] * WRITERS,
-            )
-        )
+    # The barrier: every claim lands before each writer's last save.
+    results = _race_with_barrier(
+        pool,
+        race_worker.manager_race,
+        race_target,
+        "m",
+        [at + 0.6 * i for i in range(WRITERS)],  # each resumes while the last saves
+        [at + 0.6 * WRITERS + 1.0] * WRITERS,
+    )
     store = open_store(race_target.url, race_target.storage_options)
     latest = read_latest(store).latest
     retained = {r.commit_id: r for r in latest.retained()}  # keep_last=None keeps all
