@@ -4,7 +4,8 @@ Every error says what happened and what the user should do next. Errors never ca
 credentials: URLs are redacted before they reach a message (see ``redact_url``).
 
     CloudCkptError
-    ├── ConfigurationError            bad URL, bad option, missing extra
+    ├── ConfigurationError            bad URL, bad option
+    │   ├── MissingDependencyError    the backend's library is not installed (names the extra)
     │   └── UnsupportedBackendError   the store cannot do what writing needs
     ├── StoreError                    a store call failed (normalised across backends)
     │   ├── ObjectNotFoundError       the key does not exist
@@ -46,6 +47,7 @@ __all__ = [
     "CredentialsError",
     "DestinationNotEmptyError",
     "FencedError",
+    "MissingDependencyError",
     "NeedsRepairError",
     "ObjectNotFoundError",
     "OutcomeUnknownError",
@@ -97,6 +99,17 @@ class CloudCkptError(Exception):
 
 class ConfigurationError(CloudCkptError):
     """A URL, option or environment setting is wrong or incomplete."""
+
+
+class MissingDependencyError(ConfigurationError):
+    """A URL needs a backend library that is not installed; ``extra`` names the
+    ``cloudckpt[extra]`` that brings it."""
+
+    def __init__(self, message: str, *, extra: str, hint: str | None = None) -> None:
+        self.extra = extra
+        if hint is None:
+            hint = f"Install it with: pip install 'cloudckpt[{extra}]'"
+        super().__init__(message, hint=hint)
 
 
 class UnsupportedBackendError(ConfigurationError):

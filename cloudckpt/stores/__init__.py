@@ -5,20 +5,26 @@
 ======================  ===============================================================
 ``memory://b/prefix``   ``MemoryStore``: in-process, exact semantics (tests, demos)
 ``file:///abs/path``    ``LocalStore``: POSIX, create-only by ``os.link``, CAS by ``flock``
-``s3://bucket/prefix``  ``S3Store``: boto3 with s3fs-style storage options
-``gs://bucket/prefix``  ``GCSStore``: gcsfs session and credentials
+``s3://bucket/prefix``  ``S3Store``: botocore with s3fs-style storage options
+``gs://bucket/prefix``  ``GCSStore``: gcsfs session and credentials (extra ``[gcs]``)
 anything else fsspec    ``FsspecStore``: read-only unless ``unsafe_single_writer=True``
 ======================  ===============================================================
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from cloudckpt.errors import ConfigurationError, UnsupportedBackendError, redact_url
+from cloudckpt.errors import (
+    ConfigurationError,
+    MissingDependencyError,
+    UnsupportedBackendError,
+    redact_url,
+)
 from cloudckpt.stores.base import (
     CREATE,
     OVERWRITE,
@@ -91,6 +97,30 @@ def split_url(url: str) -> tuple[str, str, str]:
     return scheme, parts.netloc, parts.path.strip("/")
 
 
+# scheme -> (the modules its adapter imports, the extra that installs them). The core
+# (fsspec + botocore) carries S3; the Google stack is opt-in (docs/install.md).
+_BACKEND_EXTRAS: dict[str, tuple[tuple[str, ...], str]] = {
+    "gs": (("gcsfs", "google.auth", "aiohttp"), "gcs"),
+    "gcs": (("gcsfs", "google.auth", "aiohttp"), "gcs"),
+}
+
+
+def _require_backend(scheme: str, url: str) -> None:
+    """Raise ``MissingDependencyError`` naming the extra if ``scheme``'s library is absent."""
+    modules, extra = _BACKEND_EXTRAS.get(scheme, ((), ""))
+    for module in modules:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # a parent package is missing
+            found = False
+        if not found:
+            raise MissingDependencyError(
+                f"cannot open {redact_url(url)}: the {scheme}:// backend needs the "
+                f"'{module.split('.')[0]}' package, which is not installed",
+                extra=extra,
+            )
+
+
 def open_store(
     url: str,
     storage_options: Mapping[str, Any] | None = None,
@@ -109,9 +139,11 @@ def open_store(
 
     Raises:
         ConfigurationError: malformed URL or options.
+        MissingDependencyError: the backend's library is not installed (names the extra).
         UnsupportedBackendError: writing was asked of a backend that cannot do it safely.
     """
     scheme, netloc, prefix = split_url(url)
+    _require_backend(scheme, url)
     options = dict(storage_options or {})
     if scheme == "memory":
         from cloudckpt.stores.memory import MemoryStore
