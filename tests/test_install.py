@@ -191,7 +191,9 @@ def test_ci_extras_resolve_with_the_lock_and_the_lock_pins_all_of_them(resolutio
     assert not res.backtracked_on, res.summary()
     pins = _lock_pins()
     unpinned = sorted(set(res.installs) - set(pins) - {"cloudckpt"})
-    assert not unpinned, f"constraints.txt lacks pins for {unpinned}: run tools/update_constraints.py"
+    assert not unpinned, (
+        f"constraints.txt lacks pins for {unpinned}: run tools/update_constraints.py"
+    )
     wrong = {
         name: (version, pins[name])
         for name, version in res.installs.items()
