@@ -96,12 +96,12 @@ def gcs_target(gcs_server):
     return Target("gcs", f"gs://{bucket}/run", gcs_server.storage_options())
 
 
-BACKENDS = ["memory", "file", "s3", "gcs"]
+BACKENDS = ["memory", "file", "s3", "seaweedfs", "gcs"]
 
 
 @pytest.fixture(params=BACKENDS)
 def target(request) -> Target:
-    """A fresh, empty run location on each of the four backends."""
+    """A fresh, empty run location on each backend (two S3 servers: moto and SeaweedFS)."""
     return request.getfixturevalue(f"{request.param}_target")
 
 
