@@ -129,7 +129,8 @@ def _free_ports(host: str, count: int, *, admin_offset: int = 10_000) -> list[in
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
     """Linux: SIGKILL the server when the process that started it dies (even by SIGKILL),
-    so a crashed test run leaves no server behind."""
+    so a crashed test run leaves no server behind. (The kernel ties this to the thread
+    that started the server: start it from a thread that outlives it, e.g. the main one.)"""
     with contextlib.suppress(Exception):
         import ctypes
 
