@@ -1,4 +1,5 @@
-"""Shared fixtures: real test servers (moto, fake-gcs-server) and per-test store targets.
+"""Shared fixtures: real test servers (moto, SeaweedFS, fake-gcs-server) and per-test store
+targets.
 
 Servers start once per session on free 127.0.0.1 ports and stop at the end; every test that
 asks for a target gets a fresh bucket (or directory, or memory bucket).
@@ -43,6 +44,14 @@ def moto_server():
 
 
 @pytest.fixture(scope="session")
+def seaweedfs_server():
+    from cloudckpt.testing.seaweedfs_server import SeaweedFSServer
+
+    with SeaweedFSServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
 def gcs_server():
     from cloudckpt.testing.gcs_server import FakeGCSServer
 
@@ -72,18 +81,27 @@ def s3_target(moto_server):
 
 
 @pytest.fixture
+def seaweedfs_target(seaweedfs_server):
+    """A fresh bucket on SeaweedFS: a second, real S3 implementation whose conditional
+    writes are atomic (moto's are only because MotoServer serialises its requests)."""
+    bucket = fresh_name("sw")
+    seaweedfs_server.create_bucket(bucket)
+    return Target("seaweedfs", f"s3://{bucket}/run", seaweedfs_server.storage_options())
+
+
+@pytest.fixture
 def gcs_target(gcs_server):
     bucket = fresh_name("gcs")
     gcs_server.create_bucket(bucket)
     return Target("gcs", f"gs://{bucket}/run", gcs_server.storage_options())
 
 
-BACKENDS = ["memory", "file", "s3", "gcs"]
+BACKENDS = ["memory", "file", "s3", "seaweedfs", "gcs"]
 
 
 @pytest.fixture(params=BACKENDS)
 def target(request) -> Target:
-    """A fresh, empty run location on each of the four backends."""
+    """A fresh, empty run location on each backend (two S3 servers: moto and SeaweedFS)."""
     return request.getfixturevalue(f"{request.param}_target")
 
 

@@ -1,11 +1,11 @@
-"""Real crashes: a process saving to the moto S3 server is killed with SIGKILL at random
-moments, over and over. After every kill the store must hold the last acknowledged
+"""Real crashes: a process saving to an S3 server (moto, and SeaweedFS, whose conditional
+writes are atomic on their own) is killed with SIGKILL at random moments, over and over. After every kill the store must hold the last acknowledged
 checkpoint (``handle.result()`` returned) or a newer committed one, byte for byte, never a
 torn one; the next process resumes from it (half of the time from the killed process's
 staging directory, so the staging journal's recovery runs too).
 
 Each saver is forked from a zygote that has already imported cloudckpt and botocore, so a
-kill cycle costs about a second. CI: 50 kills. Soak::
+kill cycle costs about a second. CI: 50 kills on each server. Soak::
 
     CLOUDCKPT_CRASH_KILLS=1000 pytest tests/test_crash_kill.py -s --timeout 3600
 """
@@ -107,10 +107,12 @@ def _verify(store, engine, into: Path, acked: int) -> int:
 
 
 @pytest.mark.slow
-def test_sigkill_at_random_moments_never_loses_an_acknowledged_save(moto_server, tmp_path):
+@pytest.mark.parametrize("server", ["moto_server", "seaweedfs_server"])
+def test_sigkill_at_random_moments_never_loses_an_acknowledged_save(server, request, tmp_path):
+    server = request.getfixturevalue(server)
     bucket = f"kill-{random.Random().getrandbits(32):08x}"
-    moto_server.create_bucket(bucket)
-    url, options = f"s3://{bucket}/run", moto_server.storage_options()
+    server.create_bucket(bucket)
+    url, options = f"s3://{bucket}/run", server.storage_options()
     store = open_store(url, options)
     engine = TransferEngine(TRANSFER)
     rng = random.Random(SEED)

@@ -1,4 +1,5 @@
-"""Racing writers in separate processes against moto (S3) and fake-gcs-server (GCS).
+"""Racing writers in separate processes against S3 (moto and SeaweedFS) and fake-gcs-server
+(GCS).
 
 - Racing compare-and-swaps of LATEST from the same base: exactly one wins, every other one
   gets a precondition failure (or S3's 409), never a silent overwrite.
@@ -40,7 +41,7 @@ def pool():
         yield executor
 
 
-@pytest.fixture(params=["s3", "gcs"])
+@pytest.fixture(params=["s3", "seaweedfs", "gcs"])
 def race_target(request, pool):
     target = request.getfixturevalue(f"{request.param}_target")
     # Every worker has imported the backend before the race starts.

@@ -13,8 +13,8 @@ Versions are ETags exactly as S3 returns them (with their quotes). They are cont
 hashes, so identical bytes keep the version (``Capabilities.unique_versions=False``).
 
 Every write carries a CRC32C we compute (``google-crc32c``; botocore can only compute CRC32C
-with ``awscrt``), which S3 verifies (moto stores it without checking). Full-object CRC32Cs
-that come back on ``get`` are checked here, too.
+with ``awscrt``), which S3 and SeaweedFS verify (moto stores it without checking).
+Full-object CRC32Cs that come back on ``get`` are checked here, too.
 
 Storage options follow s3fs: ``key``, ``secret``, ``token``, ``endpoint_url``, ``profile``,
 ``anon``, ``use_ssl``, ``client_kwargs``, ``config_kwargs``, ``s3_additional_kwargs``,
@@ -653,7 +653,8 @@ class S3Store(Store):
             params["IfNoneMatch"] = "*"
         elif isinstance(mode, Update):
             params["IfMatch"] = mode.version
-        # S3 answers If-Match on a missing key with 404 NoSuchKey: for us a lost CAS.
+        # S3 answers If-Match on a missing key with 404 NoSuchKey (SeaweedFS: 412): for us
+        # a lost CAS either way.
         missing = PreconditionFailedError if isinstance(mode, Update) else ObjectNotFoundError
         resp = self._call("put_object", key, write=True, missing=missing, **params)
         return self._info(key, resp, size=len(body))
