@@ -175,15 +175,19 @@ class TransferEngine:
         )
         self._buffers = _BufferPool(self.config.concurrency)
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def close(self, *, wait: bool = True) -> None:
+        """Stop the workers; with ``wait=False`` do not wait for the ones still running."""
+        self._pool.shutdown(wait=wait, cancel_futures=True)
         self._buffers.clear()
 
     def __enter__(self) -> TransferEngine:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        # Leaving on an interrupt (Ctrl-C, SIGTERM): see _wait_all for why running
+        # transfers are not waited for.
+        interrupted = exc_type is not None and not issubclass(exc_type, Exception)
+        self.close(wait=not interrupted)
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -196,14 +200,21 @@ class TransferEngine:
         )
 
     def _wait_all(self, futures: Sequence[cf.Future]) -> list:
-        """Results in order; on the first failure cancel the rest and raise it."""
+        """Results in order; on the first failure cancel the rest and raise it.
+
+        After a failure the tasks already running are waited for, so the caller's cleanup
+        comes after them. After an interrupt (Ctrl-C, SIGTERM: not an ``Exception``) they
+        are not: one blocked on a stalled connection would hold the interrupt for minutes.
+        Left running, they can only write into files that already exist (downloads open
+        their targets without ``O_CREAT``) or send parts of an upload nothing will commit."""
         try:
             for f in cf.as_completed(futures):
                 f.result()
-        except BaseException:
+        except BaseException as exc:
             for f in futures:
                 f.cancel()
-            cf.wait(futures)
+            if isinstance(exc, Exception):
+                cf.wait(futures)
             raise
         return [f.result() for f in futures]
 

@@ -355,37 +355,36 @@ def test_interrupted_restore_leaves_dest_as_it_was(s3_target, manager_factory, t
     (dest / "old.txt").write_bytes(b"the previous contents")
 
     def interrupted(sig) -> subprocess.Popen:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "cloudckpt.cli",
-                "restore",
-                s3_target.url,
-                str(dest),
-                "--force",
-                *flags(s3_target),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env={**os.environ, **env},
-        )
-        # Wait until the download is under way: the temporary directory beside DEST holds
-        # the preallocated file, then interrupt while bytes are still arriving.
-        while proc.poll() is None:
-            tmps = [p for p in parent.iterdir() if "cloudckpt-tmp" in p.name]
-            if tmps and (tmps[0] / "big.bin").exists():
-                break
-            time.sleep(0.002)
-        assert proc.poll() is None, "the restore finished before it could be interrupted"
-        proc.send_signal(sig)
-        proc.communicate(timeout=60)
+        # Every GET of big.bin is held on its way to moto for longer than the test, so the
+        # signal always lands while the download is in progress, however fast or loaded
+        # this machine is (a request still held when the proxy stops never reaches moto).
+        with FaultProxy(s3_target.storage_options["endpoint_url"], stall_seconds=600) as proxy:
+            rule = proxy.add(ProxyRule("stall", methods={"GET"}, path="big.bin"))
+            args = flags(s3_target)
+            args[args.index("--endpoint-url") + 1] = proxy.endpoint_url
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "cloudckpt.cli", "restore", s3_target.url, str(dest),
+                 "--force", *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env={**os.environ, **env},
+            )  # fmt: skip
+            # Interrupt once the temporary directory beside DEST holds the preallocated file
+            # and big.bin's first range request is held.
+            while proc.poll() is None:
+                tmps = [p for p in parent.iterdir() if "cloudckpt-tmp" in p.name]
+                if tmps and (tmps[0] / "big.bin").exists() and rule.fired:
+                    break
+                time.sleep(0.01)
+            assert proc.poll() is None, proc.communicate()
+            proc.send_signal(sig)
+            proc.communicate(timeout=120)
         return proc
 
     # Ctrl-C (and SIGTERM): DEST untouched, the temporary directory cleaned up.
     for sig, code in ((2, 130), (15, 130)):
         proc = interrupted(sig)
-        assert proc.returncode == code
+        assert proc.returncode == code, proc.stderr
         assert read_tree(dest) == {"old.txt": b"the previous contents"}
         assert sorted(p.name for p in parent.iterdir()) == ["dest"]
 

@@ -6,12 +6,25 @@ embedding). Exit codes are defined in ``cloudckpt.cli._common``.
 
 from __future__ import annotations
 
+import os
+import sys
+
 from cloudckpt.cli import _demo, _watch  # noqa: F401 - they register their commands
-from cloudckpt.cli._common import EXIT_CODE_TABLE, exit_code_for
+from cloudckpt.cli._common import EXIT_CODE_TABLE, INTERRUPTED, exit_code_for
 from cloudckpt.cli._main import cli
 
 __all__ = ["EXIT_CODE_TABLE", "cli", "exit_code_for", "main"]
 
 
 def main() -> None:
-    cli(prog_name="cloudckpt")
+    try:
+        cli(prog_name="cloudckpt")
+    except SystemExit as exc:
+        if exc.code == INTERRUPTED:
+            # The command's cleanup has run (temporary files removed, nothing half-done
+            # visible). Exit now rather than let the interpreter join transfer threads that
+            # may be blocked on a stalled connection for minutes.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(INTERRUPTED)
+        raise
