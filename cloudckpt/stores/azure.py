@@ -309,7 +309,7 @@ class AzureStore(Store):
     ) -> NoReturn:
         where = f"{self.url}{key or ''}"
         if isinstance(exc, HttpResponseError) and exc.status_code is not None:
-            status, code = exc.status_code, str(exc.error_code or "")
+            status, code = exc.status_code, error_code(exc)
             text = f"{status} {code}".strip()
             if status == 404:
                 if code == "ContainerNotFound":
@@ -457,7 +457,7 @@ class AzureStore(Store):
         try:
             blob.delete_blob()
         except HttpResponseError as exc:
-            if exc.status_code == 404 and exc.error_code != "ContainerNotFound":
+            if exc.status_code == 404 and error_code(exc) != "ContainerNotFound":
                 return
             self._raise(exc, key, write=True)
         except AzureError as exc:
@@ -545,7 +545,7 @@ class AzureStore(Store):
         try:
             props = marker.get_blob_properties()
         except HttpResponseError as exc:
-            if exc.status_code == 404 and exc.error_code != "ContainerNotFound":
+            if exc.status_code == 404 and error_code(exc) != "ContainerNotFound":
                 raise ObjectNotFoundError(
                     f"multipart upload {upload.upload_id} of {self.url}{key} does not exist",
                     key=key,
@@ -563,7 +563,7 @@ class AzureStore(Store):
         try:
             r = self._blob(key).commit_block_list(blocks, **self._conditions(key, mode))
         except HttpResponseError as exc:
-            if exc.status_code == 400 and exc.error_code == "InvalidBlockList":
+            if exc.status_code == 400 and error_code(exc) == "InvalidBlockList":
                 raise StoreError(
                     f"{self.url}{key}: a part of upload {upload.upload_id} is not staged (not "
                     "uploaded, or discarded when another upload of the same blob committed)",
@@ -595,7 +595,7 @@ class AzureStore(Store):
         try:
             marker.delete_blob()
         except HttpResponseError as exc:
-            if exc.status_code == 404 and exc.error_code != "ContainerNotFound":
+            if exc.status_code == 404 and error_code(exc) != "ContainerNotFound":
                 return
             self._raise(exc, upload.key, write=True)
         except AzureError as exc:
@@ -626,7 +626,7 @@ class AzureStore(Store):
         try:
             _, uncommitted = blob.get_block_list("uncommitted")
         except HttpResponseError as exc:
-            if exc.status_code == 404 and exc.error_code != "ContainerNotFound":
+            if exc.status_code == 404 and error_code(exc) != "ContainerNotFound":
                 return []
             self._raise(exc, key, write=False)
         except AzureError as exc:
@@ -667,6 +667,12 @@ class AzureStore(Store):
             self._service.close()
         except Exception:  # closing is best effort
             logger.debug("closing the Azure client failed", exc_info=True)
+
+
+def error_code(exc: BaseException) -> str:
+    """Azure's error code (``BlobNotFound``, ...) as a plain string ("" if none)."""
+    code = getattr(exc, "error_code", None)
+    return str(getattr(code, "value", code) or "")
 
 
 def _never_connected(exc: BaseException) -> bool:
