@@ -83,7 +83,8 @@ def split_url(url: str) -> tuple[str, str, str]:
         return "file", "", os.path.abspath(parts.path or "/")
     if scheme in ("s3", "s3a", "gs", "gcs", "memory", *_AZURE_SCHEMES) and not parts.netloc:
         raise ConfigurationError(
-            f"invalid URL {redact_url(url)!r}: no bucket (container) name",
+            f"invalid URL {redact_url(url)!r}: no "
+            f"{'container' if scheme in _AZURE_SCHEMES else 'bucket'} name",
             hint=f"Write it as {scheme}://CONTAINER/prefix"
             if scheme in _AZURE_SCHEMES
             else f"Write it as {scheme}://BUCKET/prefix",
