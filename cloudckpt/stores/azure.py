@@ -327,7 +327,9 @@ class AzureStore(Store):
                 ) from None
             if status == 409:
                 if code == "BlobAlreadyExists":
-                    raise PreconditionFailedError(f"{where} already exists ({text})", key=key)
+                    raise PreconditionFailedError(
+                        f"{where} already exists ({text})", key=key
+                    ) from None
                 raise StoreConflictError(f"{where}: conflict ({text})", key=key) from None
             if status == 400 and code in _CHECKSUM_CODES:
                 raise ChecksumMismatchError(
@@ -372,7 +374,9 @@ class AzureStore(Store):
         if isinstance(exc, ServiceResponseError):
             if write:
                 raise OutcomeUnknownError(f"{where}: no answer to a write", key=key) from None
-            raise TransientStoreError(f"{where}: no answer ({type(exc).__name__})", key=key)
+            raise TransientStoreError(
+                f"{where}: no answer ({type(exc).__name__})", key=key
+            ) from None
         raise StoreError(f"{where}: {type(exc).__name__}", key=key) from None
 
     def _endpoint(self) -> str:
@@ -684,7 +688,8 @@ def _never_connected(exc: BaseException) -> bool:
         name = type(current).__name__
         if name in ("NewConnectionError", "ConnectTimeoutError", "NameResolutionError"):
             return True
-        if "Failed to establish a new connection" in str(current):
+        text = str(current)
+        if "Failed to establish a new connection" in text or "ConnectTimeoutError(" in text:
             return True
         current = (
             getattr(current, "inner_exception", None) or current.__cause__ or current.__context__
