@@ -464,3 +464,23 @@ def test_cli_bad_input(azurite_server, tmp_path):
     )
     assert typo.exit_code == 2 and "acount_key" in typo.stderr
     assert ACCOUNT_KEY not in missing.output + no_creds.output + bad_url.output
+
+
+def test_explicit_endpoint_wins_over_the_connection_string(azurite_server, azurite_target):
+    """``--endpoint-url`` (storage option ``endpoint_url``) with a connection string in the
+    environment: the explicit endpoint is used, with the connection string's credentials."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    opts = {**azurite_target.storage_options, "endpoint_url": f"http://127.0.0.1:{port}/x"}
+    with (
+        open_store(azurite_target.url, opts) as store,
+        pytest.raises(TransientStoreError, match=f"127.0.0.1:{port}"),
+    ):
+        store.get("k")
+    opts["endpoint_url"] = azurite_server.blob_endpoint
+    with open_store(azurite_target.url, opts) as store:
+        store.put("k", b"v")
+        assert store.get("k")[0] == b"v"

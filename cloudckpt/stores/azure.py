@@ -247,6 +247,17 @@ class AzureStore(Store):
                     f"{self.url}: the connection string is for account {named!r}, the URL "
                     f"or options name {account!r}"
                 )
+            override = opts.get("account_url") or opts.get("endpoint_url")
+            if override:  # an explicit endpoint wins over the connection string's
+                credential: Any = parsed.get("sharedaccesssignature")
+                if parsed.get("accountkey"):
+                    credential = {"account_name": named, "account_key": parsed["accountkey"]}
+                try:
+                    return BlobServiceClient(override, credential=credential, **kwargs)
+                except ValueError as exc:
+                    raise ConfigurationError(
+                        f"{self.url}: invalid Azure account URL ({exc})"
+                    ) from None
             try:
                 return BlobServiceClient.from_connection_string(conn, **kwargs)
             except ValueError as exc:  # malformed; the message quotes no secrets
@@ -266,7 +277,7 @@ class AzureStore(Store):
                     f"no Azure storage account or credentials for {self.url}",
                     hint=_WHAT_TO_SET,
                 )
-        credential: Any = None
+        credential = None
         if opts.get("credential") is not None:
             credential = opts["credential"]
         elif opts.get("account_key") or (
