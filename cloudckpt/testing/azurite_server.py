@@ -77,11 +77,42 @@ def azurite_binary() -> Path:
     found = shutil.which("azurite-blob")
     if found:
         return Path(found)
+    # In a source checkout, install the pinned version on first use, as the other test
+    # servers come from the test extra: the README's test command then works on a fresh
+    # clone with only node and npm on the machine.
+    if _install_pinned_azurite() and candidate.is_file():
+        return candidate
     raise AzuriteServerError(
         "Azurite's azurite-blob was not found. Install the pinned version with: "
         "npm ci --prefix .ci/node --ignore-scripts (needs node and npm), or set "
         "CLOUDCKPT_AZURITE_BINARY to an azurite-blob executable"
     )
+
+
+def _install_pinned_azurite(timeout: float = 600.0) -> bool:
+    """``npm ci`` the repository's pinned Azurite into ``.ci/node``; False when there is no
+    lock file (not a source checkout) or no npm. Raises AzuriteServerError if npm fails."""
+    node_dir = _REPO_NODE_BIN.parents[1]
+    npm = shutil.which("npm")
+    if npm is None or not (node_dir / "package-lock.json").is_file():
+        return False
+    import fcntl
+
+    # One installer at a time (several test processes may start Azurite at once).
+    with open(node_dir / ".install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (_REPO_NODE_BIN / "azurite-blob").is_file():
+            return True
+        cmd = [npm, "ci", "--prefix", str(node_dir), "--ignore-scripts", "--no-audit", "--no-fund"]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise AzuriteServerError(f"{' '.join(cmd)} took over {timeout:.0f} s") from exc
+        if proc.returncode != 0:
+            raise AzuriteServerError(
+                f"installing the pinned Azurite failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}"
+            )
+    return True
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
