@@ -472,7 +472,7 @@ class GCSTarget:
             self.server = FakeGCSServer()
             self.server.start()
             self.server.create_bucket("bench")
-            self.pid = self.server._process.pid if self.server._process else None
+            self.pid = self.server._proc.pid if self.server._proc else None
             self.options: dict[str, Any] = self.server.storage_options()
             self.bucket, self.root = "bench", f"run-{uuid.uuid4().hex[:8]}/"
         else:

@@ -21,18 +21,17 @@ which ``.ci/run`` does), else ``$CLOUDCKPT_AZURITE_BINARY``, else ``azurite-blob
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from cloudckpt.testing._process import ServerProcess, die_with_parent_hook
 
 __all__ = [
     "ACCOUNT_KEY",
@@ -115,17 +114,7 @@ def _install_pinned_azurite(timeout: float = 600.0) -> bool:
     return True
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: SIGKILL the server when the thread that started it dies (even by SIGKILL)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-
-class AzuriteServer:
+class AzuriteServer(ServerProcess):
     """``azurite-blob`` on a free 127.0.0.1 port. Use as a context manager, or call
     ``start()`` and ``stop()``.
 
@@ -203,7 +192,7 @@ class AzuriteServer:
             cwd=self._dir,
             env=env,
             start_new_session=True,  # a Ctrl-C reaches us, and we stop it
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=die_with_parent_hook(),
         )
         self._log = bytearray()
         found = threading.Event()
@@ -279,19 +268,6 @@ class AzuriteServer:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
-
-    def __enter__(self) -> AzuriteServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def __del__(self) -> None:
-        proc = getattr(self, "_proc", None)
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(Exception):
-                proc.kill()
-                proc.wait(timeout=5)
 
     # --- helpers --------------------------------------------------------------------
 

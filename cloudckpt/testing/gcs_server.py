@@ -23,6 +23,8 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
+from cloudckpt.testing._process import ServerProcess, die_with_parent_hook
+
 _ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 
 
@@ -55,21 +57,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class FakeGCSServer:
+class FakeGCSServer(ServerProcess):
     """A fake-gcs-server process on a free 127.0.0.1 port with an in-memory backend."""
 
     def __init__(self, *, port: int | None = None, startup_timeout: float = 20.0) -> None:
         self.port = port or _free_port()
         self.endpoint_url = f"http://127.0.0.1:{self.port}"
         self.startup_timeout = startup_timeout
-        self._process: subprocess.Popen[bytes] | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
     # --- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
         """Start the server and wait until it answers; RuntimeError (with its log) if not."""
-        if self._process is not None:
+        if self._proc is not None:
             return
         # A file, not a PIPE: nobody drains a pipe during a long test session. It lives as
         # long as the server, so no context manager.
@@ -83,12 +85,16 @@ class FakeGCSServer:
             "-external-url", self.endpoint_url,
             "-log-level", "warn",
         ]  # fmt: skip
-        self._process = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
+        self._proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent_hook(),
         )
         deadline = time.monotonic() + self.startup_timeout
         while True:
-            rc = self._process.poll()
+            rc = self._proc.poll()
             if rc is not None:
                 log = self.log_text()
                 self.stop()
@@ -109,7 +115,7 @@ class FakeGCSServer:
 
     def stop(self) -> None:
         """Terminate the server (kill it if it does not exit) and drop its log."""
-        process, self._process = self._process, None
+        process, self._proc = self._proc, None
         if process is not None and process.poll() is None:
             process.terminate()
             try:
@@ -126,13 +132,6 @@ class FakeGCSServer:
         if self._log is None:
             return ""
         return Path(self._log.name).read_text(errors="replace")[-4000:]
-
-    def __enter__(self) -> FakeGCSServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     # --- helpers --------------------------------------------------------------------
 

@@ -31,6 +31,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from cloudckpt.testing._process import ServerProcess
+
 __all__ = ["MotoServer", "MotoServerError"]
 
 #: Credentials moto accepts by default; they are not secrets.
@@ -82,7 +84,7 @@ def _free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-class MotoServer:
+class MotoServer(ServerProcess):
     """A moto server on a free 127.0.0.1 port. Use as a context manager, or call
     ``start()`` and ``stop()``.
 
@@ -227,20 +229,6 @@ class MotoServer:
             with contextlib.suppress(OSError):
                 os.unlink(self._log_path)
             self._log_path = None
-
-    def __enter__(self) -> MotoServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def __del__(self) -> None:
-        # Last resort against leftover servers if stop() was never called.
-        proc = getattr(self, "_proc", None)
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(Exception):
-                proc.kill()
-                proc.wait(timeout=5)
 
     # --- helpers --------------------------------------------------------------------
 

@@ -26,11 +26,9 @@ set to 64 MiB (the smallest) so a session can create hundreds of buckets.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -39,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from cloudckpt.testing._process import ServerProcess, die_with_parent_hook
 
 __all__ = ["SeaweedFSServer", "SeaweedFSServerError", "weed_binary"]
 
@@ -127,19 +127,7 @@ def _free_ports(host: str, count: int, *, admin_offset: int = 10_000) -> list[in
             s.close()
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: SIGKILL the server when the process that started it dies (even by SIGKILL),
-    so a crashed test run leaves no server behind. (The kernel ties this to the thread
-    that started the server: start it from a thread that outlives it, e.g. the main one.)"""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-
-class SeaweedFSServer:
+class SeaweedFSServer(ServerProcess):
     """``weed mini`` on free 127.0.0.1 ports. Use as a context manager, or call ``start()``
     and ``stop()``.
 
@@ -237,7 +225,7 @@ class SeaweedFSServer:
                 env=env,
                 # Its own process group: a Ctrl-C in a terminal reaches us, and we stop it.
                 start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                preexec_fn=die_with_parent_hook(),
             )
         deadline = time.monotonic() + self.startup_timeout
         client = self.client(connect_timeout=1, read_timeout=5, retries={"max_attempts": 1})
@@ -312,20 +300,6 @@ class SeaweedFSServer:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
-
-    def __enter__(self) -> SeaweedFSServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def __del__(self) -> None:
-        # Last resort against leftover servers if stop() was never called.
-        proc = getattr(self, "_proc", None)
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(Exception):
-                proc.kill()
-                proc.wait(timeout=5)
 
     # --- helpers --------------------------------------------------------------------
 
