@@ -156,7 +156,7 @@ def test_gc_keeps_chunks_later_checkpoints_name(mem, tmp_path):
     latest = protocol.parse_latest(store.get("LATEST")[0])
     assert not latest.history
     manifest = fetch_manifest(store, latest.current)
-    first = [c for f in manifest.files for c in f.chunks if f.path == "shared.bin"][0]
+    first = next(c for f in manifest.files for c in f.chunks if f.path == "shared.bin")
     assert first.owner != latest.current.ckpt  # still the chunk step 1 uploaded
     assert store.head(first.key).size == 3000
     # Everything else of the old attempts is gone.

@@ -18,6 +18,7 @@ from cloudckpt import FencedError, protocol
 from cloudckpt.cli import EXIT_CODE_TABLE, cli, exit_code_for
 from cloudckpt.stores import open_store
 from cloudckpt.testing.faults import flip_bit
+from cloudckpt.testing.layout import data_key
 from cloudckpt.testing.proxy import FaultProxy, ProxyRule
 
 MiB = 1024 * 1024
@@ -204,7 +205,7 @@ def test_damage_fallback_and_repair(cloud, manager_factory, tmp_path, damage):
     step2 = latest.current
 
     # A bit flip in step 2's data: only --read-data sees it; restore falls back to step 1.
-    flip_bit(store, step2.ckpt + "files/w.bin", seed=1)
+    flip_bit(store, data_key(store, step2, "w.bin"), seed=1)
     assert run("verify", url, target=cloud).exit_code == 0
     bad = run("verify", url, "--read-data", "--json", target=cloud)
     assert bad.exit_code == 4
@@ -359,7 +360,14 @@ def test_interrupted_restore_leaves_dest_as_it_was(s3_target, manager_factory, t
         # signal always lands while the download is in progress, however fast or loaded
         # this machine is (a request still held when the proxy stops never reaches moto).
         with FaultProxy(s3_target.storage_options["endpoint_url"], stall_seconds=600) as proxy:
-            rule = proxy.add(ProxyRule("stall", methods={"GET"}, path="big.bin"))
+            # (big.bin is stored as chunks: hold every chunk's GET, not the listings.)
+            rule = proxy.add(
+                ProxyRule(
+                    "stall",
+                    methods={"GET"},
+                    path=lambda t: "big.bin" in t or ("/chunks/" in t and "prefix=" not in t),
+                )
+            )
             args = flags(s3_target)
             args[args.index("--endpoint-url") + 1] = proxy.endpoint_url
             proc = subprocess.Popen(
