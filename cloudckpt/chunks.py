@@ -329,7 +329,7 @@ def check_uploaded(store: Store, prefix: str, entries: Sequence[FileEntry]) -> N
     for sha, size in own.items():
         if sizes.get(sha) != size:
             raise StoreError(
-                f"{store.url}{where}{sha} holds {sizes.get(sha)} bytes after uploading {size}; "
+                f"{store.url}{where}{sha} holds {sizes.get(sha)} bytes after uploading {size} bytes; "
                 "the checkpoint was not committed",
                 key=where + sha,
                 hint="The store or a proxy lost part of the upload. Save again",

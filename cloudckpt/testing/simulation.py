@@ -1128,6 +1128,8 @@ class Simulation:
         else:
             c.acknowledged(info.commit_id, key, actor.name)
             self.result.counters["acks"] += 1
+            if mgr.last_upload is not None:
+                self.result.counters["chunks_reused"] += mgr.last_upload.chunks_reused
         return True
 
     def _gc(self, actor: _Actor) -> None:
