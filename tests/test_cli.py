@@ -119,8 +119,11 @@ def test_push_ls_show_restore_verify_pin_gc(cloud, tmp_path):
     assert listing["writer"]["epoch"] == 2 and listing["from_commit_records"] is False
     assert set(listing["checkpoints"][0]) == {
         "step", "commit_id", "ckpt", "epoch", "committed_at", "num_files", "total_bytes",
-        "current", "pins", "metadata",
+        "owned_bytes", "shared_bytes", "current", "pins", "metadata",
     }  # fmt: skip
+    for c in listing["checkpoints"]:  # chunked by default: what it stores + what it names
+        assert c["owned_bytes"] + c["shared_bytes"] == c["total_bytes"]
+    assert listing["checkpoints"][1]["shared_bytes"] == 0  # the first shares nothing
     human = run("ls", url, target=cloud)
     assert human.exit_code == 0 and "current" in human.stdout and "writer epoch 2" in human.stdout
 
@@ -129,7 +132,10 @@ def test_push_ls_show_restore_verify_pin_gc(cloud, tmp_path):
     assert {f["path"]: f["size"] for f in shown["manifest"]["files"]} == {
         k: len(v) for k, v in first.items()
     }
-    assert "model.bin" in run("show", url, target=cloud).stdout
+    assert shown["manifest"]["chunked"] and shown["manifest"]["shared_bytes"] == 0
+    assert all(f["shared_chunks"] == 0 for f in shown["manifest"]["files"])
+    human = run("show", url, target=cloud).stdout
+    assert "model.bin" in human and "owns" in human and "shares" in human
 
     dest = tmp_path / "restored"
     restored = ok_json(run("restore", url, dest, "--json", target=cloud))
