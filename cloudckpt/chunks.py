@@ -258,7 +258,8 @@ class _Uploader:
                     self.stats.bytes_uploaded += n
             refs.append(ChunkRef(self.prefix, sha, n))
         if self.progress is not None:
-            self.progress(length)
+            with self._lock:
+                self.progress(length)
         return leaf, refs
 
 
@@ -421,6 +422,13 @@ def download(
     Raises CorruptionError (MissingChunkError for a chunk) or StoreError."""
     plain = [f for f in manifest.files if f.chunks is None]
     chunked = [f for f in manifest.files if f.chunks is not None]
+    if progress is not None:
+        callback, lock = progress, threading.Lock()
+
+        def progress(n: int) -> None:
+            with lock:
+                callback(n)
+
     tasks = []
     for entry in chunked:
         target = dest.joinpath(*entry.path.split("/"))
