@@ -413,15 +413,17 @@ def download(
     engine,
     store: Store,
     files_prefix: str,
-    manifest: Manifest,
+    entries: Sequence[FileEntry],
     dest: Path,
+    chunk_size: int = LEAF,
     progress: Callable[[int], None] | None = None,
 ) -> None:
-    """Download every file of ``manifest`` into ``dest``: plain files through the engine,
-    chunked ones chunk by chunk in parallel, each chunk verified against its SHA-256.
+    """Download ``entries`` (validated manifest entries) into ``dest``, as
+    ``TransferEngine.download_files`` does: plain files through the engine, chunked ones
+    chunk by chunk in parallel, each chunk verified against its SHA-256.
     Raises CorruptionError (MissingChunkError for a chunk) or StoreError."""
-    plain = [f for f in manifest.files if f.chunks is None]
-    chunked = [f for f in manifest.files if f.chunks is not None]
+    plain = [f for f in entries if f.chunks is None]
+    chunked = [f for f in entries if f.chunks is not None]
     if progress is not None:
         callback, lock = progress, threading.Lock()
 
@@ -447,7 +449,7 @@ def download(
             offset += ref.size
     try:
         if plain:
-            engine.download_files(store, files_prefix, plain, dest, manifest.chunk_size, progress)
+            engine.download_files(store, files_prefix, plain, dest, chunk_size, progress)
     finally:
         if plain and tasks:
             cf.wait(tasks)

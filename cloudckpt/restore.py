@@ -227,7 +227,13 @@ def restore(
                 )
             tmp.mkdir()
             chunks.download(
-                engine, store, record.ckpt + protocol.FILES_DIR, manifest, tmp, progress
+                engine,
+                store,
+                record.ckpt + protocol.FILES_DIR,
+                manifest.files,
+                tmp,
+                manifest.chunk_size,
+                progress,
             )
             failpoint("restore.after_download")
             _place(tmp, into)
