@@ -73,6 +73,20 @@ def test_plan_cuts_at_tensor_boundaries(tmp_path):
     assert sum(n for _, n in tensor) == len(data)
 
 
+def test_plan_cuts_torch_save_zips_at_their_members(tmp_path):
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "model.pt"
+    torch.save(
+        {"big": torch.zeros(600_000), "small": torch.ones(10), "b2": torch.ones(400_000)}, path
+    )
+    size = path.stat().st_size
+    cuts = tensor_cuts(path, size)
+    assert len(cuts) == 4  # start and end of the two tensors over 1 MiB
+    data = path.read_bytes()
+    assert data[cuts[0] : cuts[1]] == torch.zeros(600_000).numpy().tobytes()
+    assert len(plan(path, size, "tensor")) >= 3
+
+
 def test_second_save_uploads_only_changed_chunks_and_restores(mem, tmp_path):
     store, _ = mem
     rng = random.Random(2)
