@@ -195,7 +195,7 @@ class Profile:
             Rule(
                 Truncate(rng.randrange(0, 64)),
                 ops={"put", "upload_part"},
-                key="ckpt/*/files/*",
+                key=lambda k: "/files/" in k or "/chunks/" in k,
                 times=None,
                 probability=self.p_truncate,
             ),
