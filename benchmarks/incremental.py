@@ -27,6 +27,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -169,11 +170,20 @@ def _run_scenario(
                 ),
                 flush=True,
             )
+        # Restore the last checkpoint (verified, fsynced), 3 rounds in rotating order.
+        restores: dict[str, list[float]] = {m: [] for m in MODES}
+        for r in range(3):
+            for mode in MODES[r:] + MODES[:r]:
+                into = tmp / f"restore-{name}-{mode}-{r}"
+                t0 = time.perf_counter()
+                mgrs[mode].restore(into=into)
+                restores[mode].append(time.perf_counter() - t0)
+                shutil.rmtree(into)
     finally:
         for m in MODES:
             mgrs[m].close()
     later = rows[1:]
-    summary: dict[str, Any] = {"saves": rows}
+    summary: dict[str, Any] = {"saves": rows, "restore_seconds": restores}
     for mode in MODES:
         up = sum(r[mode]["bytes_uploaded"] for r in later)
         total = sum(r["checkpoint_bytes"] for r in later)
@@ -182,6 +192,7 @@ def _run_scenario(
             "later_saves_checkpoint_bytes": total,
             "bytes_ratio_vs_checkpoint": up / total if total else None,
             "median_seconds_later_saves": statistics.median(r[mode]["seconds"] for r in later),
+            "median_restore_seconds": statistics.median(restores[mode]),
         }
     for mode in ("fixed", "tensor"):
         ratios = [r[mode]["seconds"] / r["off"]["seconds"] for r in later]
@@ -255,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(b) full fine-tuning: save time tensor/off = {full['tensor']['time_ratio_vs_off_median']:.3f}, "
           f"fixed/off = {full['fixed']['time_ratio_vs_off_median']:.3f}; bytes tensor/off = "
           f"{full['tensor']['bytes_ratio_vs_off']:.3f}")  # fmt: skip
+    print("restore of the last checkpoint (median s): "
+          + ", ".join(f"{n} {m} {s[m]['median_restore_seconds']:.2f}"
+                      for n, s in (("lora", lora), ("full", full)) for m in MODES))  # fmt: skip
     print(f"(c) two runs from one base: run B's first save uploads {two['B_first_save_ratio']:.1%} "
           "of its bytes (no sharing across runs)")  # fmt: skip
     if args.json:

@@ -247,3 +247,36 @@ def protocol_update(version):
     from cloudckpt.stores import Update
 
     return Update(version)
+
+
+def test_a_save_whose_chunk_source_was_dropped_uploads_in_full(mem, tmp_path, monkeypatch):
+    """The commit check refuses (as if an unpin dropped the source meanwhile): the manager
+    uploads the save again under a new attempt, naming no older chunk, and commits it."""
+    from cloudckpt import chunks
+
+    store, _ = mem
+    shared = b"s" * 5000
+    with CheckpointManager(store, staging_dir=tmp_path / "s", auto_gc=False) as mgr:
+        mgr.resume(tmp_path / "r0")
+        with mgr.save(1) as d:
+            _write(d, {"shared.bin": shared, "a": b"1"})
+        mgr.wait()
+        real = chunks.UploadStats.requires
+        calls = []
+
+        def refuse_once(self, base):
+            calls.append(bool(self.sources))
+            if len(calls) == 1:
+                raise ChunkSourceDroppedError("dropped meanwhile")
+            return real(self, base)
+
+        monkeypatch.setattr(chunks.UploadStats, "requires", refuse_once)
+        with mgr.save(2) as d:
+            _write(d, {"shared.bin": shared, "a": b"2"})
+        mgr.wait()
+    assert calls == [True, False]  # the retry reuses nothing
+    latest = protocol.parse_latest(store.get("LATEST")[0])
+    manifest = fetch_manifest(store, latest.current)
+    assert {c.owner for f in manifest.files for c in f.chunks} == {latest.current.ckpt}
+    attempts = {o.key.split("/")[1] for o in store.list("ckpt/") if "000000000002" in o.key}
+    assert len(attempts) == 2  # the refused attempt stays for GC
