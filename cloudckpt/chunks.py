@@ -363,19 +363,42 @@ def check_chunk_objects(store: Store, manifest: Manifest, step: int) -> None:
                 )
 
 
-def _fetch_chunk(engine, store: Store, ref: ChunkRef) -> bytes:
-    """A chunk's bytes, verified against its name (re-read once on a mismatch: a damaged
-    response is not a damaged object)."""
+def _fetch_chunk(engine, store: Store, ref: ChunkRef, buf: bytearray | None = None):
+    """A chunk's bytes (read into ``buf`` where the store can), verified against its name
+    (re-read once on a mismatch: a damaged response is not a damaged object)."""
+    into = getattr(store, "get_range_into", None) if buf is not None else None
     for _ in range(2):
         try:
-            data = engine.retry(
-                lambda: store.get_range(ref.key, 0, ref.size), f"download {ref.key}"
-            )
+            if into is not None:
+                view = memoryview(buf)[: ref.size]
+                got = engine.retry(lambda v=view: into(ref.key, 0, v), f"download {ref.key}")
+                data = view[:got]
+            else:
+                data = engine.retry(
+                    lambda: store.get_range(ref.key, 0, ref.size), f"download {ref.key}"
+                )
         except ObjectNotFoundError:
             raise MissingChunkError(f"chunk {ref.key} is missing from the store") from None
         if len(data) == ref.size and hashlib.sha256(data).hexdigest() == ref.sha256:
             return data
     raise MissingChunkError(f"chunk {ref.key} does not match its digest")
+
+
+class _Buffers:
+    """Chunk-sized download buffers reused within one restore (fresh memory costs a page
+    fault per 4 KiB on first touch)."""
+
+    def __init__(self) -> None:
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> bytearray:
+        with self._lock:
+            return self._free.pop() if self._free else bytearray(LEAF)
+
+    def give(self, buf: bytearray) -> None:
+        with self._lock:
+            self._free.append(buf)
 
 
 class _Target:
@@ -389,18 +412,26 @@ class _Target:
             return self.missing == 0
 
 
-def _download_chunk(engine, store, ref: ChunkRef, t: _Target, offset: int, progress) -> None:
-    data = _fetch_chunk(engine, store, ref)
-    failpoint("restore.after_range")
-    fd = os.open(t.target, os.O_WRONLY)
+def _download_chunk(
+    engine, store, ref: ChunkRef, t: _Target, offset: int, progress, buffers: _Buffers
+) -> None:
+    buf = buffers.take()
     try:
-        view, written = memoryview(data), 0
-        while written < len(data):
-            written += os.pwrite(fd, view[written:], offset + written)
+        data = _fetch_chunk(engine, store, ref, buf)
+        failpoint("restore.after_range")
+        fd = os.open(t.target, os.O_WRONLY)
+        try:
+            view, written = memoryview(data), 0
+            while written < len(data):
+                written += os.pwrite(fd, view[written:], offset + written)
+        finally:
+            os.close(fd)
+        if isinstance(data, memoryview):
+            data.release()
     finally:
-        os.close(fd)
+        buffers.give(buf)
     if progress is not None:
-        progress(len(data))
+        progress(ref.size)
     if t.done_one():
         fd = os.open(t.target, os.O_RDONLY)
         try:
@@ -432,6 +463,7 @@ def download(
                 callback(n)
 
     tasks = []
+    buffers = _Buffers()
     for entry in chunked:
         target = dest.joinpath(*entry.path.split("/"))
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -445,7 +477,9 @@ def download(
         t = _Target(target, len(entry.chunks))
         offset = 0
         for ref in entry.chunks:
-            tasks.append(engine.submit(_download_chunk, engine, store, ref, t, offset, progress))
+            tasks.append(
+                engine.submit(_download_chunk, engine, store, ref, t, offset, progress, buffers)
+            )
             offset += ref.size
     try:
         if plain:
