@@ -249,15 +249,7 @@ class _Hasher:
 
 
 class _Inline:
-    """The two engine calls ``chunks.read_and_check`` makes, run in the calling thread."""
-
-    def submit(self, fn, /, *args):
-        future: cf.Future = cf.Future()
-        try:
-            future.set_result(fn(*args))
-        except Exception as exc:
-            future.set_exception(exc)
-        return future
+    """The engine call ``chunks.read_and_check`` makes: retries, in the calling thread."""
 
     def retry(self, fn, what, idempotent=True):
         return call_with_retries(fn, what=what)
