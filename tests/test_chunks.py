@@ -280,3 +280,35 @@ def test_a_save_whose_chunk_source_was_dropped_uploads_in_full(mem, tmp_path, mo
     assert {c.owner for f in manifest.files for c in f.chunks} == {latest.current.ckpt}
     attempts = {o.key.split("/")[1] for o in store.list("ckpt/") if "000000000002" in o.key}
     assert len(attempts) == 2  # the refused attempt stays for GC
+
+
+@pytest.mark.parametrize(
+    "chunks, error",
+    [
+        ([[0, "0" * 64, 10]], "do not add up"),
+        ([[0, "0" * 64, 8 * MiB + 1]], "crosses a digest leaf"),
+        ([[0, "zz", 11]], "not a hex SHA-256"),
+        ([[1, "0" * 64, 11]], "malformed chunk reference"),
+        ([[0, "0" * 64, True]], "malformed chunk reference"),
+    ],
+)
+def test_hostile_chunk_lists_are_refused(chunks, error):
+    prefix = protocol.ckpt_prefix(1, 1, "20300101T000000000Z-deadbeef")
+    manifest = protocol.Manifest(
+        ckpt=prefix,
+        step=1,
+        epoch=1,
+        commit_id="20300101T000000000Z-deadbeef",
+        writer_id="w",
+        created_at="t",
+        files=(protocol.FileEntry("f", 11, "0" * 64, (protocol.ChunkRef(prefix, "0" * 64, 11),)),),
+    )
+    body = json.loads(manifest.to_bytes())
+    assert body["format"] == protocol.MANIFEST_FORMAT_CHUNKED
+    body["files"][0]["chunks"] = chunks
+    body.pop("self_sha256")
+    with pytest.raises(protocol.CorruptRecordError, match=error):
+        protocol.parse_manifest(protocol._sealed(body))
+    body["chunk_owners"] = ["../../etc/"]
+    with pytest.raises(protocol.CorruptRecordError, match="not a checkpoint prefix"):
+        protocol.parse_manifest(protocol._sealed(body))
