@@ -5,7 +5,10 @@ Object layout under a run URL (DESIGN §2; ``files/`` is our addition, see below
     LATEST                                   the only mutable object (conditional puts only)
     ckpt/<step:012d>-e<epoch>-<attempt>/     one prefix per save attempt, never reused
         ATTEMPT.json                         written first: who started it, when (store clock)
-        files/<relative/path>                the checkpoint's files, each written once
+        files/<relative/path>                whole files (chunking off), each written once
+        chunks/<sha256>                      content-addressed chunks this attempt stored
+                                             first; later manifests name them here
+                                             (``cloudckpt.chunks``)
         MANIFEST.json                        written after all files, create-only
     commits/<seq:020d>.json                  create-only copy of every LATEST body written
 
