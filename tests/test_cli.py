@@ -347,6 +347,11 @@ def test_environment_configures_stores_and_secrets_are_never_printed(
     assert json.loads(failures[1].stdout)["error"]["exit_code"] == 3
 
 
+def _data_put(target: str) -> bool:
+    """A PUT of checkpoint data: a multipart part, or a chunk (the default layout)."""
+    return "partNumber=" in target or "/chunks/" in target
+
+
 def test_interrupted_restore_leaves_dest_as_it_was(s3_target, manager_factory, tmp_path):
     from cloudckpt import TransferConfig
 
@@ -452,7 +457,7 @@ def test_interrupted_push_flushes_once_and_abandons_on_the_second_signal(s3_targ
     # held when the proxy stops never reaches moto).
     endpoint = s3_target.storage_options["endpoint_url"]
     with FaultProxy(endpoint, stall_seconds=4) as proxy:
-        proxy.add(ProxyRule("stall", methods={"PUT"}, path="partNumber="))
+        proxy.add(ProxyRule("stall", methods={"PUT"}, path=_data_put))
         flushed = push(1, signals=1, size=32 * MiB, via=proxy.endpoint_url)
     assert flushed.returncode == 0, flushed.stderr
     assert "waiting for the upload in progress to commit" in flushed.stderr
@@ -460,7 +465,7 @@ def test_interrupted_push_flushes_once_and_abandons_on_the_second_signal(s3_targ
     assert latest.current.step == 1
 
     with FaultProxy(endpoint, stall_seconds=600) as proxy:
-        proxy.add(ProxyRule("stall", methods={"PUT"}, path="partNumber="))
+        proxy.add(ProxyRule("stall", methods={"PUT"}, path=_data_put))
         abandoned = push(2, signals=2, size=32 * MiB, via=proxy.endpoint_url)
     assert abandoned.returncode == 130, abandoned.stderr
     latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
