@@ -12,9 +12,11 @@ WORKDIR /app
 # CPU-only PyTorch from its own index, in a layer of its own (the code changes more often).
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 
-COPY pyproject.toml README.md ./
+# The lock file pins the same versions CI tested (docs/install.md): a rebuild months later
+# resolves in seconds to the same set instead of whatever the registry holds that day.
+COPY pyproject.toml README.md constraints.txt ./
 COPY cloudckpt ./cloudckpt
-RUN pip install .
+RUN pip install -c constraints.txt .
 
 COPY examples ./examples
 

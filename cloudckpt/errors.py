@@ -116,7 +116,7 @@ class UnsupportedBackendError(ConfigurationError):
     """The store behind a URL lacks a capability that safe writing needs."""
 
     default_hint = (
-        "Use s3://, gs://, file:// or memory:// for writing; any fsspec URL can still be read. "
+        "Use s3://, gs://, az://, file:// or memory:// for writing; any fsspec URL can still be read. "
         "If exactly one process ever writes this run, you may opt in with "
         "unsafe_single_writer=True (CLI: --unsafe-single-writer)"
     )
@@ -173,7 +173,9 @@ class CredentialsError(StoreError):
     default_hint = (
         "Provide credentials the usual way for this store: for S3 the AWS_* environment "
         "variables, a profile (storage_options={'profile': ...}) or key/secret options; for "
-        "GCS application default credentials or storage_options={'token': ...}"
+        "GCS application default credentials or storage_options={'token': ...}; for Azure "
+        "AZURE_STORAGE_CONNECTION_STRING or AZURE_STORAGE_ACCOUNT_NAME with "
+        "AZURE_STORAGE_ACCOUNT_KEY"
     )
 
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: real test servers (moto, SeaweedFS, fake-gcs-server) and per-test store
+"""Shared fixtures: real test servers (moto, SeaweedFS, fake-gcs-server, Azurite) and per-test store
 targets.
 
 Servers start once per session on free 127.0.0.1 ports and stop at the end; every test that
@@ -18,6 +18,9 @@ import pytest
 os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 for _var in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+    os.environ.pop(_var, None)
+# Nor real Azure credentials (tests set the variables they need themselves).
+for _var in [v for v in os.environ if v.startswith(("AZURE_STORAGE_", "AZURE_CLIENT_"))]:
     os.environ.pop(_var, None)
 os.environ["AWS_CONFIG_FILE"] = os.devnull
 os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
@@ -59,6 +62,14 @@ def gcs_server():
         yield server
 
 
+@pytest.fixture(scope="session")
+def azurite_server():
+    from cloudckpt.testing.azurite_server import AzuriteServer
+
+    with AzuriteServer() as server:
+        yield server
+
+
 @pytest.fixture
 def memory_target():
     from cloudckpt.stores.memory import drop_memory_bucket
@@ -96,12 +107,22 @@ def gcs_target(gcs_server):
     return Target("gcs", f"gs://{bucket}/run", gcs_server.storage_options())
 
 
-BACKENDS = ["memory", "file", "s3", "seaweedfs", "gcs"]
+@pytest.fixture
+def azurite_target(azurite_server):
+    """A fresh container on Azurite (Azure Blob Storage's emulator), opened with a
+    connection string for its development account."""
+    container = fresh_name("az")
+    azurite_server.create_container(container)
+    return Target("azurite", f"az://{container}/run", azurite_server.storage_options())
+
+
+BACKENDS = ["memory", "file", "s3", "seaweedfs", "gcs", "azurite"]
 
 
 @pytest.fixture(params=BACKENDS)
 def target(request) -> Target:
-    """A fresh, empty run location on each backend (two S3 servers: moto and SeaweedFS)."""
+    """A fresh, empty run location on each backend (two S3 servers: moto and SeaweedFS;
+    fake-gcs-server; Azurite)."""
     return request.getfixturevalue(f"{request.param}_target")
 
 

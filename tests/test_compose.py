@@ -110,7 +110,8 @@ def test_trainer_build_and_command_reference_real_files(compose):
     torch_line = next(line for line in text.splitlines() if "torch==" in line)
     assert "torch==2.13.0" in torch_line
     assert "--index-url https://download.pytorch.org/whl/cpu" in torch_line
-    assert re.search(r"^RUN pip install \.$", text, re.M)
+    # The image installs with the lock CI tested, so a rebuild resolves to the same set.
+    assert re.search(r"^RUN pip install -c constraints\.txt \.$", text, re.M)
     # Everything the image copies must exist and must not be excluded by .dockerignore.
     ignored = {
         line.strip()
@@ -183,3 +184,23 @@ def test_trainer_checkpoints_and_resumes(moto_server, tmp_path):
     # Training continued from the restored state: the loss kept falling.
     first_loss = next(e["loss"] for e in first if e["event"] == "saved")
     assert second[-1]["loss"] < first_loss
+
+
+def test_azurite_service_matches_the_tests_version(compose):
+    """Azurite for az:// runs: the same version as the tests' (.ci/node/package.json), a
+    healthcheck, loopback-only port, and a one-shot that creates the container."""
+    services = compose["services"]
+    azurite = services["azurite"]
+    pinned = json.loads((REPO / ".ci" / "node" / "package.json").read_text())
+    version = pinned["dependencies"]["azurite"]
+    assert f"azure-storage/azurite:{version}" in azurite["image"], azurite["image"]
+    assert azurite["healthcheck"]["test"][0] == "CMD"
+    assert all(str(p).startswith("127.0.0.1:") for p in azurite["ports"])
+    assert "--inMemoryPersistence" in azurite["command"]
+    assert _depends_on(services["create-azure-container"]) == {"azurite": "service_healthy"}
+    script = " ".join(_command(services["create-azure-container"]))
+    assert 'create_container("checkpoints")' in script
+    assert (
+        "azurite:10000"
+        in services["create-azure-container"]["environment"]["AZURE_STORAGE_CONNECTION_STRING"]
+    )

@@ -189,6 +189,21 @@ def test_complete_checks_the_parts(gcs_target, open_target):
     store.abort_multipart(upload)  # aborting an unknown upload is fine
 
 
+@pytest.mark.parametrize("bad", [[], "unordered"], ids=["no-parts", "unordered"])
+def test_complete_refuses_a_bad_part_list(gcs_target, open_target, bad):
+    """A StoreError naming the key (it used to be a TypeError: the key went in positionally)."""
+    from cloudckpt.errors import StoreError
+
+    store = open_target(gcs_target)
+    upload = store.create_multipart("k")
+    if bad == "unordered":
+        bad = [store.upload_part(upload, n, b"x") for n in (2, 1)]
+    with pytest.raises(StoreError, match="ascending order") as info:
+        store.complete_multipart(upload, bad)
+    assert info.value.key == "k"
+    store.abort_multipart(upload)
+
+
 def test_orphaned_parts_are_listed_for_gc(gcs_target, open_target):
     store = open_target(gcs_target)
     upload = store.create_multipart("k")

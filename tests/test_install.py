@@ -253,9 +253,15 @@ store = open_store(sys.argv[1], json.loads(sys.argv[2]))
 store.put("probe", b"core install")
 assert store.get("probe")[0] == b"core install"
 try:
+    open_store("az://some-container/run")
+except cloudckpt.MissingDependencyError as exc:
+    az = {"az_error": str(exc), "az_extra": exc.extra}
+else:
+    raise SystemExit("az:// opened without azure-storage-blob")
+try:
     open_store("gs://some-bucket/run")
 except cloudckpt.MissingDependencyError as exc:
-    print(json.dumps({"unexpected": missing, "gs_error": str(exc), "extra": exc.extra}))
+    print(json.dumps({"unexpected": missing, "gs_error": str(exc), "extra": exc.extra, **az}))
 else:
     raise SystemExit("gs:// opened without gcsfs")
 """
@@ -263,7 +269,8 @@ else:
 
 def test_core_install_alone_writes_s3_and_names_the_extra_for_gcs(tmp_path, moto_server):
     """A real install of the core into an empty virtualenv: S3 works with botocore alone,
-    and a gs:// URL raises MissingDependencyError naming ``cloudckpt[gcs]``."""
+    and a gs:// (az://) URL raises MissingDependencyError naming ``cloudckpt[gcs]``
+    (``cloudckpt[azure]``)."""
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = env_dir / "bin" / "python"
@@ -301,6 +308,8 @@ def test_core_install_alone_writes_s3_and_names_the_extra_for_gcs(tmp_path, moto
     assert result["unexpected"] == [], f"the core pulled in {result['unexpected']}"
     assert result["extra"] == "gcs"
     assert "pip install 'cloudckpt[gcs]'" in result["gs_error"]
+    assert result["az_extra"] == "azure"
+    assert "pip install 'cloudckpt[azure]'" in result["az_error"]
     cli = subprocess.run(
         [str(env_dir / "bin" / "cloudckpt"), "ls", "gs://some-bucket/run"],
         capture_output=True,

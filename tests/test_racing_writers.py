@@ -1,5 +1,5 @@
-"""Racing writers in separate processes against S3 (moto and SeaweedFS) and fake-gcs-server
-(GCS).
+"""Racing writers in separate processes against S3 (moto and SeaweedFS), fake-gcs-server
+(GCS) and Azurite (Azure Blob).
 
 - Racing compare-and-swaps of LATEST from the same base: exactly one wins, every other one
   gets a precondition failure (or S3's 409), never a silent overwrite.
@@ -36,12 +36,14 @@ WRITERS = 4
 def pool():
     # Workers fork from a server that has imported everything once (fast start-up).
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["race_worker", "cloudckpt.stores.s3", "cloudckpt.stores.gcs"])
+    ctx.set_forkserver_preload(
+        ["race_worker", "cloudckpt.stores.s3", "cloudckpt.stores.gcs", "cloudckpt.stores.azure"]
+    )
     with cf.ProcessPoolExecutor(WRITERS, mp_context=ctx) as executor:
         yield executor
 
 
-@pytest.fixture(params=["s3", "seaweedfs", "gcs"])
+@pytest.fixture(params=["s3", "seaweedfs", "gcs", "azurite"])
 def race_target(request, pool):
     target = request.getfixturevalue(f"{request.param}_target")
     # Every worker has imported the backend before the race starts.

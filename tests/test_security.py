@@ -98,3 +98,39 @@ def test_gcs_token_never_leaks(gcs_server, gcs_target, tmp_path, debug_logs):
     with pytest.raises(CloudCkptError):
         CheckpointManager(bad_url, storage_options=options)
     _assert_clean(texts, debug_logs)
+
+
+@pytest.mark.parametrize("how", ["sas_token", "connection_string"])
+def test_azure_credentials_never_leak(azurite_server, azurite_target, tmp_path, debug_logs, how):
+    """A SAS token's signature and the account key (in a connection string) appear nowhere."""
+    import datetime as dt
+    from urllib.parse import parse_qs, urlsplit
+
+    from azure.storage.blob import ContainerSasPermissions, generate_container_sas
+
+    from cloudckpt.testing.azurite_server import ACCOUNT_KEY, ACCOUNT_NAME
+
+    container = urlsplit(azurite_target.url).netloc
+    if how == "sas_token":
+        sas = generate_container_sas(
+            ACCOUNT_NAME,
+            container,
+            account_key=ACCOUNT_KEY,
+            permission=ContainerSasPermissions(read=True, write=True, list=True, delete=True),
+            expiry=dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1),
+        )
+        secret = parse_qs(sas)["sig"][0]
+        options = {
+            "account_name": ACCOUNT_NAME,
+            "endpoint_url": azurite_server.blob_endpoint,
+            "sas_token": sas,
+        }
+    else:
+        secret = ACCOUNT_KEY
+        options = azurite_target.storage_options
+    texts = _exercise(azurite_target.url, options, "az://no-such-container-sec/run", tmp_path)
+    everything = "\n".join(texts) + "\n" + debug_logs.text
+    everything += "\n".join(str(r.__dict__) for r in debug_logs.records)
+    assert debug_logs.records, "nothing was logged: the test would prove nothing"
+    for text in (secret, secret[:16]):
+        assert text not in everything, f"the {how} leaked"

@@ -1,5 +1,5 @@
-"""The backend conformance suite against memory, file, S3 (moto and SeaweedFS) and
-fake-gcs-server GCS."""
+"""The backend conformance suite against memory, file, S3 (moto and SeaweedFS),
+fake-gcs-server GCS and Azurite (Azure Blob)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ VERIFIES_PART_CHECKSUMS = {
     "s3": False,
     "seaweedfs": True,  # measured: a wrong CRC32C on UploadPart answers 400 BadDigest
     "gcs": True,
+    "azurite": True,  # the adapter checks the CRC32C; Azurite checks each block's Content-MD5
 }
 
 

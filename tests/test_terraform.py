@@ -534,3 +534,61 @@ def test_gcp_example_uses_module():
         r"hashicorp/google",
         json.dumps(hcl["terraform"]),
     )
+
+
+# --- Azure: no azurerm provider offline either, so check the HCL itself --------------------
+
+
+def test_azure_module_hcl():
+    hcl = _load_hcl(TF_ROOT / "azure")
+
+    (account,) = _resources(hcl, "azurerm_storage_account").values()
+    assert account["https_traffic_only_enabled"] is True
+    assert account["min_tls_version"] == "TLS1_2"
+    assert account["allow_nested_items_to_be_public"] is False
+    assert account["shared_access_key_enabled"] == "${var.shared_access_key_enabled}"
+    assert account["blob_properties"][0]["versioning_enabled"] == "${var.versioning_enabled}"
+
+    (container,) = _resources(hcl, "azurerm_storage_container").values()
+    assert container["container_access_type"] == "private"
+
+    locals_ = {k: v for block in hcl["locals"] for k, v in block.items()}
+    scope = locals_["container_scope"]
+    assert scope.startswith("${azurerm_storage_account.this.id}/blobServices/default/containers/")
+    assert locals_["run_url_prefix"].count("az://") == 2
+
+    # Least privilege: data-plane roles only, scoped to the container, never the account.
+    roles = _resources(hcl, "azurerm_role_assignment")
+    assert roles["writer"]["role_definition_name"] == "Storage Blob Data Contributor"
+    assert roles["reader"]["role_definition_name"] == "Storage Blob Data Reader"
+    for role in roles.values():
+        assert role["scope"] == "${local.container_scope}"
+    identities = _resources(hcl, "azurerm_user_assigned_identity")
+    assert set(identities) == {"writer", "reader"}
+
+    (policy,) = _resources(hcl, "azurerm_storage_management_policy").values()
+    actions = policy["rule"][0]["actions"][0]
+    assert actions["version"][0]["delete_after_days_since_creation"] == (
+        "${var.noncurrent_version_expiration_days}"
+    )
+
+    variables = {k: v for block in hcl["variable"] for k, v in block.items()}
+    for name in (
+        "resource_group_name",
+        "location",
+        "storage_account_name",
+        "container_name",
+        "run_prefix",
+        "writer_principal_ids",
+        "reader_principal_ids",
+    ):
+        assert name in variables, f"terraform/azure lacks variable {name}"
+    assert re.search(r"hashicorp/azurerm", json.dumps(hcl["terraform"]))
+
+
+def test_azure_example_uses_module():
+    hcl = _load_hcl(TF_ROOT / "azure" / "examples" / "basic")
+    modules = {k: v for block in hcl["module"] for k, v in block.items()}
+    assert modules["checkpoints"]["source"] == "../.."
+    providers = {k: v for block in hcl["provider"] for k, v in block.items()}
+    assert providers["azurerm"]["storage_use_azuread"] is True

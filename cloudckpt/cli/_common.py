@@ -329,8 +329,8 @@ class StoreArgs:
         if (self.profile or self.region) and not s3:
             flag = "--profile" if self.profile else "--region"
             raise click.UsageError(f"{flag} applies to s3:// URLs only")
-        if self.endpoint_url and scheme not in ("s3", "s3a", "gs", "gcs"):
-            raise click.UsageError("--endpoint-url applies to s3:// and gs:// URLs only")
+        if self.endpoint_url and scheme not in ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"):
+            raise click.UsageError("--endpoint-url applies to s3://, gs:// and az:// URLs only")
         if self.endpoint_url:
             opts["endpoint_url"] = self.endpoint_url
         if self.profile:
@@ -356,8 +356,9 @@ def store_options(f: Callable) -> Callable:
     @click.option(
         "--endpoint-url",
         metavar="URL",
-        help="S3/GCS endpoint (S3-compatible stores, emulators). Env: AWS_ENDPOINT_URL, "
-        "STORAGE_EMULATOR_HOST.",
+        help="S3/GCS/Azure endpoint (S3-compatible stores, emulators; for az:// the blob "
+        "account URL). Env: AWS_ENDPOINT_URL, STORAGE_EMULATOR_HOST, "
+        "AZURE_STORAGE_CONNECTION_STRING.",
     )
     @click.option("--profile", metavar="NAME", help="AWS profile (s3:// only). Env: AWS_PROFILE.")
     @click.option("--region", metavar="REGION", help="AWS region (s3:// only). Env: AWS_REGION.")

@@ -7,6 +7,8 @@
 ``file:///abs/path``    ``LocalStore``: POSIX, create-only by ``os.link``, CAS by ``flock``
 ``s3://bucket/prefix``  ``S3Store``: botocore with s3fs-style storage options
 ``gs://bucket/prefix``  ``GCSStore``: gcsfs session and credentials (extra ``[gcs]``)
+``az://container/pfx``  ``AzureStore``: azure-storage-blob (extra ``[azure]``); also
+                        ``abfs://``, ``abfss://`` and ``container@account.dfs...`` hosts
 anything else fsspec    ``FsspecStore``: read-only unless ``unsafe_single_writer=True``
 ======================  ===============================================================
 """
@@ -79,10 +81,13 @@ def split_url(url: str) -> tuple[str, str, str]:
                 hint="Use file:///absolute/path (three slashes)",
             )
         return "file", "", os.path.abspath(parts.path or "/")
-    if scheme in ("s3", "s3a", "gs", "gcs", "memory") and not parts.netloc:
+    if scheme in ("s3", "s3a", "gs", "gcs", "memory", *_AZURE_SCHEMES) and not parts.netloc:
         raise ConfigurationError(
-            f"invalid URL {redact_url(url)!r}: no bucket name",
-            hint=f"Write it as {scheme}://BUCKET/prefix",
+            f"invalid URL {redact_url(url)!r}: no "
+            f"{'container' if scheme in _AZURE_SCHEMES else 'bucket'} name",
+            hint=f"Write it as {scheme}://CONTAINER/prefix"
+            if scheme in _AZURE_SCHEMES
+            else f"Write it as {scheme}://BUCKET/prefix",
         )
     if scheme in ("s3", "s3a", "gs", "gcs") and "@" in parts.netloc:
         raise ConfigurationError(
@@ -97,11 +102,14 @@ def split_url(url: str) -> tuple[str, str, str]:
     return scheme, parts.netloc, parts.path.strip("/")
 
 
+_AZURE_SCHEMES = ("az", "abfs", "abfss")
+
 # scheme -> (the modules its adapter imports, the extra that installs them). The core
 # (fsspec + botocore) carries S3; the Google stack is opt-in (docs/install.md).
 _BACKEND_EXTRAS: dict[str, tuple[tuple[str, ...], str]] = {
     "gs": (("gcsfs", "google.auth", "aiohttp"), "gcs"),
     "gcs": (("gcsfs", "google.auth", "aiohttp"), "gcs"),
+    **{s: (("azure.storage.blob", "azure.core"), "azure") for s in _AZURE_SCHEMES},
 }
 
 
@@ -132,7 +140,9 @@ def open_store(
 
     ``storage_options`` are passed to the backend the way fsspec users already pass them
     (s3fs: ``key``, ``secret``, ``token``, ``endpoint_url``, ``client_kwargs``, ``profile``;
-    gcsfs: ``token``, ``project``, ``endpoint_url``; memory: ``clock``).
+    gcsfs: ``token``, ``project``, ``endpoint_url``; adlfs: ``connection_string``,
+    ``account_name``, ``account_key``, ``sas_token``, ``credential``, ``account_url``;
+    memory: ``clock``).
 
     With ``writable=True`` (the default) a backend that cannot do create-only and
     compare-and-swap writes is refused, unless ``unsafe_single_writer=True``.
@@ -161,6 +171,10 @@ def open_store(
         from cloudckpt.stores.gcs import GCSStore
 
         return GCSStore(netloc, prefix, **options)
+    if scheme in _AZURE_SCHEMES:
+        from cloudckpt.stores.azure import AzureStore
+
+        return AzureStore(netloc, prefix, scheme=scheme, **options)
 
     from cloudckpt.stores.fsspec_store import FsspecStore
 

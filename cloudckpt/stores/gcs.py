@@ -579,7 +579,9 @@ class GCSStore(Store):
             raise StoreError("compare-and-swap completion of multipart uploads is not offered")
         numbers = [p.part_number for p in parts]
         if not parts or numbers != sorted(set(numbers)):
-            raise StoreError("parts must be non-empty, unique and in ascending order", upload.key)
+            raise StoreError(
+                "parts must be non-empty, unique and in ascending order", key=upload.key
+            )
         scratch = self._upload_prefix(upload.upload_id)
         name = self._name(upload.key)
         return self._run(

@@ -1,0 +1,708 @@
+"""``az://container/prefix`` (also ``abfs://`` and ``abfss://``): Azure Blob Storage through
+``azure-storage-blob`` (extra ``[azure]``).
+
+URL forms (as adlfs writes them): ``az://container/prefix``, ``abfs[s]://container/prefix``
+and ``abfs[s]://container@account.dfs.core.windows.net/prefix`` (the account comes from the
+host; requests go to the account's blob endpoint).
+
+Conditional writes map to Azure's headers (DESIGN §4):
+
+- ``CREATE`` → ``If-None-Match: *`` on Put Blob and on Put Block List; Azure answers 409
+  ``BlobAlreadyExists``, mapped to ``PreconditionFailedError``;
+- ``Update(etag)`` → ``If-Match: <etag>`` on Put Blob; a stale ETag answers 412
+  ``ConditionNotMet``, a missing blob 412 or 404; both are ``PreconditionFailedError``.
+
+Versions are ETags, which change on every write, identical bytes too (measured on Azurite;
+Azure documents it). Every Put Blob and Put Block carries a transactional ``Content-MD5``
+that the service checks (400 ``Md5Mismatch`` → ``ChecksumMismatchError``); a part's
+CRC32C handed in by the caller is checked against the bytes here before they are sent (Azure
+knows no CRC32C, and CRC64 needs the separate ``azure-storage-extensions`` package).
+
+Multipart uploads are block blobs: parts are staged as uncommitted blocks of the destination
+blob (block ids carry the upload id), and completion is one Put Block List, create-only with
+``If-None-Match: *``. A marker blob ``.cloudckpt/uploads/<id>/target`` records the upload and
+its start time (on the store's clock) so ``list_multipart`` can report it for GC. Azure has
+no call that discards uncommitted blocks without touching the committed blob: ``abort``
+deletes the marker, and the service garbage-collects uncommitted blocks after 7 days (or
+when the blob's next block list is committed).
+
+SDK retries are off (``retry_total=0``): a retried conditional write can trip over its own
+first attempt. A read that fails raises ``TransientStoreError``; a write whose outcome is
+unknown raises ``OutcomeUnknownError``; the caller decides.
+
+Credentials, first match wins: storage options (adlfs names) ``connection_string``;
+``account_key``, ``sas_token``, ``credential`` or ``anon=True`` with an account name (option
+``account_name``, the URL, or ``AZURE_STORAGE_ACCOUNT_NAME``) or ``account_url``; then the
+environment: ``AZURE_STORAGE_CONNECTION_STRING``, ``AZURE_STORAGE_ACCOUNT_KEY``,
+``AZURE_STORAGE_SAS_TOKEN``; then ``DefaultAzureCredential`` if ``azure-identity`` is
+installed (imported lazily; it asks for a token on the first request). Nothing found raises
+``CredentialsError`` saying what to set.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import email.utils
+import hashlib
+import logging
+import os
+import re
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NoReturn
+
+import requests
+import requests.adapters
+from azure.core.exceptions import (
+    AzureError,
+    ClientAuthenticationError,
+    HttpResponseError,
+    ServiceRequestError,
+    ServiceResponseError,
+)
+from azure.core.pipeline.transport import RequestsTransport
+from azure.storage.blob import BlobBlock, BlobServiceClient
+
+from cloudckpt.errors import (
+    BucketNotFoundError,
+    ChecksumMismatchError,
+    ConfigurationError,
+    CredentialsError,
+    ObjectNotFoundError,
+    OutcomeUnknownError,
+    PermissionDeniedError,
+    PreconditionFailedError,
+    StoreConflictError,
+    StoreError,
+    TransientStoreError,
+)
+from cloudckpt.stores.base import (
+    CREATE,
+    INTERNAL_PREFIX,
+    OVERWRITE,
+    Capabilities,
+    Create,
+    MultipartUpload,
+    ObjectInfo,
+    PartInfo,
+    PendingUpload,
+    PutMode,
+    Store,
+    Update,
+    crc32c_b64,
+    validate_key,
+)
+
+logger = logging.getLogger(__name__)
+
+_UPLOADS = INTERNAL_PREFIX + "uploads/"
+_MARKER = "target"
+_KEY_META = "cloudckpt_key"  # base64url of the destination key (metadata is ASCII only)
+_UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
+_CONTAINER = re.compile(r"\$root|[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9]")
+_ACCOUNT = re.compile(r"[a-z0-9]{3,24}")
+_AUTH_CODES = frozenset(
+    {"AuthenticationFailed", "InvalidAuthenticationInfo", "NoAuthenticationInformation"}
+)
+_CHECKSUM_CODES = frozenset({"Md5Mismatch", "Crc64Mismatch", "InvalidMd5"})
+_MAX_SINGLE_PUT = 256 * 1024 * 1024  # one Put Blob (Azure allows 5000 MiB)
+_POOL = 32  # connections per store: the transfer engine uploads parts in parallel
+
+#: Storage options this backend understands (adlfs's names where adlfs has them).
+OPTIONS = frozenset(
+    {
+        "account_name",
+        "account_key",
+        "connection_string",
+        "sas_token",
+        "credential",
+        "account_url",
+        "endpoint_url",
+        "account_host",
+        "anon",
+        "connection_timeout",
+        "read_timeout",
+    }
+)
+
+_WHAT_TO_SET = (
+    "Set AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME with "
+    "AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_TOKEN, or pass storage_options "
+    "(connection_string, or account_name with account_key / sas_token / credential); or "
+    "pip install azure-identity to use DefaultAzureCredential (managed identity, az login, "
+    "AZURE_CLIENT_ID/AZURE_TENANT_ID/AZURE_CLIENT_SECRET)"
+)
+
+
+def parse_azure_netloc(scheme: str, netloc: str) -> tuple[str, str | None]:
+    """``container`` or ``container@account.dfs.core.windows.net`` → (container, account)."""
+    container, at, host = netloc.partition("@")
+    account = None
+    if at:
+        account = host.split(".", 1)[0].lower()
+        if "." not in host or not _ACCOUNT.fullmatch(account):
+            raise ConfigurationError(
+                f"invalid {scheme}:// URL: {host!r} is not an Azure storage account host",
+                hint=f"Write it as {scheme}://CONTAINER@ACCOUNT.dfs.core.windows.net/prefix "
+                f"or {scheme}://CONTAINER/prefix",
+            )
+    if not _CONTAINER.fullmatch(container):
+        raise ConfigurationError(
+            f"invalid Azure container name {container!r} in a {scheme}:// URL",
+            hint="Container names are 3-63 lowercase letters, digits and single hyphens, "
+            f"starting and ending with a letter or digit: {scheme}://CONTAINER/prefix",
+        )
+    return container, account
+
+
+def _parse_connection_string(value: str) -> dict[str, str]:
+    parts = (p.split("=", 1) for p in value.split(";") if "=" in p)
+    return {k.strip().lower(): v.strip() for k, v in parts}
+
+
+def _md5_b64(data: bytes | memoryview) -> str:
+    return base64.b64encode(hashlib.md5(data).digest()).decode("ascii")
+
+
+def _block_id(upload_id: str, part_number: int) -> str:
+    return base64.b64encode(f"{upload_id}-{part_number:05d}".encode()).decode("ascii")
+
+
+def _utc(value: dt.datetime | None) -> dt.datetime | None:
+    if value is None:
+        return None
+    return value if value.tzinfo else value.replace(tzinfo=dt.timezone.utc)
+
+
+class AzureStore(Store):
+    """A store on ``az://container/prefix``. See the module docstring.
+
+    Raises:
+        ConfigurationError: bad container name or storage option.
+        CredentialsError: no credentials found (says what to set).
+    """
+
+    def __init__(
+        self,
+        container: str,
+        prefix: str = "",
+        *,
+        scheme: str = "az",
+        account_name: str | None = None,
+        min_part_size: int = 5 * 1024 * 1024,
+        **storage_options: Any,
+    ) -> None:
+        container, url_account = parse_azure_netloc(scheme, container)
+        self._container_name = container
+        self._root = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.url = f"{scheme}://{container}/{self._root}"
+        self.capabilities = Capabilities(
+            min_part_size=min_part_size, max_part_size=4000 * 1024 * 1024, max_parts=50_000
+        )
+        unknown = set(storage_options) - OPTIONS
+        if unknown:
+            raise ConfigurationError(
+                f"unknown Azure storage option(s) {', '.join(sorted(map(repr, unknown)))} "
+                f"for {self.url}",
+                hint=f"Accepted options: account_name, {', '.join(sorted(OPTIONS))}",
+            )
+        self._service = self._make_client(url_account, account_name, storage_options)
+        self._container = self._service.get_container_client(container)
+        self._closed = False
+
+    # --- credentials ----------------------------------------------------------------
+
+    def _make_client(
+        self, url_account: str | None, account_name: str | None, opts: Mapping[str, Any]
+    ) -> BlobServiceClient:
+        env = os.environ
+        session = requests.Session()
+        adapter = requests.adapters.HTTPAdapter(pool_connections=_POOL, pool_maxsize=_POOL)
+        session.mount("http://", adapter)
+        session.mount("https://", adapter)
+        kwargs: dict[str, Any] = {
+            "retry_total": 0,
+            "connection_timeout": opts.get("connection_timeout", 30),
+            "read_timeout": opts.get("read_timeout", 120),
+            "max_single_put_size": _MAX_SINGLE_PUT,
+            "transport": RequestsTransport(session=session, session_owner=True),
+        }
+        account = account_name or url_account
+        if account_name and url_account and account_name.lower() != url_account:
+            raise ConfigurationError(
+                f"{self.url}: the URL names account {url_account!r}, account_name {account_name!r}"
+            )
+        conn = opts.get("connection_string")
+        has_credential = any(
+            opts.get(k) for k in ("account_key", "sas_token", "credential", "anon")
+        )
+        if not conn and not has_credential:
+            conn = env.get("AZURE_STORAGE_CONNECTION_STRING") or None
+        if conn:
+            parsed = _parse_connection_string(conn)
+            named = parsed.get("accountname", "").lower()
+            if account and named and named != account.lower():
+                raise ConfigurationError(
+                    f"{self.url}: the connection string is for account {named!r}, the URL "
+                    f"or options name {account!r}"
+                )
+            override = opts.get("account_url") or opts.get("endpoint_url")
+            if override:  # an explicit endpoint wins over the connection string's
+                credential: Any = parsed.get("sharedaccesssignature")
+                if parsed.get("accountkey"):
+                    credential = {"account_name": named, "account_key": parsed["accountkey"]}
+                try:
+                    return BlobServiceClient(override, credential=credential, **kwargs)
+                except ValueError as exc:
+                    raise ConfigurationError(
+                        f"{self.url}: invalid Azure account URL ({exc})"
+                    ) from None
+            try:
+                return BlobServiceClient.from_connection_string(conn, **kwargs)
+            except ValueError as exc:  # malformed; the message quotes no secrets
+                raise ConfigurationError(
+                    f"{self.url}: invalid Azure connection string ({exc})"
+                ) from None
+
+        account = account or env.get("AZURE_STORAGE_ACCOUNT_NAME") or None
+        account_url = opts.get("account_url") or opts.get("endpoint_url")
+        if not account_url:
+            if opts.get("account_host"):
+                account_url = f"https://{opts['account_host']}"
+            elif account:
+                account_url = f"https://{account}.blob.core.windows.net"
+            else:
+                raise CredentialsError(
+                    f"no Azure storage account or credentials for {self.url}",
+                    hint=_WHAT_TO_SET,
+                )
+        credential = None
+        if opts.get("credential") is not None:
+            credential = opts["credential"]
+        elif opts.get("account_key") or (
+            not opts.get("sas_token")
+            and not opts.get("anon")
+            and env.get("AZURE_STORAGE_ACCOUNT_KEY")
+        ):
+            key = opts.get("account_key") or env["AZURE_STORAGE_ACCOUNT_KEY"]
+            if not account:
+                raise CredentialsError(
+                    f"an account key for {self.url} needs the account name",
+                    hint="Set AZURE_STORAGE_ACCOUNT_NAME or storage_options['account_name']",
+                )
+            credential = {"account_name": account, "account_key": key}
+        elif opts.get("sas_token") or (not opts.get("anon") and env.get("AZURE_STORAGE_SAS_TOKEN")):
+            credential = str(opts.get("sas_token") or env["AZURE_STORAGE_SAS_TOKEN"]).lstrip("?")
+        elif opts.get("anon"):
+            credential = None
+        else:
+            credential = self._default_credential()
+        try:
+            return BlobServiceClient(account_url, credential=credential, **kwargs)
+        except ValueError as exc:
+            raise ConfigurationError(f"{self.url}: invalid Azure account URL ({exc})") from None
+
+    def _default_credential(self) -> Any:
+        try:
+            from azure.identity import DefaultAzureCredential
+        except ImportError:
+            raise CredentialsError(
+                f"no Azure credentials found for {self.url}", hint=_WHAT_TO_SET
+            ) from None
+        # Creating it contacts nothing; the first request asks for a token.
+        return DefaultAzureCredential()
+
+    # --- error mapping --------------------------------------------------------------
+
+    def _raise(
+        self, exc: AzureError, key: str | None, *, write: bool, update: bool = False
+    ) -> NoReturn:
+        where = f"{self.url}{key or ''}"
+        if isinstance(exc, HttpResponseError) and exc.status_code is not None:
+            status, code = exc.status_code, error_code(exc)
+            text = f"{status} {code}".strip()
+            if status == 404:
+                if code == "ContainerNotFound":
+                    raise BucketNotFoundError(
+                        f"Azure container {self._container_name!r} does not exist",
+                        key=key,
+                        hint="Check the container name in the URL, or create the container",
+                    ) from None
+                if update:
+                    raise PreconditionFailedError(f"{where} does not exist", key=key) from None
+                raise ObjectNotFoundError(f"{where} does not exist", key=key) from None
+            if status == 412:
+                raise PreconditionFailedError(
+                    f"{where}: precondition failed ({text})", key=key
+                ) from None
+            if status == 409:
+                if code == "BlobAlreadyExists":
+                    raise PreconditionFailedError(
+                        f"{where} already exists ({text})", key=key
+                    ) from None
+                raise StoreConflictError(f"{where}: conflict ({text})", key=key) from None
+            if status == 400 and code in _CHECKSUM_CODES:
+                raise ChecksumMismatchError(
+                    f"{where}: the store rejected the bytes ({text})", key=key
+                ) from None
+            if status == 401 or (status == 403 and code in _AUTH_CODES):
+                raise CredentialsError(
+                    f"{where}: the store rejected the credentials ({text})",
+                    key=key,
+                    hint=_WHAT_TO_SET,
+                ) from None
+            if status == 403:
+                raise PermissionDeniedError(
+                    f"{where}: permission denied ({text})",
+                    key=key,
+                    hint="Grant the identity Storage Blob Data Contributor (writers) or "
+                    "Reader (restore) on the container (terraform/azure), or check the SAS "
+                    "token's permissions and the account's network rules",
+                ) from None
+            if status == 429:
+                raise TransientStoreError(f"{where}: throttled ({text})", key=key) from None
+            if status == 408 or status >= 500:
+                if write:
+                    raise OutcomeUnknownError(f"{where}: {text} on a write", key=key) from None
+                raise TransientStoreError(f"{where}: {text}", key=key) from None
+            raise StoreError(f"{where}: {text}", key=key) from None
+        if isinstance(exc, ClientAuthenticationError):  # a credential could not get a token
+            raise CredentialsError(
+                f"{where}: cannot get Azure credentials ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:200] if str(exc) else ''})",
+                key=key,
+                hint=_WHAT_TO_SET,
+            ) from None
+        if isinstance(exc, ServiceRequestError):
+            if not write or _never_connected(exc):
+                raise TransientStoreError(
+                    f"{where}: cannot reach {self._endpoint()} ({type(exc).__name__})", key=key
+                ) from None
+            raise OutcomeUnknownError(
+                f"{where}: the connection failed during a write", key=key
+            ) from None
+        if isinstance(exc, ServiceResponseError):
+            if write:
+                raise OutcomeUnknownError(f"{where}: no answer to a write", key=key) from None
+            raise TransientStoreError(
+                f"{where}: no answer ({type(exc).__name__})", key=key
+            ) from None
+        raise StoreError(f"{where}: {type(exc).__name__}", key=key) from None
+
+    def _endpoint(self) -> str:
+        return self._service.primary_endpoint.split("?", 1)[0]
+
+    def _check_open(self, key: str | None) -> None:
+        if self._closed:
+            raise StoreError(f"{self.url}: the store is closed", key=key)
+
+    def _blob(self, key: str) -> Any:
+        self._check_open(key)
+        return self._container.get_blob_client(self._root + validate_key(key))
+
+    # --- single objects -------------------------------------------------------------
+
+    def head(self, key: str) -> ObjectInfo:
+        blob = self._blob(key)
+        try:
+            p = blob.get_blob_properties()
+        except AzureError as exc:
+            self._raise(exc, key, write=False)
+        return ObjectInfo(key, p.size, p.etag, _utc(p.last_modified))
+
+    def get(self, key: str) -> tuple[bytes, ObjectInfo]:
+        blob = self._blob(key)
+        try:
+            downloader = blob.download_blob()
+            data = downloader.readall()
+        except AzureError as exc:
+            self._raise(exc, key, write=False)
+        p = downloader.properties
+        return data, ObjectInfo(key, len(data), p.etag, _utc(p.last_modified))
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if start < 0 or length < 0:
+            raise ConfigurationError(f"invalid range start={start} length={length}")
+        blob = self._blob(key)
+        if length == 0:
+            return b""
+        try:
+            return blob.download_blob(offset=start, length=length).readall()
+        except HttpResponseError as exc:
+            if exc.status_code == 416:  # start at or past the end
+                return b""
+            self._raise(exc, key, write=False)
+        except AzureError as exc:
+            self._raise(exc, key, write=False)
+
+    def _conditions(self, key: str, mode: PutMode) -> dict[str, str]:
+        if isinstance(mode, Create):
+            return {"if_none_match": "*"}
+        if isinstance(mode, Update):
+            if not mode.version or mode.version == "*":
+                # An empty If-Match is no condition at all, and "*" matches any blob.
+                raise PreconditionFailedError(
+                    f"{self.url}{key}: version {mode.version!r} is not an ETag", key=key
+                )
+            return {"if_match": mode.version}
+        return {}
+
+    def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = OVERWRITE) -> ObjectInfo:
+        """One Put Blob with ``Content-MD5``; CREATE sends ``If-None-Match: *``, ``Update(v)``
+        sends ``If-Match: v``. Raises PreconditionFailedError (also for Update of a missing
+        blob), ChecksumMismatchError, OutcomeUnknownError, BucketNotFoundError, ..."""
+        blob = self._blob(key)
+        conditions = self._conditions(key, mode)
+        payload = bytes(data)
+        try:
+            r = blob.upload_blob(
+                payload,
+                length=len(payload),
+                overwrite=True,
+                headers={"Content-MD5": _md5_b64(payload)},
+                **conditions,
+            )
+        except AzureError as exc:
+            self._raise(exc, key, write=True, update=isinstance(mode, Update))
+        return ObjectInfo(key, len(payload), r["etag"], _utc(r.get("last_modified")))
+
+    def delete(self, key: str) -> None:
+        blob = self._blob(key)
+        try:
+            blob.delete_blob()
+        except HttpResponseError as exc:
+            if exc.status_code == 404 and error_code(exc) != "ContainerNotFound":
+                return
+            self._raise(exc, key, write=True)
+        except AzureError as exc:
+            self._raise(exc, key, write=True)
+
+    def _list_raw(self, name_prefix: str, include: list[str] | None = None) -> Iterator[Any]:
+        self._check_open(None)
+        try:
+            yield from self._container.list_blobs(name_starts_with=name_prefix, include=include)
+        except AzureError as exc:
+            self._raise(exc, None, write=False)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Blobs under ``prefix`` in key order, without ``.cloudckpt/``."""
+        for b in self._list_raw(self._root + prefix):
+            key = b.name[len(self._root) :]
+            if not key.startswith(INTERNAL_PREFIX):
+                yield ObjectInfo(key, b.size, b.etag, _utc(b.last_modified))
+
+    # --- multipart (staged blocks + Put Block List) ----------------------------------
+
+    def _marker(self, upload_id: str) -> Any:
+        if not _UPLOAD_ID.fullmatch(upload_id or ""):
+            raise ConfigurationError(f"invalid Azure multipart upload id {upload_id!r}")
+        self._check_open(None)
+        return self._container.get_blob_client(f"{self._root}{_UPLOADS}{upload_id}/{_MARKER}")
+
+    def create_multipart(self, key: str) -> MultipartUpload:
+        """Writes the marker ``.cloudckpt/uploads/<id>/target`` naming ``key``."""
+        validate_key(key)
+        upload_id = uuid.uuid4().hex
+        encoded = base64.urlsafe_b64encode(key.encode()).decode("ascii")
+        try:
+            self._marker(upload_id).upload_blob(b"", overwrite=False, metadata={_KEY_META: encoded})
+        except AzureError as exc:
+            self._raise(exc, key, write=True)
+        return MultipartUpload(key, upload_id)
+
+    def upload_part(
+        self,
+        upload: MultipartUpload,
+        part_number: int,
+        data: bytes | memoryview,
+        *,
+        crc32c: str | None = None,
+    ) -> PartInfo:
+        """Put Block with ``Content-MD5`` (the service verifies it). ``crc32c`` is checked
+        against the bytes before they are sent: ChecksumMismatchError if they differ."""
+        if not 1 <= part_number <= self.capabilities.max_parts:
+            raise StoreError(f"part number {part_number} out of range", key=upload.key)
+        self._marker(upload.upload_id)  # validates the id
+        payload = bytes(data)
+        crc = crc32c_b64(payload)
+        if crc32c is not None and crc32c != crc:
+            raise ChecksumMismatchError(
+                f"part {part_number} of {self.url}{upload.key}: CRC32C mismatch (expected "
+                f"{crc32c}, the bytes have {crc}); nothing was sent",
+                key=upload.key,
+            )
+        block_id = _block_id(upload.upload_id, part_number)
+        try:
+            self._blob(upload.key).stage_block(
+                block_id, payload, length=len(payload), headers={"Content-MD5": _md5_b64(payload)}
+            )
+        except AzureError as exc:
+            self._raise(exc, upload.key, write=True)
+        return PartInfo(part_number, block_id, crc, len(payload))
+
+    def complete_multipart(
+        self, upload: MultipartUpload, parts: Sequence[PartInfo], *, mode: PutMode = CREATE
+    ) -> ObjectInfo:
+        """Put Block List of the parts' blocks; CREATE sends ``If-None-Match: *``. Raises
+        PreconditionFailedError, ObjectNotFoundError (no such upload), StoreError (bad part
+        list, or a block discarded by another commit of the blob), OutcomeUnknownError."""
+        key = upload.key
+        if isinstance(mode, Update):
+            raise StoreError("compare-and-swap completion of multipart uploads is not offered")
+        numbers = [p.part_number for p in parts]
+        if not parts or numbers != sorted(set(numbers)):
+            raise StoreError("parts must be non-empty, unique and in ascending order", key=key)
+        for p in parts:
+            if p.etag != _block_id(upload.upload_id, p.part_number):
+                raise StoreError(f"part {p.part_number} is not of this upload", key=key)
+        marker = self._marker(upload.upload_id)
+        try:
+            props = marker.get_blob_properties()
+        except HttpResponseError as exc:
+            if exc.status_code == 404 and error_code(exc) != "ContainerNotFound":
+                raise ObjectNotFoundError(
+                    f"multipart upload {upload.upload_id} of {self.url}{key} does not exist",
+                    key=key,
+                ) from None
+            self._raise(exc, key, write=False)
+        except AzureError as exc:
+            self._raise(exc, key, write=False)
+        recorded = (props.metadata or {}).get(_KEY_META, "")
+        if recorded != base64.urlsafe_b64encode(key.encode()).decode("ascii"):
+            raise ObjectNotFoundError(
+                f"multipart upload {upload.upload_id} is not an upload of {self.url}{key}",
+                key=key,
+            )
+        blocks = [BlobBlock(block_id=p.etag) for p in parts]
+        try:
+            r = self._blob(key).commit_block_list(blocks, **self._conditions(key, mode))
+        except HttpResponseError as exc:
+            if exc.status_code == 400 and error_code(exc) == "InvalidBlockList":
+                raise StoreError(
+                    f"{self.url}{key}: a part of upload {upload.upload_id} is not staged (not "
+                    "uploaded, or discarded when another upload of the same blob committed)",
+                    key=key,
+                ) from None
+            self._raise(exc, key, write=True)
+        except AzureError as exc:
+            self._raise(exc, key, write=True)
+        self._delete_marker(marker, key)
+        size = sum(p.size for p in parts)
+        if any(p.size <= 0 for p in parts):
+            size = self.head(key).size
+        return ObjectInfo(key, size, r["etag"], _utc(r.get("last_modified")))
+
+    def _delete_marker(self, marker: Any, key: str) -> None:
+        try:
+            marker.delete_blob()
+        except HttpResponseError as exc:
+            if exc.status_code != 404:
+                logger.warning("could not delete the upload marker of %s%s: %s", self.url, key, exc)
+        except AzureError as exc:  # the upload stays listed until GC aborts it
+            logger.warning("could not delete the upload marker of %s%s: %s", self.url, key, exc)
+
+    def abort_multipart(self, upload: MultipartUpload) -> None:
+        """Delete the upload's marker. Its uncommitted blocks stay on the destination blob
+        until Azure garbage-collects them (7 days) or the blob's next block list is
+        committed: there is no call that drops only them. Unknown uploads are fine."""
+        marker = self._marker(upload.upload_id)
+        try:
+            marker.delete_blob()
+        except HttpResponseError as exc:
+            if exc.status_code == 404 and error_code(exc) != "ContainerNotFound":
+                return
+            self._raise(exc, upload.key, write=True)
+        except AzureError as exc:
+            self._raise(exc, upload.key, write=True)
+
+    def list_multipart(self, prefix: str = "") -> list[PendingUpload]:
+        """Uploads whose marker names a key starting with ``prefix``, started when the
+        marker was created (the store's clock)."""
+        base = self._root + _UPLOADS
+        pending = []
+        for b in self._list_raw(base, include=["metadata"]):
+            upload_id, _, leaf = b.name[len(base) :].partition("/")
+            if leaf != _MARKER or not _UPLOAD_ID.fullmatch(upload_id):
+                continue
+            try:
+                key = base64.urlsafe_b64decode((b.metadata or {}).get(_KEY_META, "")).decode()
+            except (ValueError, UnicodeDecodeError):
+                key = ""
+            if key.startswith(prefix):
+                started = _utc(getattr(b, "creation_time", None) or b.last_modified)
+                pending.append(PendingUpload(key, upload_id, started))
+        return sorted(pending, key=lambda p: (p.key, p.upload_id))
+
+    def uncommitted_blocks(self, key: str) -> list[tuple[str, int]]:
+        """(block id, size) of the uncommitted blocks staged on ``key``'s blob (for
+        diagnostics: Azure discards them itself after 7 days)."""
+        blob = self._blob(key)
+        try:
+            _, uncommitted = blob.get_block_list("uncommitted")
+        except HttpResponseError as exc:
+            if exc.status_code == 404 and error_code(exc) != "ContainerNotFound":
+                return []
+            self._raise(exc, key, write=False)
+        except AzureError as exc:
+            self._raise(exc, key, write=False)
+        return [(b.id, b.size) for b in uncommitted]
+
+    # --- clock and lifecycle --------------------------------------------------------
+
+    def now(self) -> dt.datetime:
+        """The ``Date`` header of a one-item listing."""
+        self._check_open(None)
+        seen: list[str] = []
+
+        def hook(response: Any) -> None:
+            date = response.http_response.headers.get("Date")
+            if date:
+                seen.append(date)
+
+        try:
+            pages = self._container.list_blobs(
+                name_starts_with=f"{self._root}{INTERNAL_PREFIX}clock",
+                results_per_page=1,
+                raw_response_hook=hook,
+            ).by_page()
+            next(pages, None)
+        except AzureError as exc:
+            self._raise(exc, None, write=False)
+        if not seen:
+            raise StoreError(f"{self.url}: the store reports no time")
+        return email.utils.parsedate_to_datetime(seen[-1]).astimezone(dt.timezone.utc)
+
+    def close(self) -> None:
+        """Close the HTTP session. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._service.close()
+        except Exception:  # closing is best effort
+            logger.debug("closing the Azure client failed", exc_info=True)
+
+
+def error_code(exc: BaseException) -> str:
+    """Azure's error code (``BlobNotFound``, ...) as a plain string ("" if none)."""
+    code = getattr(exc, "error_code", None)
+    return str(getattr(code, "value", code) or "")
+
+
+def _never_connected(exc: BaseException) -> bool:
+    """Whether a transport error happened before any byte of the request was sent."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        name = type(current).__name__
+        if name in ("NewConnectionError", "ConnectTimeoutError", "NameResolutionError"):
+            return True
+        text = str(current)
+        if "Failed to establish a new connection" in text or "ConnectTimeoutError(" in text:
+            return True
+        current = (
+            getattr(current, "inner_exception", None) or current.__cause__ or current.__context__
+        )
+    return False
