@@ -536,6 +536,9 @@ class Bench:
             staging_dir=self.work / f"staging-{name}",
             keep_last=1,
             auto_gc=False,
+            # These groups save the same bytes every round: chunked, every round after the
+            # first would upload nothing. Chunked saves: python -m benchmarks.incremental.
+            chunking="off",
         )
 
     # -- torch: stall and save()-to-commit --------------------------------------------

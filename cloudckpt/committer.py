@@ -205,11 +205,18 @@ class Committer:
 
     # -- commit -------------------------------------------------------------------------
 
-    def commit(self, record: CheckpointRecord, *, deadline: float | None = None) -> Latest:
+    def commit(
+        self,
+        record: CheckpointRecord,
+        *,
+        deadline: float | None = None,
+        requires: Callable[[Latest], None] | None = None,
+    ) -> Latest:
         """Make ``record`` current with a compare-and-swap from this writer's last version.
 
         ``deadline`` (``time.monotonic()``): refuse to write after it (the attempt would be
-        old enough for GC to own its files).
+        old enough for GC to own its files). ``requires(base)``: called with every LATEST
+        the commit would replace; raising refuses the commit.
 
         Raises:
             FencedError: a newer writer claimed the run.
@@ -229,6 +236,10 @@ class Committer:
                     f"the save of step {record.step} took longer than the GC grace period "
                     "allows; it was not committed"
                 )
+            if requires is not None:
+                # E.g. the checkpoints whose chunks this save reuses must still be retained
+                # in the very LATEST the compare-and-swap replaces (cloudckpt.chunks).
+                requires(base.latest)
             new = protocol.commit(base.latest, record, self.settings, self._clock())
             try:
                 self._mine = self._write(new, Update(base.version))

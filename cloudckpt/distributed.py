@@ -72,7 +72,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cloudckpt import errors, protocol
+from cloudckpt import chunks, errors, protocol
 from cloudckpt.errors import (
     CheckpointNotFoundError,
     CloudCkptError,
@@ -930,7 +930,8 @@ class DistributedCheckpointManager(CheckpointManager):
                         hint="Free space or restore somewhere larger",
                     )
                 tmp.mkdir()
-                self.engine.download_files(
+                chunks.download(
+                    self.engine,
                     self.store,
                     record.ckpt + protocol.FILES_DIR,
                     entries,
@@ -1054,7 +1055,8 @@ class DistributedCheckpointManager(CheckpointManager):
                         f"step {record.step} has no file {missing[0]!r} that its metadata names"
                     )
                 node_dir.mkdir(parents=True, exist_ok=True)
-                self.engine.download_files(
+                chunks.download(
+                    self.engine,
                     self.store,
                     record.ckpt + protocol.FILES_DIR,
                     [by_path[p] for p in sorted(wanted)],

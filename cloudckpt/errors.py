@@ -302,3 +302,15 @@ class UnsafePathError(CloudCkptError):
         "The manifest is hostile or damaged; nothing was written outside the destination. "
         "Restore an older checkpoint with --step, and check who can write to the bucket"
     )
+
+
+class MissingChunkError(CorruptionError):
+    """A chunk a checkpoint's manifest names is missing or does not match its digest.
+    A restore skips the checkpoint and falls back to an older one."""
+
+
+class ChunkSourceDroppedError(CloudCkptError):
+    """A save meant to reuse chunks of a checkpoint that is no longer retained (an unpin or
+    another tool dropped it while the save uploaded). The save is retried without them."""
+
+    default_hint = "Nothing was committed by this attempt; the manager uploads again in full"

@@ -28,7 +28,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable
 
-from cloudckpt import protocol
+from cloudckpt import chunks, protocol
 from cloudckpt.committer import edit_latest, read_latest, run_has_data
 from cloudckpt.errors import NeedsRepairError
 from cloudckpt.failpoints import hit as failpoint
@@ -99,6 +99,23 @@ class _Inventory:
             return record.last_modified
         later = [o.last_modified for s, o in self.records.items() if s > seq and o.last_modified]
         return min(later) if later else latest_time
+
+
+def _deletable(objects: Iterable[ObjectInfo], protected: set[str] | None) -> list[ObjectInfo]:
+    """The objects of an attempt GC may delete: all but the chunks a manifest still names
+    (``protected``; None: every chunk, because a manifest could not be read)."""
+    return [
+        o
+        for o in objects
+        if not chunks.is_chunk_key(o.key) or (protected is not None and o.key not in protected)
+    ]
+
+
+def _protected(store: Store, latest: Latest, deleting: Iterable[str] = ()) -> set[str] | None:
+    keys = chunks.protected_chunk_keys(store, latest, deleting)
+    if keys is None:
+        log.warning("a retained manifest is unreadable; GC keeps every chunk this time")
+    return keys
 
 
 def _delete_prefix(
@@ -191,11 +208,17 @@ def collect_garbage(
             for t in marked.tombstones
             if (t.record.commit_id, t.dropped_seq) in keys and t.state == "deleting"
         ]
+    if expired:
+        # Chunks other checkpoints still name stay (cloudckpt.chunks: why this LATEST).
+        protected = _protected(
+            store, marked if not dry_run else latest, {t.record.commit_id for t in expired}
+        )
     for t in expired:
         report.deleted_checkpoints.append((t.record.step, t.record.ckpt))
         if not dry_run:
             _abort_uploads_under(store, inv, t.record.ckpt, report)
-            _delete_prefix(store, t.record.ckpt, inv.attempts.get(t.record.ckpt, ()), report)
+            objects = _deletable(inv.attempts.get(t.record.ckpt, ()), protected)
+            _delete_prefix(store, t.record.ckpt, objects, report)
     if expired and not dry_run:
         ids = {t.record.commit_id for t in expired}
 
@@ -218,17 +241,26 @@ def collect_garbage(
             report.kept_young.append(prefix)
             continue
         orphans.append(prefix)
+    if orphans:
+        # A checkpoint GC deleted earlier leaves the chunks later checkpoints still name:
+        # its prefix then looks like an orphan whose chunks are protected.
+        protected = _protected(store, (fresh.latest if fresh else latest))
+        orphans = [p for p in orphans if _deletable(inv.attempts[p], protected)]
     if orphans and not dry_run:
         # Fence commits still in flight (see protocol.sweep), then judge again against
         # the LATEST we wrote: whatever committed before it is referenced there.
         swept = edit_latest(store, protocol.sweep)
         failpoint("gc.after_sweep")
         orphans = [p for p in orphans if p not in swept.referenced_prefixes()]
+        protected = _protected(store, swept)
     for prefix in orphans:
+        objects = _deletable(inv.attempts[prefix], protected)
+        if not objects:
+            continue
         report.deleted_orphans.append(prefix)
         if not dry_run:
             _abort_uploads_under(store, inv, prefix, report)
-            _delete_prefix(store, prefix, inv.attempts[prefix], report)
+            _delete_prefix(store, prefix, objects, report)
 
     # 3. Incomplete uploads not already handled with their attempt.
     handled = {u for u, _ in report.aborted_uploads}

@@ -31,9 +31,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from cloudckpt import protocol
+from cloudckpt import chunks, protocol
 from cloudckpt.committer import Committer
 from cloudckpt.errors import (
+    ChunkSourceDroppedError,
     CloudCkptError,
     ConfigurationError,
     FencedError,
@@ -241,6 +242,11 @@ class CheckpointManager:
         transfer: concurrency and part sizes (``TransferConfig``).
         progress: called with a byte count as uploads and downloads advance.
         unsafe_single_writer: allow writing to stores without conditional writes.
+        chunking: ``"tensor"`` (default): files are stored as content-addressed chunks
+            shared with the previous checkpoint, so a save uploads only what changed, with
+            extra cut points at tensor boundaries of safetensors and ``torch.save`` files;
+            ``"fixed"``: 8 MiB chunks only; ``"off"`` (or False): whole files, as before
+            (``cloudckpt.chunks``, docs/design.md).
 
     Raises:
         ConfigurationError, UnsupportedBackendError: bad URL or options.
@@ -262,7 +268,16 @@ class CheckpointManager:
         transfer: TransferConfig | None = None,
         progress: ProgressCallback | None = None,
         unsafe_single_writer: bool = False,
+        chunking: chunks.ChunkingMode | bool = "tensor",
     ) -> None:
+        if chunking is False or chunking is True:
+            chunking = "tensor" if chunking else "off"
+        if chunking not in chunks.MODES:
+            raise ConfigurationError(f"chunking must be one of {chunks.MODES}, not {chunking!r}")
+        self._chunking: chunks.ChunkingMode = chunking
+        self._chunk_index: chunks.ChunkIndex | None = None
+        #: What the last chunked upload sent and reused (``chunks.UploadStats``).
+        self.last_upload: chunks.UploadStats | None = None
         if backpressure not in ("block", "drop_oldest"):
             raise ConfigurationError(
                 f"backpressure must be 'block' or 'drop_oldest', not {backpressure!r}"
@@ -687,19 +702,25 @@ class CheckpointManager:
         # (docs/performance.md). The commit waits for both.
         flushed = _run_in_thread(make_durable, f"cloudckpt-fsync-{handle.step}")
         try:
-            try:
-                begun = self._begin_attempt(handle.step)
-                entries = self.engine.upload_files(
-                    self.store,
-                    begun.prefix + protocol.FILES_DIR,
-                    attempt.list_files(),
-                    self._progress,
-                )
-                failpoint("save.after_upload")
-                flushed.result()
-            finally:
-                cf.wait([flushed])  # never remove or reuse files still being flushed
-            latest, manifest = self._finish_attempt(begun, entries, handle.metadata)
+            for retry in (False, True):
+                try:
+                    try:
+                        begun = self._begin_attempt(handle.step)
+                        entries, requires = self._upload(begun, attempt.list_files(), retry)
+                        failpoint("save.after_upload")
+                        flushed.result()
+                    finally:
+                        cf.wait([flushed])  # never remove or reuse files still being flushed
+                    latest, manifest = self._finish_attempt(
+                        begun, entries, handle.metadata, requires=requires
+                    )
+                    break
+                except ChunkSourceDroppedError as exc:
+                    # A checkpoint whose chunks we reuse left retention meanwhile (an
+                    # unpin, another tool): upload everything again under a new attempt.
+                    if retry:
+                        raise
+                    log.warning("step %d: %s; uploading it again in full", handle.step, exc)
         except FencedError as exc:
             self._fenced = exc
             self._fail(attempt)
@@ -711,6 +732,41 @@ class CheckpointManager:
         attempt.set_state(COMMITTED)
         attempt.remove()
         return self._commit_info(begun, latest, manifest, handle)
+
+    def _upload(
+        self, begun: _BegunAttempt, files: Sequence[tuple[str, Path]], full: bool = False
+    ) -> tuple[list[protocol.FileEntry], Callable[[Latest], None] | None]:
+        """Upload a save's files into its attempt: as chunks, skipping those the last
+        committed checkpoint holds (none with ``full``), or whole with chunking off.
+        Returns the manifest entries and the check its commit must pass."""
+        if self._chunking == "off":
+            entries = self.engine.upload_files(
+                self.store, begun.prefix + protocol.FILES_DIR, files, self._progress
+            )
+            return entries, None
+        index = chunks.ChunkIndex() if full else self._load_chunk_index()
+        entries, stats = chunks.upload_chunked(
+            self.engine, self.store, begun.prefix, files, index, self._chunking, self._progress
+        )
+        self.last_upload = stats
+        return entries, stats.requires
+
+    def _load_chunk_index(self) -> chunks.ChunkIndex:
+        """The chunks of the last checkpoint committed (after a restart: one GET of the
+        current checkpoint's manifest; an unreadable one means an empty index)."""
+        if self._chunk_index is None:
+            latest = self.committer.latest
+            self._chunk_index = chunks.ChunkIndex()
+            if latest is not None and latest.current is not None:
+                from cloudckpt.restore import fetch_manifest
+
+                try:
+                    self._chunk_index = chunks.ChunkIndex.of(
+                        fetch_manifest(self.store, latest.current)
+                    )
+                except CloudCkptError as exc:
+                    log.warning("cannot read the current manifest (%s); uploading in full", exc)
+        return self._chunk_index
 
     # The save pipeline in reusable steps. ``_save`` runs them on one host; the multi-rank
     # coordinator (cloudckpt.distributed, cloudckpt.integrations.dcp) runs ``_begin_attempt``
@@ -758,6 +814,8 @@ class CheckpointManager:
         begun: _BegunAttempt,
         entries: Sequence[protocol.FileEntry],
         metadata: Mapping[str, Any],
+        *,
+        requires: Callable[[Latest], None] | None = None,
     ) -> tuple[Latest, Manifest]:
         """Check that every uploaded file is stored whole (one listing), write the
         manifest (create-only) and commit it with the fenced compare-and-swap of LATEST.
@@ -767,7 +825,8 @@ class CheckpointManager:
         """
         entries = list(entries)
         prefix = begun.prefix
-        self._check_uploaded(prefix + protocol.FILES_DIR, entries)
+        self._check_uploaded(prefix + protocol.FILES_DIR, [e for e in entries if e.chunks is None])
+        chunks.check_uploaded(self.store, prefix, entries)
         now = dt.datetime.now(dt.timezone.utc)
         manifest = Manifest(
             ckpt=prefix,
@@ -783,7 +842,11 @@ class CheckpointManager:
         self._put_create(prefix + protocol.MANIFEST_NAME, body)
         failpoint("save.after_manifest")
         with self._commit_lock:
-            latest = self.committer.commit(manifest.record(body, now), deadline=begun.deadline)
+            latest = self.committer.commit(
+                manifest.record(body, now), deadline=begun.deadline, requires=requires
+            )
+        if manifest.chunked:
+            self._chunk_index = chunks.ChunkIndex.of(manifest)
         return latest, manifest
 
     def _commit_info(
@@ -814,6 +877,8 @@ class CheckpointManager:
     def _check_uploaded(self, files_prefix: str, entries: list[protocol.FileEntry]) -> None:
         """One listing: every file is stored with the size that was sent. A store or proxy
         that silently keeps fewer bytes would otherwise get a torn checkpoint committed."""
+        if not entries:
+            return
         listed = call_with_retries(
             lambda: list(self.store.list(files_prefix)), what="list the uploaded files"
         )

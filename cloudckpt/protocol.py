@@ -5,7 +5,10 @@ Object layout under a run URL (DESIGN §2; ``files/`` is our addition, see below
     LATEST                                   the only mutable object (conditional puts only)
     ckpt/<step:012d>-e<epoch>-<attempt>/     one prefix per save attempt, never reused
         ATTEMPT.json                         written first: who started it, when (store clock)
-        files/<relative/path>                the checkpoint's files, each written once
+        files/<relative/path>                whole files (chunking off), each written once
+        chunks/<sha256>                      content-addressed chunks this attempt stored
+                                             first; later manifests name them here
+                                             (``cloudckpt.chunks``)
         MANIFEST.json                        written after all files, create-only
     commits/<seq:020d>.json                  create-only copy of every LATEST body written
 
@@ -37,8 +40,14 @@ from typing import Any
 from cloudckpt.digest import ALGORITHM, CHUNK_SIZE
 from cloudckpt.errors import ConfigurationError, CorruptionError, UnsafePathError
 
-LATEST_FORMAT = "cloudckpt.latest/1"
+# LATEST /2: records may carry ``owned_bytes`` and manifests may be chunked (/2). An older
+# cloudckpt must not read (and above all not garbage-collect) a run whose checkpoints share
+# chunks, so every LATEST this version writes is /2; /1 is still read.
+LATEST_FORMAT = "cloudckpt.latest/2"
+LATEST_FORMATS_READ = ("cloudckpt.latest/1", LATEST_FORMAT)
 MANIFEST_FORMAT = "cloudckpt.manifest/1"
+# A manifest whose files are lists of content-addressed chunks (``cloudckpt.chunks``).
+MANIFEST_FORMAT_CHUNKED = "cloudckpt.manifest/2"
 ATTEMPT_FORMAT = "cloudckpt.attempt/1"
 
 LATEST_KEY = "LATEST"
@@ -47,6 +56,7 @@ COMMITS_PREFIX = "commits/"
 MANIFEST_NAME = "MANIFEST.json"
 ATTEMPT_NAME = "ATTEMPT.json"
 FILES_DIR = "files/"
+CHUNKS_DIR = "chunks/"
 
 # Bounds on what a reader accepts from the store (hostile or damaged records).
 MAX_LATEST_BYTES = 64 * 1024 * 1024
@@ -165,10 +175,16 @@ class CheckpointRecord:
     total_bytes: int
     num_files: int
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # Bytes stored under this checkpoint's own prefix (plain files and the chunks it wrote
+    # first); the rest of ``total_bytes`` is shared with older checkpoints. None: unknown
+    # (a record written before chunking existed).
+    owned_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["metadata"] = dict(self.metadata)
+        if self.owned_bytes is None:
+            del d["owned_bytes"]
         return d
 
     @classmethod
@@ -186,6 +202,7 @@ class CheckpointRecord:
             total_bytes=_get(d, "total_bytes", int, what),
             num_files=_get(d, "num_files", int, what),
             metadata=_get(d, "metadata", dict, what),
+            owned_bytes=None if d.get("owned_bytes") is None else _get(d, "owned_bytes", int, what),
         )
         if parse_ckpt_prefix(rec.ckpt) is None:
             raise CorruptRecordError(f"{what}: {rec.ckpt!r} is not a checkpoint prefix")
@@ -342,9 +359,10 @@ class Latest:
 def parse_latest(data: bytes, what: str = "LATEST") -> Latest:
     """Parse and verify LATEST (or a commit record). Raises CorruptRecordError."""
     body = _unseal(data, what, MAX_LATEST_BYTES)
-    if body.get("format") != LATEST_FORMAT:
+    if body.get("format") not in LATEST_FORMATS_READ:
         raise CorruptRecordError(
-            f"{what} has format {body.get('format')!r}; this cloudckpt reads {LATEST_FORMAT!r}"
+            f"{what} has format {body.get('format')!r}; this cloudckpt reads "
+            f"{' and '.join(map(repr, LATEST_FORMATS_READ))}"
         )
     try:
         w = _get(body, "writer", dict, what)
@@ -527,10 +545,36 @@ def sweep(base: Latest, now: dt.datetime) -> Latest:
 
 
 @dataclasses.dataclass(frozen=True)
+class ChunkRef:
+    """One content-addressed chunk of a file: stored at ``<owner>chunks/<sha256>``, where
+    ``owner`` is the prefix of the attempt that uploaded it first (``cloudckpt.chunks``)."""
+
+    owner: str
+    sha256: str
+    size: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.owner}{CHUNKS_DIR}{self.sha256}"
+
+
+@dataclasses.dataclass(frozen=True)
 class FileEntry:
+    """A file of a checkpoint. ``chunks`` is None for a file stored whole under the
+    attempt's ``files/``; otherwise the file is the concatenation of these chunks."""
+
     path: str
     size: int
     digest: str
+    chunks: tuple[ChunkRef, ...] | None = None
+
+    def to_json(self, owners: dict[str, int]) -> dict[str, Any]:
+        d: dict[str, Any] = {"path": self.path, "size": self.size, "digest": self.digest}
+        if self.chunks is not None:
+            d["chunks"] = [
+                [owners.setdefault(c.owner, len(owners)), c.sha256, c.size] for c in self.chunks
+            ]
+        return d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -550,10 +594,27 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
+    @property
+    def chunked(self) -> bool:
+        return any(f.chunks is not None for f in self.files)
+
+    @property
+    def owned_bytes(self) -> int:
+        """Bytes stored under this checkpoint's own prefix: plain files, plus each distinct
+        chunk it uploaded first."""
+        own = {c.sha256: c.size for f in self.files for c in f.chunks or () if c.owner == self.ckpt}
+        return sum(f.size for f in self.files if f.chunks is None) + sum(own.values())
+
     def to_bytes(self) -> bytes:
+        owners: dict[str, int] = {}
+        files = [f.to_json(owners) for f in self.files]
+        extra: dict[str, Any] = {}
+        if self.chunked:
+            extra["chunk_owners"] = sorted(owners, key=owners.__getitem__)
         return _sealed(
             {
-                "format": MANIFEST_FORMAT,
+                **extra,
+                "format": MANIFEST_FORMAT_CHUNKED if self.chunked else MANIFEST_FORMAT,
                 "ckpt": self.ckpt,
                 "step": self.step,
                 "epoch": self.epoch,
@@ -562,7 +623,7 @@ class Manifest:
                 "created_at": self.created_at,
                 "metadata": dict(self.metadata),
                 "digest": {"algorithm": self.algorithm, "chunk_size": self.chunk_size},
-                "files": [dataclasses.asdict(f) for f in self.files],
+                "files": files,
                 "total_bytes": self.total_bytes,
             }
         )
@@ -580,6 +641,7 @@ class Manifest:
             total_bytes=self.total_bytes,
             num_files=len(self.files),
             metadata=dict(self.metadata),
+            owned_bytes=self.owned_bytes,
         )
 
 
@@ -619,9 +681,40 @@ def validate_file_entries(entries: Sequence[FileEntry]) -> None:
             raise CorruptRecordError(f"manifest: size {e.size} of {e.path!r} out of range")
         if not _HEX64.match(e.digest):
             raise CorruptRecordError(f"manifest: digest of {e.path!r} is not a hex SHA-256")
+        if e.chunks is not None:
+            _check_chunks(e)
     clash = seen & dirs
     if clash:
         raise UnsafePathError(f"manifest path {sorted(clash)[0]!r} is both a file and a directory")
+
+
+def _chunk_ref(c: Any, owners: Sequence[str], what: str) -> ChunkRef:
+    if (
+        not isinstance(c, list)
+        or len(c) != 3
+        or not isinstance(c[0], int)
+        or isinstance(c[0], bool)
+        or not 0 <= c[0] < len(owners)
+        or not isinstance(c[1], str)
+        or not isinstance(c[2], int)
+        or isinstance(c[2], bool)
+    ):
+        raise CorruptRecordError(f"{what}: malformed chunk reference {c!r:.80}")
+    return ChunkRef(owners[c[0]], c[1], c[2])
+
+
+def _check_chunks(e: FileEntry) -> None:
+    """Chunks: hex SHA-256 names, positive sizes within one digest leaf, adding up to the
+    file's size."""
+    offset = 0
+    for c in e.chunks or ():
+        if not _HEX64.match(c.sha256):
+            raise CorruptRecordError(f"manifest: a chunk of {e.path!r} is not a hex SHA-256")
+        if c.size <= 0 or offset // CHUNK_SIZE != (offset + c.size - 1) // CHUNK_SIZE:
+            raise CorruptRecordError(f"manifest: a chunk of {e.path!r} crosses a digest leaf")
+        offset += c.size
+    if offset != e.size:
+        raise CorruptRecordError(f"manifest: the chunks of {e.path!r} do not add up to its size")
 
 
 def parse_manifest(data: bytes, record: CheckpointRecord | None = None) -> Manifest:
@@ -639,16 +732,28 @@ def parse_manifest(data: bytes, record: CheckpointRecord | None = None) -> Manif
         if hashlib.sha256(data).hexdigest() != record.manifest_sha256:
             raise CorruptRecordError(f"{what} does not match the digest LATEST recorded")
     body = _unseal(data, what, MAX_MANIFEST_BYTES)
-    if body.get("format") != MANIFEST_FORMAT:
-        raise CorruptRecordError(f"{what} has unknown format {body.get('format')!r}")
+    fmt = body.get("format")
+    if fmt not in (MANIFEST_FORMAT, MANIFEST_FORMAT_CHUNKED):
+        raise CorruptRecordError(f"{what} has unknown format {fmt!r}")
     digest = _get(body, "digest", dict, what)
+    owners: list[str] = []
+    if fmt == MANIFEST_FORMAT_CHUNKED:
+        owners = _get(body, "chunk_owners", list, what)
+        if not all(isinstance(o, str) and parse_ckpt_prefix(o) for o in owners):
+            raise CorruptRecordError(f"{what}: a chunk owner is not a checkpoint prefix")
     files = []
     for f in _get(body, "files", list, what):
         if not isinstance(f, dict):
             raise CorruptRecordError(f"{what}: file entry is not an object")
+        chunks = None
+        if fmt == MANIFEST_FORMAT_CHUNKED and "chunks" in f:
+            chunks = tuple(_chunk_ref(c, owners, what) for c in _get(f, "chunks", list, what))
         files.append(
             FileEntry(
-                _get(f, "path", str, what), _get(f, "size", int, what), _get(f, "digest", str, what)
+                _get(f, "path", str, what),
+                _get(f, "size", int, what),
+                _get(f, "digest", str, what),
+                chunks,
             )
         )
     manifest = Manifest(

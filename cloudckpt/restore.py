@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cloudckpt import protocol
+from cloudckpt import chunks, protocol
 from cloudckpt.committer import read_latest
 from cloudckpt.errors import (
     CheckpointNotFoundError,
@@ -122,9 +122,14 @@ def check_objects(store: Store, record: CheckpointRecord, manifest: Manifest) ->
 
     Raises CorruptionError naming the first missing or resized file.
     """
+    if manifest.chunked:
+        chunks.check_chunk_objects(store, manifest, record.step)
+    plain = [e for e in manifest.files if e.chunks is None]
+    if not plain:
+        return
     prefix = record.ckpt + protocol.FILES_DIR
     sizes = {o.key[len(prefix) :]: o.size for o in store.list(prefix)}
-    for entry in manifest.files:
+    for entry in plain:
         size = sizes.get(entry.path)
         if size is None:
             raise CorruptionError(f"{entry.path} of step {record.step} is missing")
@@ -221,7 +226,8 @@ def restore(
                     hint="Free space or restore somewhere larger",
                 )
             tmp.mkdir()
-            engine.download_files(
+            chunks.download(
+                engine,
                 store,
                 record.ckpt + protocol.FILES_DIR,
                 manifest.files,

@@ -189,6 +189,20 @@ class TransferEngine:
         interrupted = exc_type is not None and not issubclass(exc_type, Exception)
         self.close(wait=not interrupted)
 
+    # -- for other layers (cloudckpt.chunks): the same workers and retry policy ---------
+
+    def submit(self, fn: Callable, /, *args: object) -> cf.Future:
+        """Run ``fn(*args)`` on a transfer worker."""
+        return self._pool.submit(fn, *args)
+
+    def wait_all(self, futures: Sequence[cf.Future]) -> list:
+        """Results in order; on the first failure cancel the rest and raise it."""
+        return self._wait_all(futures)
+
+    def retry(self, fn: Callable, what: str, idempotent: bool = True):
+        """Call ``fn`` with this engine's retry policy for store calls."""
+        return self._retry(fn, what, idempotent)
+
     # -- helpers ------------------------------------------------------------------------
 
     def _retry(self, fn: Callable, what: str, idempotent: bool = True):

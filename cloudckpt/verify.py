@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from cloudckpt import digest, protocol
+from cloudckpt import chunks, digest, protocol
 from cloudckpt.committer import read_latest, run_has_data
 from cloudckpt.errors import (
     CheckpointNotFoundError,
@@ -154,9 +154,15 @@ def _load(store: Store) -> tuple[Latest, bool, str, str | None]:
 def _check_listing(
     store: Store, record: CheckpointRecord, manifest: Manifest, check: CheckpointCheck
 ) -> None:
+    if manifest.chunked:
+        try:
+            chunks.check_chunk_objects(store, manifest, record.step)
+        except CorruptionError as exc:
+            check.damaged(exc.message)
     prefix = record.ckpt + protocol.FILES_DIR
-    sizes = {o.key[len(prefix) :]: o.size for o in store.list(prefix)}
-    for entry in manifest.files:
+    plain = [e for e in manifest.files if e.chunks is None]
+    sizes = {o.key[len(prefix) :]: o.size for o in store.list(prefix)} if plain else {}
+    for entry in plain:
         size = sizes.get(entry.path)
         if size is None:
             check.damaged(f"{entry.path} is missing")
@@ -196,6 +202,9 @@ class _Hasher:
         prefix = record.ckpt + protocol.FILES_DIR
         jobs = []
         for entry in manifest.files:
+            if entry.chunks is not None:
+                jobs.append((entry, self._pool.submit(self._chunked, store, entry)))
+                continue
             ranges = [
                 self._pool.submit(
                     self._read, store, prefix + entry.path, off, min(step, entry.size - off), chunk
@@ -205,6 +214,11 @@ class _Hasher:
             jobs.append((entry, ranges))
         try:
             for entry, ranges in jobs:
+                if entry.chunks is not None:
+                    for problem in ranges.result():
+                        check.damaged(problem)
+                    check.bytes_read += entry.size
+                    continue
                 leaves: list[bytes] = []
                 try:
                     for f in ranges:
@@ -220,9 +234,25 @@ class _Hasher:
                     check.damaged(f"{entry.path}: content does not match its digest")
         except BaseException:
             for _, ranges in jobs:
-                for f in ranges:
+                for f in ranges if isinstance(ranges, list) else [ranges]:
                     f.cancel()
             raise
+
+    def _chunked(self, store: Store, entry) -> list[str]:
+        """Every chunk of a chunked file read back and checked (one at a time: this runs
+        on a pool worker itself)."""
+        problems = chunks.read_and_check(_Inline(), store, entry)
+        if self._progress is not None:
+            with self._lock:
+                self._progress(entry.size)
+        return problems
+
+
+class _Inline:
+    """The engine call ``chunks.read_and_check`` makes: retries, in the calling thread."""
+
+    def retry(self, fn, what, idempotent=True):
+        return call_with_retries(fn, what=what)
 
 
 class _Short(Exception):

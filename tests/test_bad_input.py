@@ -32,6 +32,7 @@ from cloudckpt import (
 )
 from cloudckpt.gc import collect_garbage
 from cloudckpt.stores import open_store
+from cloudckpt.testing.layout import data_key
 
 
 def _snapshot(store) -> dict[str, tuple[str, bytes]]:
@@ -412,5 +413,5 @@ def test_permission_denied_on_delete_stops_gc_and_loses_nothing(iam_moto, tmp_pa
     # The manifest of the tombstone could not be deleted, so neither could its data.
     (tomb,) = latest.tombstones
     assert store.exists(tomb.record.manifest_key)
-    assert store.exists(tomb.record.ckpt + protocol.FILES_DIR + "f")
+    assert store.exists(data_key(store, tomb.record, "f"))
     mgr.close()

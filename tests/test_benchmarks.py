@@ -44,3 +44,25 @@ def test_quick_benchmark_runs_every_group_and_writes_its_json(tmp_path):
             assert math.isfinite(cmp["speedup"]) and cmp["speedup"] > 0
     # The table and the summary of ratios reach the terminal.
     assert " / cloudckpt = " in proc.stdout and "ratio" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_quick_incremental_benchmark_runs_and_writes_its_json(tmp_path):
+    """python -m benchmarks.incremental --quick (issue 15): every scenario and mode runs."""
+    pytest.importorskip("peft")
+    out = tmp_path / "inc.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.incremental", "--quick", "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "cloudckpt.bench-incremental/1" and doc["quick"] is True
+    for name in ("lora", "full"):
+        scenario = doc["scenarios"][name]
+        for mode in ("off", "fixed", "tensor"):
+            assert scenario[mode]["later_saves_bytes_uploaded"] > 0
+            assert math.isfinite(scenario[mode]["median_seconds_later_saves"])
+    assert doc["scenarios"]["two-runs"]["B_first_save_ratio"] > 0
+    assert "(a) LoRA" in proc.stdout and "(b) full" in proc.stdout

@@ -18,6 +18,7 @@ from cloudckpt import FencedError, protocol
 from cloudckpt.cli import EXIT_CODE_TABLE, cli, exit_code_for
 from cloudckpt.stores import open_store
 from cloudckpt.testing.faults import flip_bit
+from cloudckpt.testing.layout import data_key
 from cloudckpt.testing.proxy import FaultProxy, ProxyRule
 
 MiB = 1024 * 1024
@@ -118,8 +119,11 @@ def test_push_ls_show_restore_verify_pin_gc(cloud, tmp_path):
     assert listing["writer"]["epoch"] == 2 and listing["from_commit_records"] is False
     assert set(listing["checkpoints"][0]) == {
         "step", "commit_id", "ckpt", "epoch", "committed_at", "num_files", "total_bytes",
-        "current", "pins", "metadata",
+        "owned_bytes", "shared_bytes", "current", "pins", "metadata",
     }  # fmt: skip
+    for c in listing["checkpoints"]:  # chunked by default: what it stores + what it names
+        assert c["owned_bytes"] + c["shared_bytes"] == c["total_bytes"]
+    assert listing["checkpoints"][1]["shared_bytes"] == 0  # the first shares nothing
     human = run("ls", url, target=cloud)
     assert human.exit_code == 0 and "current" in human.stdout and "writer epoch 2" in human.stdout
 
@@ -128,7 +132,10 @@ def test_push_ls_show_restore_verify_pin_gc(cloud, tmp_path):
     assert {f["path"]: f["size"] for f in shown["manifest"]["files"]} == {
         k: len(v) for k, v in first.items()
     }
-    assert "model.bin" in run("show", url, target=cloud).stdout
+    assert shown["manifest"]["chunked"] and shown["manifest"]["shared_bytes"] == 0
+    assert all(f["shared_chunks"] == 0 for f in shown["manifest"]["files"])
+    human = run("show", url, target=cloud).stdout
+    assert "model.bin" in human and "owns" in human and "shares" in human
 
     dest = tmp_path / "restored"
     restored = ok_json(run("restore", url, dest, "--json", target=cloud))
@@ -204,7 +211,7 @@ def test_damage_fallback_and_repair(cloud, manager_factory, tmp_path, damage):
     step2 = latest.current
 
     # A bit flip in step 2's data: only --read-data sees it; restore falls back to step 1.
-    flip_bit(store, step2.ckpt + "files/w.bin", seed=1)
+    flip_bit(store, data_key(store, step2, "w.bin"), seed=1)
     assert run("verify", url, target=cloud).exit_code == 0
     bad = run("verify", url, "--read-data", "--json", target=cloud)
     assert bad.exit_code == 4
@@ -340,6 +347,11 @@ def test_environment_configures_stores_and_secrets_are_never_printed(
     assert json.loads(failures[1].stdout)["error"]["exit_code"] == 3
 
 
+def _data_put(target: str) -> bool:
+    """A PUT of checkpoint data: a multipart part, or a chunk (the default layout)."""
+    return "partNumber=" in target or "/chunks/" in target
+
+
 def test_interrupted_restore_leaves_dest_as_it_was(s3_target, manager_factory, tmp_path):
     from cloudckpt import TransferConfig
 
@@ -359,7 +371,14 @@ def test_interrupted_restore_leaves_dest_as_it_was(s3_target, manager_factory, t
         # signal always lands while the download is in progress, however fast or loaded
         # this machine is (a request still held when the proxy stops never reaches moto).
         with FaultProxy(s3_target.storage_options["endpoint_url"], stall_seconds=600) as proxy:
-            rule = proxy.add(ProxyRule("stall", methods={"GET"}, path="big.bin"))
+            # (big.bin is stored as chunks: hold every chunk's GET, not the listings.)
+            rule = proxy.add(
+                ProxyRule(
+                    "stall",
+                    methods={"GET"},
+                    path=lambda t: "big.bin" in t or ("/chunks/" in t and "prefix=" not in t),
+                )
+            )
             args = flags(s3_target)
             args[args.index("--endpoint-url") + 1] = proxy.endpoint_url
             proc = subprocess.Popen(
@@ -438,7 +457,7 @@ def test_interrupted_push_flushes_once_and_abandons_on_the_second_signal(s3_targ
     # held when the proxy stops never reaches moto).
     endpoint = s3_target.storage_options["endpoint_url"]
     with FaultProxy(endpoint, stall_seconds=4) as proxy:
-        proxy.add(ProxyRule("stall", methods={"PUT"}, path="partNumber="))
+        proxy.add(ProxyRule("stall", methods={"PUT"}, path=_data_put))
         flushed = push(1, signals=1, size=32 * MiB, via=proxy.endpoint_url)
     assert flushed.returncode == 0, flushed.stderr
     assert "waiting for the upload in progress to commit" in flushed.stderr
@@ -446,7 +465,7 @@ def test_interrupted_push_flushes_once_and_abandons_on_the_second_signal(s3_targ
     assert latest.current.step == 1
 
     with FaultProxy(endpoint, stall_seconds=600) as proxy:
-        proxy.add(ProxyRule("stall", methods={"PUT"}, path="partNumber="))
+        proxy.add(ProxyRule("stall", methods={"PUT"}, path=_data_put))
         abandoned = push(2, signals=2, size=32 * MiB, via=proxy.endpoint_url)
     assert abandoned.returncode == 130, abandoned.stderr
     latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from cloudckpt import CheckpointManager
-from cloudckpt.restore import load_latest_for_reading, restore
+from cloudckpt.restore import fetch_manifest, load_latest_for_reading, restore
 from cloudckpt.stores import open_store
 from cloudckpt.transfer import TransferEngine
 
@@ -89,6 +89,12 @@ def _lines(log: Path) -> list[list[str]]:
     return [line.split() for line in log.read_text().splitlines() if line.strip()]
 
 
+def _shares_chunks(store, record) -> bool:
+    """The checkpoint names a chunk an earlier attempt uploaded (chunks are shared)."""
+    manifest = fetch_manifest(store, record)
+    return any(c.owner != record.ckpt for f in manifest.files for c in f.chunks or ())
+
+
 def _verify(store, engine, into: Path, acked: int) -> int:
     """The store's newest checkpoint is >= the last acknowledged step and intact."""
     latest, from_records = load_latest_for_reading(store)
@@ -150,6 +156,9 @@ def test_sigkill_at_random_moments_never_loses_an_acknowledged_save(server, requ
             acked = max([acked, *acks])
             committed = _verify(store, engine, tmp_path / f"verify-{cycle}", acked)
             stats["max_step"] = committed
+            latest, _ = load_latest_for_reading(store)
+            if latest is not None and latest.current is not None:
+                stats["shared"] = stats.get("shared", 0) + _shares_chunks(store, latest.current)
         # A last new host takes over (claims, fencing nobody alive) and resumes.
         mgr = CheckpointManager(url, storage_options=options, staging_dir=tmp_path / "final")
         res = mgr.resume(into=tmp_path / "final-restore")
@@ -161,3 +170,4 @@ def test_sigkill_at_random_moments_never_loses_an_acknowledged_save(server, requ
         store.close()
     print(f"\ncrash test (seed {SEED}): {stats}")
     assert stats["kills"] == KILLS and stats["acks"] >= KILLS // 4
+    assert stats.get("shared", 0) > 0, "no checkpoint reused a chunk of an earlier one"

@@ -31,7 +31,7 @@ pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from childrun import ChildRun, read_events
 
-from cloudckpt.restore import load_latest_for_reading
+from cloudckpt.restore import fetch_manifest, load_latest_for_reading
 from cloudckpt.stores import open_store
 
 pytestmark = pytest.mark.slow
@@ -162,7 +162,18 @@ def test_sigkill_then_resume_in_a_fresh_dir_matches_an_uninterrupted_run(runs):
         ), f"step {step} differs after resuming from step {current.step}"
     end = resumed.events("end")[0]
     assert end["global_step"] == MAX_STEPS and end["last_commit"] == MAX_STEPS
-    assert _current(url, options).step == MAX_STEPS
+    final = _current(url, options)
+    assert final.step == MAX_STEPS
+    # Chunked by default: files that did not change since the previous save (the config,
+    # training_args.bin...) are named where an earlier attempt stored them, not re-sent.
+    store = open_store(url, options)
+    try:
+        manifest = fetch_manifest(store, final)
+    finally:
+        store.close()
+    shared = {f.path for f in manifest.files for c in f.chunks or () if c.owner != final.ckpt}
+    assert "config.json" in shared, shared
+    assert final.owned_bytes < final.total_bytes
 
     # trainer_state.json points into the new output directory, not the dead host's.
     state = json.loads((new_dir / f"checkpoint-{MAX_STEPS}" / "trainer_state.json").read_text())

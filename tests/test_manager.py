@@ -18,6 +18,7 @@ from cloudckpt import (
 )
 from cloudckpt.stores import open_store
 from cloudckpt.testing.faults import FaultInjectingStore, Latency, Rule, flip_bit
+from cloudckpt.testing.layout import data_key
 
 MiB = 1024 * 1024
 
@@ -189,14 +190,14 @@ def test_flipped_byte_falls_back_then_fails_cleanly(target, manager_factory, tmp
     mgr.wait()
     store = open_store(target.url, target.storage_options)
     latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
-    flip_bit(store, latest.current.ckpt + "files/weights", seed=1)
+    flip_bit(store, data_key(store, latest.current, "weights"), seed=1)
 
     res = mgr.restore(into=tmp_path / "r1")
     assert res.step == 1 and (res.path / "step").read_bytes() == b"1"
     assert [s.step for s in res.skipped] == [2]
     assert "digest" in res.skipped[0].reason
 
-    flip_bit(store, latest.history[0].ckpt + "files/step", seed=2)
+    flip_bit(store, data_key(store, latest.history[0], "step"), seed=2)
     dest = tmp_path / "r2"
     dest.mkdir()
     with pytest.raises(CorruptionError) as err:
@@ -215,7 +216,7 @@ def test_missing_file_falls_back(target, manager_factory, tmp_path):
     mgr.wait()
     store = open_store(target.url, target.storage_options)
     latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
-    store.delete(latest.current.ckpt + "files/a")
+    store.delete(data_key(store, latest.current, "a"))
     res = mgr.restore(into=tmp_path / "r")
     assert res.step == 1 and "missing" in res.skipped[0].reason
     store.close()

@@ -126,6 +126,11 @@ def test_saves_under_random_network_faults_succeed_or_fail_cleanly(proxied, tmp_
         mgr.close()
 
 
+def _data(target: str) -> bool:
+    """A request for checkpoint data: a whole file or a chunk (not a listing)."""
+    return "/files/" in target or ("/chunks/" in target and "prefix=" not in target)
+
+
 def test_persistent_faults_fail_cleanly_and_lose_nothing(proxied, tmp_path):
     proxy, url, options = proxied
     mgr = CheckpointManager(
@@ -134,14 +139,14 @@ def test_persistent_faults_fail_cleanly_and_lose_nothing(proxied, tmp_path):
     _save(mgr, 1).result()
     store = open_store(url, options)
     before = {o.key: o.version for o in store.list("") if not o.key.startswith("ckpt/")}
-    proxy.add(ProxyRule("503", methods={"PUT"}, path="/files/"))  # every data upload
+    proxy.add(ProxyRule("503", methods={"PUT"}, path=_data))  # every data upload
     with pytest.raises(StoreError) as err:
         _save(mgr, 2).result()
     assert "SlowDown" in str(err.value) and err.value.hint
     after = {o.key: o.version for o in store.list("") if not o.key.startswith("ckpt/")}
     assert after == before  # LATEST and the commit records are untouched
     proxy.clear()
-    proxy.add(ProxyRule("reset_before", methods={"GET"}, path="/files/"))  # every download
+    proxy.add(ProxyRule("reset_before", methods={"GET"}, path=_data))  # every download
     engine = TransferEngine(TRANSFER)
     with pytest.raises(StoreError) as err:
         restore(store, tmp_path / "r", engine)

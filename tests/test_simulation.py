@@ -68,6 +68,8 @@ def test_seeds():
     c = summary["counters"]
     assert c["acks"] > 5 * len(seeds) // 2 and c["fenced"] > 0 and c["gc_deleted_objects"] > 0
     assert c["bit_flips_detected"] == c["bit_flips"] > 0
+    # Checkpoints share chunks, GC had to keep some, and flips of chunks were caught.
+    assert c["chunks_reused"] > 0 and c["chunk_flips"] > 0
     assert set(summary["faults_injected"]) >= {
         "fail_before",
         "lose_response",
@@ -113,6 +115,16 @@ def test_catches_gc_that_ignores_the_grace_period(monkeypatch):
 
     monkeypatch.setattr(gc, "_age", lambda now, then: 10**9)
     assert any("I7" in v or "I2" in v for v in _violations(range(20)))
+
+
+def test_catches_gc_that_ignores_chunk_references(monkeypatch):
+    """The mutation test of GC by reference: GC that deletes chunks later checkpoints still
+    name (as if no manifest named any) is caught by the simulation."""
+    import cloudckpt.chunks as chunks
+
+    monkeypatch.setattr(chunks, "protected_chunk_keys", lambda store, latest, deleting=(): set())
+    found = _violations(range(20))
+    assert any("I7" in v and "chunk" in v for v in found), found[:3]
 
 
 def test_catches_a_writer_that_is_never_fenced(monkeypatch):
@@ -271,7 +283,9 @@ def test_a_silently_truncated_upload_is_never_committed(memory_target, tmp_path)
     with mgr.save(step=1) as d:
         (d / "f").write_bytes(b"good")
     mgr.wait()
-    store.add(Rule(Truncate(3), ops={"put"}, key="ckpt/*/files/f"))
+    store.add(
+        Rule(Truncate(3), ops={"put"}, key=lambda k: k.endswith("/files/f") or "/chunks/" in k)
+    )
     handle = mgr.save(step=2)
     with handle as d:
         (d / "f").write_bytes(b"longer than three bytes")

@@ -108,10 +108,25 @@ def _record_dict(latest: Any, record: Any) -> dict[str, Any]:
         "committed_at": record.committed_at,
         "num_files": record.num_files,
         "total_bytes": record.total_bytes,
+        # Bytes under the checkpoint's own prefix, and bytes it names in older checkpoints'
+        # (chunks); None for records written before chunks existed.
+        "owned_bytes": record.owned_bytes,
+        "shared_bytes": (
+            None if record.owned_bytes is None else record.total_bytes - record.owned_bytes
+        ),
         "current": latest.current is not None and latest.current.commit_id == record.commit_id,
         "pins": [p.label for p in latest.pins if p.commit_id == record.commit_id],
         "metadata": dict(record.metadata),
     }
+
+
+def _file_dict(f: Any, ckpt: str) -> dict[str, Any]:
+    d: dict[str, Any] = {"path": f.path, "size": f.size, "digest": f.digest}
+    if f.chunks is not None:
+        d["chunks"] = len(f.chunks)
+        d["shared_chunks"] = sum(1 for c in f.chunks if c.owner != ckpt)
+        d["shared_bytes"] = sum(c.size for c in f.chunks if c.owner != ckpt)
+    return d
 
 
 def _find_record(latest: Any, step: int | None, url: str) -> Any:
@@ -196,6 +211,8 @@ def ls_cmd(url: str, store_args: StoreArgs, as_json: bool) -> None:
         ("", "left"),
         ("committed", "left"),
         ("size", "right"),
+        ("owns", "right"),
+        ("shares", "right"),
         ("files", "right"),
         ("epoch", "right"),
         ("pins", "left"),
@@ -208,6 +225,8 @@ def ls_cmd(url: str, store_args: StoreArgs, as_json: bool) -> None:
             "current" if c["current"] else "",
             f"{c['committed_at'][:19].replace('T', ' ')} ({_ago(c['committed_at'])})",
             human_bytes(c["total_bytes"]),
+            "" if c["owned_bytes"] is None else human_bytes(c["owned_bytes"]),
+            "" if c["shared_bytes"] is None else human_bytes(c["shared_bytes"]),
             str(c["num_files"]),
             str(c["epoch"]),
             ", ".join(c["pins"]),
@@ -248,7 +267,10 @@ def show_cmd(url: str, step: int | None, store_args: StoreArgs, as_json: bool) -
         "algorithm": manifest.algorithm,
         "chunk_size": manifest.chunk_size,
         "total_bytes": manifest.total_bytes,
-        "files": [{"path": f.path, "size": f.size, "digest": f.digest} for f in manifest.files],
+        "chunked": manifest.chunked,
+        "owned_bytes": manifest.owned_bytes,
+        "shared_bytes": manifest.total_bytes - manifest.owned_bytes,
+        "files": [_file_dict(f, record.ckpt) for f in manifest.files],
     }
     if as_json:
         emit_json(doc)
@@ -263,6 +285,12 @@ def show_cmd(url: str, step: int | None, store_args: StoreArgs, as_json: bool) -
     console.print(
         f"  {'size':<13}{human_bytes(manifest.total_bytes)} in {len(manifest.files)} files"
     )
+    m = doc["manifest"]
+    console.print(
+        f"  {'owns':<13}{human_bytes(m['owned_bytes'])}  shares "
+        f"{human_bytes(m['shared_bytes'])} with older checkpoints"
+        + ("" if m["chunked"] else "  (whole files, not chunked)")
+    )
     if doc["pins"]:
         console.print(f"  {'pins':<13}{', '.join(doc['pins'])}")
     if doc["metadata"]:
@@ -272,9 +300,11 @@ def show_cmd(url: str, step: int | None, store_args: StoreArgs, as_json: bool) -
     table = Table(title_justify="left")
     table.add_column("path")
     table.add_column("size", justify="right")
+    table.add_column("chunks (shared)", justify="right")
     table.add_column(f"digest ({manifest.algorithm})")
-    for f in manifest.files:
-        table.add_row(f.path, human_bytes(f.size), f.digest)
+    for f, d in zip(manifest.files, m["files"], strict=True):
+        chunks = "" if f.chunks is None else f"{len(f.chunks)} ({d['shared_chunks']})"
+        table.add_row(f.path, human_bytes(f.size), chunks, f.digest)
     console.print(table)
 
 

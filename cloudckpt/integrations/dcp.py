@@ -64,7 +64,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cloudckpt import digest, protocol
+from cloudckpt import chunks, digest, protocol
 from cloudckpt.distributed import WORLD_SIZE_KEY, DistributedCheckpointManager
 from cloudckpt.errors import (
     CheckpointNotFoundError,
@@ -694,7 +694,8 @@ class CloudStorageReader(StorageReader):
                 raise CorruptionError(
                     f"step {record.step} has no file {missing[0]!r} that its metadata names"
                 )
-            mgr.engine.download_files(
+            chunks.download(
+                mgr.engine,
                 mgr.store,
                 record.ckpt + protocol.FILES_DIR,
                 [by_path[p] for p in needed],

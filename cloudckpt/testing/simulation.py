@@ -195,7 +195,7 @@ class Profile:
             Rule(
                 Truncate(rng.randrange(0, 64)),
                 ops={"put", "upload_part"},
-                key="ckpt/*/files/*",
+                key=lambda k: "/files/" in k or "/chunks/" in k,
                 times=None,
                 probability=self.p_truncate,
             ),
@@ -486,6 +486,8 @@ class Checker:
         self.first_write: dict[str, dt.datetime] = {}  # prefix -> store time
         self.gc_deleted: set[str] = set()  # prefixes GC deleted (some of)
         self.verified: set[str] = set()  # referenced prefixes verified complete
+        self.chunk_users: dict[str, set[str]] = collections.defaultdict(set)  # owner -> ckpts
+        self._manifests: dict[str, protocol.Manifest | None] = {}  # commit_id -> parsed
         self.op_writes: collections.Counter = collections.Counter()  # (actor, op) -> LATEST writes
         self._latest_version = ""
 
@@ -503,6 +505,28 @@ class Checker:
     def touched(self, prefix: str, now: dt.datetime) -> None:
         self.first_write.setdefault(prefix, now)
         self.verified.discard(prefix)
+        self.verified -= self.chunk_users.get(prefix, set())
+
+    def manifest_of(self, rec: CheckpointRecord) -> protocol.Manifest | None:
+        """The parsed manifest of a record (immutable, so cached), None if unreadable."""
+        if rec.commit_id not in self._manifests:
+            try:
+                parsed = protocol.parse_manifest(self.raw.get(rec.manifest_key)[0], rec)
+            except CloudCkptError:
+                return None  # not cached: I2 reports it where it matters
+            self._manifests[rec.commit_id] = parsed
+        return self._manifests[rec.commit_id]
+
+    def named_chunks(self, latest: Latest) -> dict[str, CheckpointRecord]:
+        """Chunk key -> a checkpoint that names it, over every checkpoint GC must keep:
+        retained ones and tombstones not yet marked deleting."""
+        named = {}
+        for rec in [*latest.retained(), *(t.record for t in latest.tombstones if t.state == "pending")]:  # fmt: skip
+            m = self.manifest_of(rec)
+            for f in m.files if m else ():
+                for chunk in f.chunks or ():
+                    named[chunk.key] = rec
+        return named
 
     def latest_written(self, body: bytes, mode: PutMode | None, actor: _Actor | None) -> None:
         """I1, I3, I4, I5: every applied LATEST is the next link of one chain, and a legal
@@ -631,6 +655,13 @@ class Checker:
         prefix = _prefix_of(key)
         if prefix is None or latest is None:
             return
+        if key.split("/")[2:3] == ["chunks"]:
+            named = self.named_chunks(latest).get(key)
+            if named is not None:
+                self.fail(
+                    f"I7: {who} deleted chunk {key}, which step {named.step} ({named.ckpt}) "
+                    "still names"
+                )
         self.gc_deleted.add(prefix)
         retained = {r.ckpt: r for r in latest.retained()}
         tomb = {t.record.ckpt: t for t in latest.tombstones}
@@ -709,11 +740,23 @@ class Checker:
         except CloudCkptError as exc:
             self.fail(f"{what}: the manifest does not verify: {exc}")
         for entry in manifest.files:
-            key = rec.ckpt + protocol.FILES_DIR + entry.path
-            try:
-                body, _ = self.raw.get(key)
-            except StoreError:
-                self.fail(f"{what}: {entry.path} is missing")
+            if entry.chunks is not None:
+                parts = []
+                for chunk in entry.chunks:
+                    self.chunk_users[chunk.owner].add(rec.ckpt)
+                    try:
+                        parts.append(self.raw.get(chunk.key)[0])
+                    except StoreError:
+                        self.fail(f"{what}: chunk {chunk.key} of {entry.path} is missing")
+                    if hashlib.sha256(parts[-1]).hexdigest() != chunk.sha256:
+                        self.fail(f"{what}: chunk {chunk.key} does not match its name")
+                body = b"".join(parts)
+            else:
+                key = rec.ckpt + protocol.FILES_DIR + entry.path
+                try:
+                    body, _ = self.raw.get(key)
+                except StoreError:
+                    self.fail(f"{what}: {entry.path} is missing")
             if len(body) != entry.size or digest.tree_digest(body) != entry.digest:
                 self.fail(f"{what}: {entry.path} does not match its size and digest")
 
@@ -914,6 +957,9 @@ class Simulation:
             files[name] = rng.randbytes(size)
         if self.profile.big_files and rng.random() < 0.3:
             files["big.bin"] = rng.randbytes(digest.CHUNK_SIZE + rng.randint(1, 5000))
+        if rng.random() < 0.8:
+            # Frozen weights shared by most saves: chunks that later checkpoints reuse.
+            files["base/frozen.bin"] = random.Random(f"base{rng.randint(0, 1)}").randbytes(3000)
         return files
 
     def transfer_config(self) -> TransferConfig:
@@ -1082,6 +1128,8 @@ class Simulation:
         else:
             c.acknowledged(info.commit_id, key, actor.name)
             self.result.counters["acks"] += 1
+            if mgr.last_upload is not None:
+                self.result.counters["chunks_reused"] += mgr.last_upload.chunks_reused
         return True
 
     def _gc(self, actor: _Actor) -> None:
@@ -1219,7 +1267,10 @@ class Simulation:
         if latest.tombstones:
             c.fail(f"I10: tombstones left after GC converged: {latest.tombstones}")
         refs = latest.referenced_prefixes()
-        leftovers = {_prefix_of(o.key) for o in self.memory.list("ckpt/")} - refs
+        named = self.checker.named_chunks(latest)
+        leftovers = {
+            _prefix_of(o.key) for o in self.memory.list("ckpt/") if o.key not in named
+        } - refs
         if leftovers:
             c.fail(f"I10: unreferenced attempts left after GC converged: {sorted(leftovers)}")
         if self.memory.list_multipart(""):
@@ -1248,7 +1299,12 @@ class Simulation:
         targets += [k.key for k in raw.list(protocol.COMMITS_PREFIX)][-1:]
         files = [e for e in manifest.files if e.size]
         if files:
-            targets.append(current.ckpt + protocol.FILES_DIR + rng.choice(files).path)
+            entry = rng.choice(files)
+            if entry.chunks is not None:
+                targets.append(rng.choice(entry.chunks).key)
+                self.result.counters["chunk_flips"] += 1
+            else:
+                targets.append(current.ckpt + protocol.FILES_DIR + entry.path)
         for key in targets:
             original, _ = raw.get(key)
             bit = flip_bit(raw, key, seed=rng.getrandbits(32))

@@ -41,6 +41,8 @@ def content(step: int) -> dict[str, bytes]:
     }
     if step % 7 == 0:
         files["extra/empty"] = b""
+    # Frozen weights every checkpoint shares: stored once, as a chunk later saves name.
+    files["base/frozen.bin"] = random.Random("frozen").randbytes(64_000)
     return files
 
 

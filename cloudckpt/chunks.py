@@ -1,0 +1,553 @@
+"""Incremental checkpoints: files stored as content-addressed chunks shared across saves.
+
+Layout. A chunk is stored once, under the attempt that uploaded it first::
+
+    ckpt/<attempt>/chunks/<sha256>      the chunk's bytes, written create-only
+
+A chunked manifest (``cloudckpt.manifest/2``) lists each file as its chunks, each a
+(owner prefix, SHA-256, size) triple; a later checkpoint whose file holds the same bytes
+names the chunk where it already lies, in an earlier attempt's prefix. See docs/design.md
+("Chunks") for why chunks live in attempt prefixes and not in a shared directory.
+
+Cut points. Every chunk lies inside one 8 MiB digest leaf (``cloudckpt.digest``), so a
+chunk that is a whole leaf has the leaf's digest as its name and costs no hashing beyond
+the file digest. With ``mode="tensor"`` a safetensors file or a ``torch.save`` zip is also
+cut where each tensor (zip member) of at least ``MIN_PIECE`` bytes starts and ends: a
+tensor that did not change keeps its chunks even when a neighbour in the same leaf changed
+(LoRA adapters stored between frozen base weights). Smaller tensors stay together.
+
+Which chunks to upload. The manager keeps a ``ChunkIndex`` of the chunks of the last
+checkpoint it committed (or, after a restart, of the current checkpoint's manifest: one
+GET). Only chunks missing from it are uploaded; nothing is asked of the store per chunk.
+
+Safety (the commit and GC rules):
+
+- A save may name a chunk of an earlier checkpoint only if that checkpoint (the chunk's
+  *source* in the index) is retained (current or history) in the LATEST its commit
+  replaces: ``ChunkIndex.requires`` runs inside the compare-and-swap loop. A checkpoint
+  can leave the retained set but never re-enter it (a pin of a pending tombstone aside,
+  and GC marks a tombstone ``deleting`` before it deletes anything, after which no pin
+  brings it back), so the chunk is referenced by a retained manifest at the instant of
+  the commit and by the new manifest ever after.
+- GC (``protected_chunk_keys``) deletes a chunk only if no manifest of any checkpoint in
+  the LATEST that GC itself wrote (retained, pinned, or tombstoned and not being deleted
+  in this pass) names it. Every commit after that write can only name chunks that some
+  manifest in it names (the rule above, by induction over commits), or chunks of its own
+  attempt (young, so protected by the grace period like any in-flight attempt). If a
+  manifest cannot be read, GC keeps every chunk.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+import struct
+import threading
+import zipfile
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Literal
+
+from cloudckpt import digest, protocol
+from cloudckpt.errors import (
+    ChunkSourceDroppedError,
+    CorruptionError,
+    MissingChunkError,
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    StagingError,
+    StoreError,
+)
+from cloudckpt.failpoints import hit as failpoint
+from cloudckpt.protocol import ChunkRef, FileEntry, Latest, Manifest
+from cloudckpt.retry import call_with_retries
+from cloudckpt.stores import CREATE, Store
+
+ChunkingMode = Literal["tensor", "fixed", "off"]
+MODES = ("tensor", "fixed", "off")
+LEAF = digest.CHUNK_SIZE
+#: Tensors (zip members) at least this big get chunk boundaries of their own.
+MIN_PIECE = 1024 * 1024
+
+
+# --------------------------------------------------------------------------- cut points
+
+
+def _safetensors_cuts(path: Path, size: int) -> list[int]:
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return []
+        (n,) = struct.unpack("<Q", head)
+        if n <= 1 or 8 + n > size or n > 100 * 1024 * 1024:
+            return []
+        header = json.loads(f.read(n))
+    base = 8 + n
+    cuts = [base]
+    for name, info in header.items():
+        if name == "__metadata__" or not isinstance(info, dict):
+            continue
+        start, end = info["data_offsets"]
+        if end - start >= MIN_PIECE:
+            cuts += [base + start, base + end]
+    return cuts
+
+
+def _zip_cuts(path: Path) -> list[int]:
+    cuts = []
+    with zipfile.ZipFile(path) as z, open(path, "rb") as f:
+        for info in z.infolist():
+            if info.compress_type != zipfile.ZIP_STORED or info.file_size < MIN_PIECE:
+                continue
+            f.seek(info.header_offset)
+            local = f.read(30)
+            if local[:4] != b"PK\x03\x04":
+                return []
+            name_len, extra_len = struct.unpack("<HH", local[26:30])
+            start = info.header_offset + 30 + name_len + extra_len
+            cuts += [start, start + info.file_size]
+    return cuts
+
+
+def tensor_cuts(path: Path, size: int) -> list[int]:
+    """Offsets where tensors of at least ``MIN_PIECE`` bytes start and end, for
+    safetensors files and ``torch.save`` zips; [] for anything else (or unparsable)."""
+    if size < MIN_PIECE:
+        return []
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic == b"PK\x03\x04":
+            return _zip_cuts(path)
+        if path.name.endswith(".safetensors"):
+            return _safetensors_cuts(path, size)
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, struct.error):
+        return []
+    return []
+
+
+def plan(path: Path, size: int, mode: ChunkingMode) -> list[tuple[int, int]]:
+    """(offset, length) of every chunk of the file: the 8 MiB leaf grid, plus tensor
+    boundaries with ``mode="tensor"``."""
+    cuts = set(range(0, size, LEAF))
+    if mode == "tensor":
+        cuts.update(c for c in tensor_cuts(path, size) if 0 < c < size)
+    points = [*sorted(cuts), size]
+    return [(a, b - a) for a, b in itertools.pairwise(points) if b > a]
+
+
+# --------------------------------------------------------------------------- the index
+
+
+@dataclasses.dataclass(frozen=True)
+class _Known:
+    ref: ChunkRef
+    source: str  # commit_id of the checkpoint whose manifest names the chunk
+
+
+class ChunkIndex:
+    """The chunks a save may reuse without uploading: those of one committed manifest."""
+
+    def __init__(self, known: Iterable[_Known] = ()) -> None:
+        self._by_sha: dict[str, _Known] = {k.ref.sha256: k for k in known}
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> ChunkIndex:
+        return cls(_Known(c, manifest.commit_id) for f in manifest.files for c in f.chunks or ())
+
+    def __len__(self) -> int:
+        return len(self._by_sha)
+
+    def get(self, sha256: str, size: int) -> _Known | None:
+        known = self._by_sha.get(sha256)
+        return known if known is not None and known.ref.size == size else None
+
+
+@dataclasses.dataclass
+class UploadStats:
+    """What a chunked upload did: chunks and bytes sent, and reused by reference."""
+
+    chunks_uploaded: int = 0
+    bytes_uploaded: int = 0
+    chunks_reused: int = 0
+    bytes_reused: int = 0
+    sources: set[str] = dataclasses.field(default_factory=set)
+
+    def requires(self, base: Latest) -> None:
+        """Refuse a commit over a LATEST in which a reused chunk's source checkpoint is no
+        longer retained (see the module docstring)."""
+        retained = {r.commit_id for r in base.retained()}
+        lost = self.sources - retained
+        if lost:
+            raise ChunkSourceDroppedError(
+                f"checkpoint(s) {', '.join(sorted(lost))} whose chunks this save reuses are "
+                "no longer retained"
+            )
+
+
+# --------------------------------------------------------------------------- upload
+
+
+def _read_at(path: Path, offset: int, length: int) -> bytes:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise StagingError(f"cannot read staged file {path}: {exc.strerror}") from None
+    try:
+        parts, got = [], 0
+        while got < length:
+            part = os.pread(fd, length - got, offset + got)
+            if not part:
+                raise StagingError(f"staged file {path} shrank while it was being uploaded")
+            parts.append(part)
+            got += len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+class _Uploader:
+    def __init__(self, engine, store: Store, prefix: str, index: ChunkIndex, progress) -> None:
+        self.engine, self.store, self.prefix, self.index = engine, store, prefix, index
+        self.progress = progress
+        self.stats = UploadStats()
+        self._lock = threading.Lock()
+        self._claimed: set[str] = set()
+
+    def _put(self, sha: str, data: bytes) -> None:
+        key = f"{self.prefix}{protocol.CHUNKS_DIR}{sha}"
+        known = digest.known_sha256(data, bytes.fromhex(sha)) if type(data) is bytes else None
+        try:
+            with known or nullcontext():
+                self.engine.retry(lambda: self.store.put(key, data, mode=CREATE), f"upload {key}")
+        except PreconditionFailedError:
+            pass  # content-addressed and create-only: whoever won wrote these bytes
+        failpoint("save.after_part")
+
+    def span(self, path: Path, offset: int, pieces: list[tuple[int, int]]):
+        """One leaf: read it, hash it and its chunks, upload the chunks the index lacks."""
+        length = sum(n for _, n in pieces)
+        data = _read_at(path, offset, length)
+        leaf = digest.leaf(data)
+        refs = []
+        for off, n in pieces:
+            if n == length:
+                chunk, sha = data, leaf.hex()
+            else:
+                chunk = data[off - offset : off - offset + n]
+                sha = hashlib.sha256(chunk).hexdigest()
+            known = self.index.get(sha, n)
+            with self._lock:
+                if known is not None:
+                    self.stats.chunks_reused += 1
+                    self.stats.bytes_reused += n
+                    self.stats.sources.add(known.source)
+                    refs.append(known.ref)
+                    continue
+                first = sha not in self._claimed
+                self._claimed.add(sha)
+            if first:
+                self._put(sha, chunk)
+                with self._lock:
+                    self.stats.chunks_uploaded += 1
+                    self.stats.bytes_uploaded += n
+            refs.append(ChunkRef(self.prefix, sha, n))
+        if self.progress is not None:
+            with self._lock:
+                self.progress(length)
+        return leaf, refs
+
+
+def upload_chunked(
+    engine,
+    store: Store,
+    prefix: str,
+    files: Sequence[tuple[str, Path]],
+    index: ChunkIndex,
+    mode: ChunkingMode = "tensor",
+    progress: Callable[[int], None] | None = None,
+) -> tuple[list[FileEntry], UploadStats]:
+    """Upload ``files`` (relative path, local path) as chunks under the attempt ``prefix``,
+    skipping chunks ``index`` holds; return their manifest entries and what was sent.
+
+    Raises StagingError (a file unreadable or changed meanwhile) or StoreError.
+    """
+    up = _Uploader(engine, store, prefix, index, progress)
+    jobs = []
+    for rel, path in files:
+        try:
+            before = os.stat(path)
+        except OSError as exc:
+            raise StagingError(f"cannot read staged file {path}: {exc.strerror}") from None
+        size = before.st_size
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for off, n in plan(path, size, mode):
+            spans.setdefault(off // LEAF * LEAF, []).append((off, n))
+        futures = [engine.submit(up.span, path, start, p) for start, p in sorted(spans.items())]
+        jobs.append((rel, path, before, futures))
+    entries = []
+    try:
+        for rel, path, before, futures in jobs:
+            results = engine.wait_all(futures)
+            try:
+                after = os.stat(path)
+            except OSError as exc:
+                raise StagingError(f"staged file {path} became unreadable: {exc}") from None
+            if (after.st_size, after.st_mtime_ns, after.st_ino) != (
+                before.st_size,
+                before.st_mtime_ns,
+                before.st_ino,
+            ):
+                raise StagingError(f"staged file {path} changed while it was being uploaded")
+            leaves = [leaf for leaf, _ in results]
+            refs = tuple(r for _, rs in results for r in rs)
+            entries.append(
+                FileEntry(rel, before.st_size, digest.root(leaves, before.st_size), refs)
+            )
+    except BaseException:
+        for _, _, _, futures in jobs:
+            for f in futures:
+                f.cancel()
+        cf.wait([f for *_, fs in jobs for f in fs])
+        raise
+    return entries, up.stats
+
+
+def check_uploaded(store: Store, prefix: str, entries: Sequence[FileEntry]) -> None:
+    """One listing of the attempt's ``chunks/``: every chunk it uploaded is stored whole.
+    (Chunks of earlier checkpoints are vouched for by their retained manifests.)"""
+    own = {c.sha256: c.size for e in entries for c in e.chunks or () if c.owner == prefix}
+    if not own:
+        return
+    where = prefix + protocol.CHUNKS_DIR
+    listed = call_with_retries(lambda: list(store.list(where)), what="list the uploaded chunks")
+    sizes = {o.key[len(where) :]: o.size for o in listed}
+    for sha, size in own.items():
+        if sizes.get(sha) != size:
+            raise StoreError(
+                f"{store.url}{where}{sha} holds {sizes.get(sha)} bytes after uploading {size} bytes; "
+                "the checkpoint was not committed",
+                key=where + sha,
+                hint="The store or a proxy lost part of the upload. Save again",
+            )
+
+
+# --------------------------------------------------------------------------- restore
+
+
+def owners(manifest: Manifest) -> set[str]:
+    return {c.owner for f in manifest.files for c in f.chunks or ()}
+
+
+def check_chunk_objects(store: Store, manifest: Manifest, step: int) -> None:
+    """One listing per owner prefix: every chunk exists with its size.
+    Raises MissingChunkError."""
+    sizes: dict[str, int] = {}
+    for owner in sorted(owners(manifest)):
+        where = owner + protocol.CHUNKS_DIR
+        for o in store.list(where):
+            sizes[o.key] = o.size
+    for f in manifest.files:
+        for c in f.chunks or ():
+            got = sizes.get(c.key)
+            if got is None:
+                raise MissingChunkError(f"chunk {c.key} of {f.path} (step {step}) is missing")
+            if got != c.size:
+                raise MissingChunkError(
+                    f"chunk {c.key} of {f.path} (step {step}) is {got} bytes, expected {c.size}"
+                )
+
+
+def _fetch_chunk(engine, store: Store, ref: ChunkRef, buf: bytearray | None = None):
+    """A chunk's bytes (read into ``buf`` where the store can), verified against its name
+    (re-read once on a mismatch: a damaged response is not a damaged object)."""
+    into = getattr(store, "get_range_into", None) if buf is not None else None
+    for _ in range(2):
+        try:
+            if into is not None:
+                view = memoryview(buf)[: ref.size]
+                got = engine.retry(lambda v=view: into(ref.key, 0, v), f"download {ref.key}")
+                data = view[:got]
+            else:
+                data = engine.retry(
+                    lambda: store.get_range(ref.key, 0, ref.size), f"download {ref.key}"
+                )
+        except ObjectNotFoundError:
+            raise MissingChunkError(f"chunk {ref.key} is missing from the store") from None
+        if len(data) == ref.size and hashlib.sha256(data).hexdigest() == ref.sha256:
+            return data
+    raise MissingChunkError(f"chunk {ref.key} does not match its digest")
+
+
+class _Buffers:
+    """Chunk-sized download buffers reused within one restore (fresh memory costs a page
+    fault per 4 KiB on first touch)."""
+
+    def __init__(self) -> None:
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> bytearray:
+        with self._lock:
+            return self._free.pop() if self._free else bytearray(LEAF)
+
+    def give(self, buf: bytearray) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+
+class _Target:
+    def __init__(self, target: Path, count: int) -> None:
+        self.target, self.missing = target, count
+        self.lock = threading.Lock()
+
+    def done_one(self) -> bool:
+        with self.lock:
+            self.missing -= 1
+            return self.missing == 0
+
+
+def _download_chunk(
+    engine, store, ref: ChunkRef, t: _Target, offset: int, progress, buffers: _Buffers
+) -> None:
+    buf = buffers.take()
+    try:
+        data = _fetch_chunk(engine, store, ref, buf)
+        failpoint("restore.after_range")
+        fd = os.open(t.target, os.O_WRONLY)
+        try:
+            view, written = memoryview(data), 0
+            while written < len(data):
+                written += os.pwrite(fd, view[written:], offset + written)
+        finally:
+            os.close(fd)
+        if isinstance(data, memoryview):
+            data.release()
+    finally:
+        buffers.give(buf)
+    if progress is not None:
+        progress(ref.size)
+    if t.done_one():
+        fd = os.open(t.target, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def download(
+    engine,
+    store: Store,
+    files_prefix: str,
+    entries: Sequence[FileEntry],
+    dest: Path,
+    chunk_size: int = LEAF,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Download ``entries`` (validated manifest entries) into ``dest``, as
+    ``TransferEngine.download_files`` does: plain files through the engine, chunked ones
+    chunk by chunk in parallel, each chunk verified against its SHA-256.
+    Raises CorruptionError (MissingChunkError for a chunk) or StoreError."""
+    plain = [f for f in entries if f.chunks is None]
+    chunked = [f for f in entries if f.chunks is not None]
+    if progress is not None:
+        callback, lock = progress, threading.Lock()
+
+        def progress(n: int) -> None:
+            with lock:
+                callback(n)
+
+    tasks = []
+    buffers = _Buffers()
+    for entry in chunked:
+        target = dest.joinpath(*entry.path.split("/"))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.ftruncate(fd, entry.size)
+            if entry.size == 0:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        t = _Target(target, len(entry.chunks))
+        offset = 0
+        for ref in entry.chunks:
+            tasks.append(
+                engine.submit(_download_chunk, engine, store, ref, t, offset, progress, buffers)
+            )
+            offset += ref.size
+    try:
+        if plain:
+            engine.download_files(store, files_prefix, plain, dest, chunk_size, progress)
+    finally:
+        if plain and tasks:
+            cf.wait(tasks)
+    engine.wait_all(tasks)
+
+
+def read_and_check(engine, store: Store, entry: FileEntry) -> list[str]:
+    """verify --read-data: read every chunk of ``entry`` in turn (one in memory at a time),
+    check each chunk's digest and the file's digest tree. Returns the problems found."""
+    leaves: list[bytes] = []
+    leaf = hashlib.sha256()
+    filled = 0
+    for ref in entry.chunks or ():
+        try:
+            data = _fetch_chunk(engine, store, ref)
+        except CorruptionError as exc:
+            return [f"{entry.path}: {exc.message}"]
+        leaf.update(data)  # chunks never cross a leaf: a leaf ends on a chunk boundary
+        filled += len(data)
+        if filled == LEAF:
+            leaves.append(leaf.digest())
+            leaf, filled = hashlib.sha256(), 0
+    if filled:
+        leaves.append(leaf.digest())
+    try:
+        ok = digest.root(leaves, entry.size) == entry.digest
+    except ValueError:
+        ok = False
+    return [] if ok else [f"{entry.path}: content does not match its digest"]
+
+
+# --------------------------------------------------------------------------- GC
+
+
+def chunk_keys(manifest: Manifest) -> set[str]:
+    return {c.key for f in manifest.files for c in f.chunks or ()}
+
+
+def protected_chunk_keys(
+    store: Store, latest: Latest, deleting: Iterable[str] = ()
+) -> set[str] | None:
+    """Keys of every chunk named by a manifest of a checkpoint in ``latest`` (retained or
+    tombstoned), except the checkpoints in ``deleting`` (commit ids). None if a manifest
+    could not be read: then no chunk may be deleted."""
+    from cloudckpt.restore import fetch_manifest
+
+    skip = set(deleting)
+    records = [*latest.retained(), *(t.record for t in latest.tombstones)]
+    keys: set[str] = set()
+    for rec in records:
+        if rec.commit_id in skip:
+            continue
+        try:
+            manifest = fetch_manifest(store, rec)
+        except (CorruptionError, protocol.CorruptRecordError, ValueError):
+            return None
+        except Exception as exc:  # UnsafePathError and the like: be conservative
+            if isinstance(exc, StoreError):
+                raise
+            return None
+        keys |= chunk_keys(manifest)
+    return keys
+
+
+def is_chunk_key(key: str) -> bool:
+    parts = key.split("/")
+    return len(parts) == 4 and parts[0] == "ckpt" and parts[2] + "/" == protocol.CHUNKS_DIR
