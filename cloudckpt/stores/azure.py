@@ -156,6 +156,31 @@ def parse_azure_netloc(scheme: str, netloc: str) -> tuple[str, str | None]:
     return container, account
 
 
+_SAS_SIGNATURE = re.compile(r"([?&]sig=)[^&\s\"']+")
+
+
+class _RedactSasSignatures(logging.Filter):
+    """Masks ``sig=`` in log records: a SAS token travels in the request URL, and urllib3
+    logs every URL at DEBUG level (azure-core's own logging policy redacts it; urllib3's
+    does not), so a user who turns on debug logging would otherwise log a live credential."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "sig=" in message:
+            record.msg, record.args = _SAS_SIGNATURE.sub(r"\1REDACTED", message), None
+        return True
+
+
+_REDACTOR = _RedactSasSignatures()
+
+
+def _hide_sas_signatures_in_http_logs() -> None:
+    """Install the redacting filter on urllib3's request logger (once per process)."""
+    urllib3_log = logging.getLogger("urllib3.connectionpool")
+    if _REDACTOR not in urllib3_log.filters:
+        urllib3_log.addFilter(_REDACTOR)
+
+
 def _parse_connection_string(value: str) -> dict[str, str]:
     parts = (p.split("=", 1) for p in value.split(";") if "=" in p)
     return {k.strip().lower(): v.strip() for k, v in parts}
@@ -207,6 +232,7 @@ class AzureStore(Store):
                 f"for {self.url}",
                 hint=f"Accepted options: account_name, {', '.join(sorted(OPTIONS))}",
             )
+        _hide_sas_signatures_in_http_logs()
         self._service = self._make_client(url_account, account_name, storage_options)
         self._container = self._service.get_container_client(container)
         self._closed = False
