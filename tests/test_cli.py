@@ -74,6 +74,37 @@ def read_tree(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
+@pytest.mark.parametrize("mode", ["tensor", "off"])
+def test_push_chunking_flag(file_target, tmp_path, mode):
+    """push --chunking: by default a second push of the same files uploads nothing new and
+    names the first push's chunks; --chunking off stores whole files every time."""
+    files = make_tree(tmp_path / "ck", 7)
+    url = file_target.url
+    for step in (1, 2):
+        args = ["push", tmp_path / "ck", url, "--step", step, "--chunking", mode, "--force"]
+        ok_json(run(*args, "--json"))
+    second = ok_json(run("ls", url, "--json"))["checkpoints"][0]
+    assert second["step"] == 2 and second["total_bytes"] == sum(map(len, files.values()))
+    shown = ok_json(run("show", url, "--step", 2, "--json"))["manifest"]
+    if mode == "off":
+        assert second["shared_bytes"] == 0 and not shown["chunked"]
+    else:
+        assert second["shared_bytes"] == second["total_bytes"] and shown["chunked"]
+    bad = run("push", tmp_path / "ck", url, "--step", 3, "--chunking", "sometimes")
+    assert bad.exit_code == 2 and "sometimes" in bad.output
+
+
+def test_chunking_flag_offers_every_mode():
+    from cloudckpt.chunks import MODES
+    from cloudckpt.cli._common import chunking_option
+
+    @chunking_option
+    def command(chunking):  # pragma: no cover - only the option is inspected
+        pass
+
+    assert tuple(command.__click_params__[0].type.choices) == MODES
+
+
 def test_push_ls_show_restore_verify_pin_gc(cloud, tmp_path):
     url = cloud.url
     empty = ok_json(run("ls", url, "--json", target=cloud))

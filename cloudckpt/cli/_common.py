@@ -172,6 +172,17 @@ json_option = click.option(
 )
 
 
+chunking_option = click.option(
+    "--chunking",
+    type=click.Choice(["tensor", "fixed", "off"]),  # cloudckpt.chunks.MODES
+    default="tensor",
+    show_default=True,
+    help="How files are stored: content-addressed chunks cut at tensor boundaries (only "
+    "chunks the run does not hold yet are uploaded), chunks at 8 MiB boundaries only, or "
+    "whole files.",
+)
+
+
 def emit_json(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=2, sort_keys=True, default=_jsonable))
 

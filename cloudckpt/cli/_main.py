@@ -24,6 +24,7 @@ from cloudckpt.cli._common import (
     NEEDS_REPAIR,
     CloudCkptGroup,
     StoreArgs,
+    chunking_option,
     emit_json,
     human_bytes,
     info,
@@ -396,6 +397,7 @@ def restore_cmd(
     help="Local staging directory (default: a temporary one; same filesystem as SRC_DIR "
     "makes the snapshot hard links instead of copies).",
 )
+@chunking_option
 @store_options
 @json_option
 def push_cmd(
@@ -407,6 +409,7 @@ def push_cmd(
     keep_last: int | None,
     keep_every: int | None,
     staging_dir: Path | None,
+    chunking: str,
     store_args: StoreArgs,
     as_json: bool,
 ) -> None:
@@ -455,6 +458,7 @@ def push_cmd(
                     staging_dir=staging_dir or own_staging,
                     auto_gc=False,
                     progress=progress,
+                    chunking=chunking,
                     **settings,
                 )
                 try:

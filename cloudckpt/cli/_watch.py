@@ -15,6 +15,7 @@ from cloudckpt.cli._common import (
     DURATION,
     ERROR,
     StoreArgs,
+    chunking_option,
     human_bytes,
     info,
     json_mode,
@@ -87,6 +88,7 @@ def _describe(event: dict[str, Any]) -> str | None:
 )
 @click.option("--keep-last", type=int, help="Retention (default: the run's current setting).")
 @click.option("--keep-every", type=int, help="Also keep every K-th step (default: the run's).")
+@chunking_option
 @store_options
 @json_option
 def watch_cmd(
@@ -100,6 +102,7 @@ def watch_cmd(
     staging_dir: Path | None,
     keep_last: int | None,
     keep_every: int | None,
+    chunking: str,
     store_args: StoreArgs,
     as_json: bool,
 ) -> None:
@@ -126,7 +129,7 @@ def watch_cmd(
             if text:
                 info(text)
 
-    options: dict[str, Any] = {"staging_dir": staging_dir}
+    options: dict[str, Any] = {"staging_dir": staging_dir, "chunking": chunking}
     if keep_last is not None:
         options["keep_last"] = keep_last
     if keep_every is not None:
