@@ -583,24 +583,20 @@ class _Connection:
                 st.pool.give(seg)
             return self._send(204)
         if method == "POST":
-            text = bytes(body).decode()
-            wanted = [
-                (int(n), e)
-                for n, e in re.findall(
-                    r"<PartNumber>(\d+)</PartNumber>\s*<ETag>(.*?)</ETag>", text, re.S
-                )
-            ]
-            if not wanted:  # ETag before PartNumber
-                wanted = [
-                    (int(n), e)
-                    for e, n in re.findall(
-                        r"<ETag>(.*?)</ETag>.*?<PartNumber>(\d+)</PartNumber>", text, re.S
-                    )
-                ]
+            # One <Part> per part, its elements in any order (boto3: PartNumber first;
+            # object_store and the AWS CRT: ETag first, the CRT also adds checksums).
+            wanted = []
+            for elem in re.findall(r"<Part>(.*?)</Part>", bytes(body).decode(), re.S):
+                n = re.search(r"<PartNumber>\s*(\d+)\s*</PartNumber>", elem)
+                e = re.search(r"<ETag>(.*?)</ETag>", elem, re.S)
+                if n is None or e is None:
+                    raise _Error(400, "MalformedXML", "a part without PartNumber or ETag")
+                wanted.append((int(n.group(1)), e.group(1)))
             segments = []
             for n, e in wanted:
                 part = upload.parts.get(n)
-                if part is None or html.unescape(e) != part[1]:
+                # S3 compares ETags with or without their quotes (the AWS CRT drops them).
+                if part is None or html.unescape(e).strip().strip('"') != part[1].strip('"'):
                     raise _Error(400, "InvalidPart", f"part {n} is missing or has another ETag")
                 segments.append(part[0])
             obj = _Object(segments, st.etag(suffix=f"-{len(segments)}"))
