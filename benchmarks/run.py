@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.limits import Limits
-from benchmarks.peers import Peers
+from benchmarks.peers import Peers, _env_creds
 
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
@@ -619,6 +619,36 @@ class Bench:
             (disk / f"state-{r}.pt").unlink()
             s3.drop("torch-boto3/")
 
+        def dcp_endpoint(fs: Any) -> None:
+            """S3StorageWriter/Reader take no endpoint: their S3FileSystem builds its
+            S3Client with ``endpoint=None`` (AWS only). Give it one for this endpoint."""
+            from s3torchconnector._s3client import S3Client
+
+            if s3.endpoint_url:
+                fs._client = S3Client(
+                    REGION, endpoint=s3.endpoint_url, s3client_config=Peers(s3, signing).config()
+                )
+
+        def dcp_s3(r: int) -> dict[str, float]:
+            from s3torchconnector.dcp import S3StorageWriter
+
+            touch()
+            writer = S3StorageWriter(
+                region=REGION,
+                path=f"s3://{s3.bucket}/{s3.root}torch-dcp-s3/{r}/",
+                s3client_config=Peers(s3, signing).config(),
+                thread_count=2,
+            )
+            dcp_endpoint(writer.fs)
+            with warnings.catch_warnings(), _env_creds(s3):
+                warnings.simplefilter("ignore")
+                t0 = time.perf_counter()
+                fut = dcp.async_save(state, storage_writer=writer)
+                t1 = time.perf_counter()
+                fut.result()
+                t2 = time.perf_counter()
+            return {"stall": t1 - t0, "commit": t2 - t0, "s": t2 - t0}
+
         def dcp_async(r: int) -> dict[str, float]:
             touch()
             with warnings.catch_warnings():
@@ -652,6 +682,13 @@ class Bench:
                     "that plus boto3 upload_file (default TransferConfig)",
                 ),
                 Contender(
+                    "DCP async_save S3StorageWriter",
+                    dcp_s3,
+                    lambda r: s3.drop("torch-dcp-s3/"),
+                    note="s3torchconnector's DCP storage writer: stall = until async_save "
+                    "returns; commit = until its future completes (every file in S3)",
+                ),
+                Contender(
                     "DCP async_save",
                     dcp_async,
                     lambda r: _rm(disk / f"dcp-{r}"),
@@ -667,6 +704,18 @@ class Bench:
                     "torch.save + upload_file",
                     2.0,
                     label="save-to-commit vs torch.save + upload_file",
+                ),
+                Comparison(
+                    "stall",
+                    "DCP async_save S3StorageWriter",
+                    2.0,
+                    label="stall vs DCP async_save to S3 (s3torchconnector)",
+                ),
+                Comparison(
+                    "commit",
+                    "DCP async_save S3StorageWriter",
+                    1.0,
+                    label="save-to-commit vs DCP async_save to S3 (s3torchconnector)",
                 ),
             ],
             servers={"server": s3.pid},
@@ -1013,7 +1062,7 @@ def table(results: list[dict[str, Any]]) -> str:
         lines.append("")
         lines.append(g["title"])
         lines.append(
-            f"  {'contender':<28} {'median s':>9} {'GiB/s':>6} {'of limit':>8} {'cpu client':>10} "
+            f"  {'contender':<32} {'median s':>9} {'GiB/s':>6} {'of limit':>8} {'cpu client':>10} "
             f"{'cpu server':>10}   other medians"
         )
         if g.get("limit_gib_per_s"):
@@ -1028,7 +1077,7 @@ def table(results: list[dict[str, Any]]) -> str:
             gib = c.get("gib_per_s")
             frac = c.get("fraction_of_limit")
             lines.append(
-                f"  {name:<28} {_fmt_s(m['s']['median']):>9} "
+                f"  {name:<32} {_fmt_s(m['s']['median']):>9} "
                 f"{'' if gib is None else f'{gib:.2f}':>6} "
                 f"{'' if frac is None else f'{frac:.0%}':>8} "
                 f"{_fmt_s(m['cpu_client_s']['median']):>10} "
@@ -1048,7 +1097,7 @@ def table(results: list[dict[str, Any]]) -> str:
 
 def summary(results: list[dict[str, Any]]) -> str:
     rows = [
-        f"{'group':<14} {'comparison':<46} {'ratio':>7} {'target':>8}  met  "
+        f"{'group':<14} {'comparison':<58} {'ratio':>7} {'target':>8}  met  "
         f"{'cloudckpt':>9} {'peer':>5}  (fraction of the limit)",
     ]
     for g in results:
@@ -1066,7 +1115,7 @@ def summary(results: list[dict[str, Any]]) -> str:
             ]
             lim = "  ".join(f"{'' if f is None else f'{f:.0%}':>5}" for f in fr)
             rows.append(
-                f"{name:<14} {label[:46]:<46} {cmp['speedup']:>6.2f}x {target:>8}  {met:<3}  "
+                f"{name:<14} {label[:58]:<58} {cmp['speedup']:>6.2f}x {target:>8}  {met:<3}  "
                 f"    {lim}".rstrip()
             )
     return "\n".join(rows)

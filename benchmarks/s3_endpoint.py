@@ -13,6 +13,7 @@ bucket create/HEAD/location, PutObject (``If-None-Match: *`` and ``If-Match``), 
 (``Range``, ``If-Match``), HeadObject, DeleteObject, DeleteObjects, ListObjectsV2
 (``prefix``, ``delimiter``, ``max-keys``, ``continuation-token``, ``start-after``),
 multipart (create, upload part, complete with ``If-None-Match``, abort, list uploads),
+CopyObject (whole objects),
 ``Expect: 100-continue``, chunked and ``aws-chunked`` bodies (decoded), keep-alive.
 Anything else answers 501. Not for tests of S3 semantics: use moto for those.
 
@@ -476,7 +477,7 @@ class _Connection:
             )
         if method == "PUT":
             if "x-amz-copy-source" in headers:
-                raise _Error(501, "NotImplemented", "CopyObject")
+                return self._copy(objects, key, headers)
             obj = _Object([body], st.etag(body), headers.get("x-amz-checksum-crc32c"))
             self._store(objects, key, obj, headers)
             extra = {"ETag": obj.etag}
@@ -490,6 +491,26 @@ class _Connection:
         if method in ("GET", "HEAD"):
             return self._get(method, key, objects, headers)
         raise _Error(501, "NotImplemented", f"{method} on an object")
+
+    def _copy(self, objects: dict[str, _Object], key: str, headers: dict[str, str]) -> None:
+        """CopyObject (DCP's storage writers rename ``.metadata`` by copy and delete).
+        The copy owns its bytes: segments go back to the pool when an object is deleted."""
+        source = urllib.parse.unquote(headers["x-amz-copy-source"].split("?")[0]).lstrip("/")
+        src_bucket, _, src_key = source.partition("/")
+        src = self._objects(src_bucket).get(src_key)
+        if src is None:
+            raise _Error(404, "NoSuchKey", "The specified key does not exist.")
+        buf = self.state.pool.take(src.size)
+        pos = 0
+        for seg in src.segments:
+            buf[pos : pos + len(seg)] = seg
+            pos += len(seg)
+        obj = _Object([buf], self.state.etag(buf), src.checksum)
+        self._store(objects, key, obj, headers)
+        self._send_xml(
+            f"<CopyObjectResult {_XMLNS}><LastModified>{_iso(obj.mtime)}</LastModified>"
+            f"<ETag>{html.escape(obj.etag)}</ETag></CopyObjectResult>"
+        )
 
     def _store(
         self, objects: dict[str, _Object], key: str, obj: _Object, headers: dict[str, str]
