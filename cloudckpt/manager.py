@@ -49,7 +49,7 @@ from cloudckpt.restore import _prepare_destination as check_destination
 from cloudckpt.retry import IDEMPOTENT_RETRY, call_with_retries
 from cloudckpt.staging import COMMITTED, DURABLE, FAILED, STAGED, Attempt, StagingArea
 from cloudckpt.stores import CREATE, OVERWRITE, Store, open_store
-from cloudckpt.transfer import ProgressCallback, TransferConfig, TransferEngine
+from cloudckpt.transfer import MemoryFile, ProgressCallback, TransferConfig, TransferEngine
 
 log = logging.getLogger("cloudckpt")
 
@@ -140,6 +140,9 @@ class SaveHandle:
         self.blocking_seconds = 0.0  # time spent in save()'s enter and exit, not the caller's
         self.observed = False
         self.handed_over_at = 0.0
+        # Set by save_state: the files as in-memory buffers, uploaded from memory while the
+        # staged copy (crash recovery only) is written beside the upload (``_save``).
+        self._memory_files: list[tuple[str, MemoryFile]] | None = None
 
     # -- context manager (save()) --
 
@@ -676,6 +679,8 @@ class CheckpointManager:
 
     def _save(self, job: _Job) -> CommitInfo:
         """Upload, write the manifest, commit (runs on the worker thread)."""
+        if job.handle._memory_files is not None and not job.recovered:
+            return self._save_from_memory(job, job.handle._memory_files)
         attempt, handle = job.attempt, job.handle
 
         def make_durable() -> None:
@@ -708,6 +713,48 @@ class CheckpointManager:
             self._fail(attempt)
             raise
         # (A BaseException such as SimulatedCrash leaves everything as a dead process would.)
+        attempt.set_state(COMMITTED)
+        attempt.remove()
+        return self._commit_info(begun, latest, manifest, handle)
+
+    def _save_from_memory(self, job: _Job, files: list[tuple[str, MemoryFile]]) -> CommitInfo:
+        """``_save`` for files held in memory (``save_state``'s host buffers): upload them
+        straight from memory, no round trip through the staging file system. The staged
+        copy, which only a crash before the commit would need, is written and fsynced on a
+        thread of its own beside the upload; the commit does not wait for it, and once the
+        commit lands the copy is cut short and removed (the store holds the checkpoint).
+        A failure to write it (a full staging disk) is logged, not fatal."""
+        attempt, handle = job.attempt, job.handle
+        cancelled = threading.Event()
+
+        def stage() -> None:
+            try:
+                if attempt.write_files(files, cancelled) and not cancelled.is_set():
+                    attempt.fsync_files()
+                    attempt.set_state(DURABLE)
+            except CloudCkptError as exc:
+                if not cancelled.is_set():
+                    log.warning(
+                        "step %d: no local copy for crash recovery: %s", job.handle.step, exc
+                    )
+
+        staged = _run_in_thread(stage, f"cloudckpt-stage-{handle.step}")
+        try:
+            begun = self._begin_attempt(handle.step)
+            entries = self.engine.upload_files(
+                self.store, begun.prefix + protocol.FILES_DIR, files, self._progress
+            )
+            failpoint("save.after_upload")
+            latest, manifest = self._finish_attempt(begun, entries, handle.metadata)
+        except Exception as exc:
+            cancelled.set()
+            cf.wait([staged])  # never remove files still being written
+            if isinstance(exc, FencedError):
+                self._fenced = exc
+            self._fail(attempt)
+            raise
+        cancelled.set()
+        cf.wait([staged])
         attempt.set_state(COMMITTED)
         attempt.remove()
         return self._commit_info(begun, latest, manifest, handle)

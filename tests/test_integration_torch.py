@@ -19,6 +19,7 @@ from safetensors import safe_open  # noqa: E402
 from cloudckpt import CloudCkptError, ConfigurationError  # noqa: E402
 from cloudckpt.integrations import torch as ct  # noqa: E402
 from cloudckpt.integrations.torch import StateSaver, load_state, save_state  # noqa: E402
+from cloudckpt.transfer import MemoryFile  # noqa: E402
 
 
 class Opaque:
@@ -157,26 +158,26 @@ def test_the_loop_waits_only_for_the_copy_and_buffers_are_reused(
     mgr = manager_factory(s3_target)
     weights = {"w": torch.full((256, 256), 1.0), "b": torch.zeros(256)}
 
-    real_save = ct._st.save_file
-    writing = threading.Event()
+    real_read = MemoryFile.read
+    reading = threading.Event()
 
-    def slow_save(tensors, path, metadata=None):
-        writing.set()
-        time.sleep(0.5)  # a slow local disk
-        real_save(tensors, path, metadata=metadata)
+    def slow_read(self, offset, length):
+        reading.set()
+        time.sleep(0.3)  # a slow upload, straight from the host buffers
+        return real_read(self, offset, length)
 
-    monkeypatch.setattr(ct._st, "save_file", slow_save)
+    monkeypatch.setattr(MemoryFile, "read", slow_read)
     first = save_state(mgr, 1, weights)
-    # Returned before the file was written; the tensors may change at once.
-    assert first.blocking_seconds < 0.5
+    # Returned before anything was uploaded; the tensors may change at once.
+    assert first.blocking_seconds < 0.3
     weights["w"].fill_(2.0)
     weights["b"].fill_(2.0)
     saver = ct._savers[mgr]
     allocations = saver.pool.allocations
-    # The second save reuses the buffers, so it must wait for the first write to finish
-    # before copying (otherwise step 1 would be written with step 2's values).
+    # The second save reuses the buffers, which the first save's upload reads: it must
+    # wait for that upload before copying (otherwise step 1 would get step 2's values).
     second = save_state(mgr, 2, weights)
-    assert writing.is_set()
+    assert reading.is_set() and first.done()
     assert saver.pool.allocations == allocations == 2
     first.result(timeout=60)
     second.result(timeout=60)
@@ -191,14 +192,45 @@ def test_the_loop_waits_only_for_the_copy_and_buffers_are_reused(
     assert saver.pool.nbytes == 3 * 4
 
 
+def test_the_upload_reads_the_host_buffers_and_the_staged_copy_is_written_beside_it(
+    s3_target, manager_factory, monkeypatch, tmp_path
+):
+    mgr = manager_factory(s3_target)
+    release = threading.Event()
+    real_read = MemoryFile.read
+
+    def held_read(self, offset, length):
+        release.wait(30)  # the upload is slow; the local copy does not wait for it
+        return real_read(self, offset, length)
+
+    monkeypatch.setattr(MemoryFile, "read", held_read)
+    handle = save_state(mgr, 1, {"w": torch.arange(100_000.0), "b": torch.ones(3)})
+    attempts = mgr.staging.attempts_dir
+    deadline = time.monotonic() + 30
+    journal: dict = {}
+    while time.monotonic() < deadline and journal.get("state") != "durable":
+        found = list(attempts.glob("*/journal.json"))
+        journal = json.loads(found[0].read_text()) if found else {}
+        time.sleep(0.02)
+    assert journal.get("state") == "durable"  # a crash now would be recovered from it
+    staged = next(attempts.glob("*/files/tensors.safetensors")).read_bytes()
+    release.set()
+    assert handle.result(timeout=60).step == 1
+    assert not list(attempts.iterdir())  # the local copy goes once the commit lands
+    restored = mgr.restore(into=tmp_path / "r")
+    assert (restored.path / "tensors.safetensors").read_bytes() == staged
+    state = load_state(restored)
+    assert torch.equal(state["w"], torch.arange(100_000.0))
+
+
 def test_close_waits_for_a_state_still_being_written(s3_target, manager_factory, monkeypatch):
-    real_save = ct._st.save_file
+    real_files = ct._memory_files
 
-    def slow_save(*args, **kwargs):
+    def slow_files(*args, **kwargs):
         time.sleep(0.5)
-        real_save(*args, **kwargs)
+        return real_files(*args, **kwargs)
 
-    monkeypatch.setattr(ct._st, "save_file", slow_save)
+    monkeypatch.setattr(ct, "_memory_files", slow_files)
     mgr = manager_factory(s3_target)
     handle = save_state(mgr, 5, {"x": torch.ones(10)})
     mgr.close()  # must not lose the save whose files were still being written

@@ -75,6 +75,7 @@ import json
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import weakref
@@ -88,6 +89,7 @@ from cloudckpt._version import __version__
 from cloudckpt.errors import CloudCkptError, ConfigurationError, CorruptionError
 from cloudckpt.manager import CheckpointManager, SaveHandle
 from cloudckpt.restore import RestoreResult
+from cloudckpt.transfer import MemoryFile
 
 try:
     import safetensors.torch as _st
@@ -440,6 +442,70 @@ def _memcpy(dst: torch.Tensor, src: torch.Tensor, copiers: cf.Executor | None = 
     ]
 
 
+_ST_NAMES = {dtype: name for name, dtype in getattr(_st, "_TYPES", {}).items()}
+
+
+def _state_doc(tree: Any, flat: _Flattener) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "writer": f"cloudckpt {__version__}, torch {torch.__version__}",
+        "tree": tree,
+        "tensors": {
+            name: {
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+                "device": str(t.device),
+            }
+            for name, t in flat.tensors.items()
+        },
+        "arrays": sorted(flat.arrays),
+        "objects": len(flat.objects),
+        "object_paths": flat.object_paths,
+        "shared_storage": flat.shared_storage(),
+    }
+
+
+def _memory_files(
+    tree: Any,
+    buffers: Mapping[str, torch.Tensor],
+    flat: _Flattener,
+    objects_blob: bytes | None,
+) -> list[tuple[str, MemoryFile]] | None:
+    """The checkpoint's files as in-memory buffers, to upload without writing them first:
+    ``tensors.safetensors`` laid out here (an 8-byte little-endian header length, the JSON
+    header padded with spaces to 8 bytes, then every tensor's bytes back to back, in name
+    order) over the host buffers themselves, no copy; ``state.json``; ``objects.pt``.
+    None when a buffer cannot be laid out so (a dtype without a safetensors name, a
+    big-endian host): the caller then writes the files with safetensors as before."""
+    if sys.byteorder != "little":
+        return None
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    segments: list[Any] = []
+    offset = 0
+    for name in sorted(buffers):
+        t = buffers[name]
+        dtype = _ST_NAMES.get(t.dtype)
+        if dtype is None or t.device.type != "cpu" or not t.is_contiguous():
+            return None
+        nbytes = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        if nbytes:
+            segments.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    files = [(TENSORS_FILE, MemoryFile([len(head).to_bytes(8, "little"), head, *segments]))]
+    if objects_blob is not None:
+        files.append((OBJECTS_FILE, MemoryFile([objects_blob])))
+    doc = json.dumps(_state_doc(tree, flat), allow_nan=False, sort_keys=True).encode()
+    files.append((STATE_FILE, MemoryFile([doc])))
+    return sorted(files)
+
+
 class StateSaver:
     """Saves state dicts through one ``CheckpointManager`` with one reused buffer set.
 
@@ -497,7 +563,10 @@ class StateSaver:
                 try:
                     if "copy_error" in cell:
                         raise cell["copy_error"]
-                    self._write(files_dir, tree, cell["buffers"], flat, objects_blob)
+                    files = _memory_files(tree, cell["buffers"], flat, objects_blob)
+                    if files is None:  # a layout only safetensors' own writer knows
+                        self._write(files_dir, tree, cell["buffers"], flat, objects_blob)
+                    handle._memory_files = files
                 except BaseException as exc:
                     if "copy_error" not in cell:
                         log.error("writing the state of step %d failed: %r", step, exc)
@@ -506,6 +575,10 @@ class StateSaver:
                 caller_done.wait(60)
                 handle.blocking_seconds = cell.get("blocking", 0.0)
                 handle.__exit__(None, None, None)
+                if files is not None:
+                    # The upload (and the staged copy) read the host buffers until the
+                    # save is done: the next save_state waits for that before reusing them.
+                    cf.wait([handle._future])
 
             future = self._executor.submit(background)
             self._previous = future
@@ -560,27 +633,10 @@ class StateSaver:
         flat: _Flattener,
         objects_blob: bytes | None,
     ) -> None:
-        tensors_meta = {
-            name: {
-                "dtype": str(t.dtype).removeprefix("torch."),
-                "shape": list(t.shape),
-                "device": str(t.device),
-            }
-            for name, t in flat.tensors.items()
-        }
         _st.save_file(dict(buffers), str(files_dir / TENSORS_FILE), metadata={"format": "pt"})
         if objects_blob is not None:
             (files_dir / OBJECTS_FILE).write_bytes(objects_blob)
-        doc = {
-            "format": FORMAT,
-            "writer": f"cloudckpt {__version__}, torch {torch.__version__}",
-            "tree": tree,
-            "tensors": tensors_meta,
-            "arrays": sorted(flat.arrays),
-            "objects": len(flat.objects),
-            "object_paths": flat.object_paths,
-            "shared_storage": flat.shared_storage(),
-        }
+        doc = _state_doc(tree, flat)
         (files_dir / STATE_FILE).write_text(json.dumps(doc, allow_nan=False, sort_keys=True))
 
     def wait(self) -> None:
