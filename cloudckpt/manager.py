@@ -728,6 +728,10 @@ class CheckpointManager:
         cancelled = threading.Event()
 
         def stage() -> None:
+            # The upload is what the commit waits for: this thread yields the CPU to it
+            # (a per-thread nice value on Linux; elsewhere a no-op).
+            with contextlib.suppress(AttributeError, OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             try:
                 if attempt.write_files(files, cancelled) and not cancelled.is_set():
                     attempt.fsync_files()
