@@ -414,7 +414,10 @@ def _decode(node: Any, tensors: Mapping[str, torch.Tensor], objects: list[Any]) 
 
 
 _COPY_SLICE = 32 * 1024 * 1024  # bytes per memcpy handed to a copier thread
-_COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+# Four copier threads per core: memcpy is memory-bound, so on an idle host two threads
+# already saturate it, but on a busy one (data loaders, other jobs: the --hogs benchmark)
+# the scheduler shares the CPU per thread, and more threads get the copy a larger share.
+_COPY_THREADS = max(2, min(32, 4 * (os.cpu_count() or 1)))
 
 
 def _memcpy(dst: torch.Tensor, src: torch.Tensor, copiers: cf.Executor | None = None) -> list:
