@@ -58,6 +58,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from benchmarks.limits import Limits
+from benchmarks.peers import Peers, _env_creds
+
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
@@ -109,10 +112,12 @@ class _Quiet:
         self.enabled, self.max_wait, self.threshold = enabled, max_wait, threshold
         self.waited_s = 0.0
         self.busy_starts = 0
+        self.exclude: list[int] = []
 
     def wait(self, pids: list[int | None]) -> None:
         if not self.enabled or not os.path.exists("/proc/stat"):
             return
+        pids = [*pids, *self.exclude]
         started = time.monotonic()
         while _machine_busy_s(pids, 0.5) > self.threshold * (os.cpu_count() or 1):
             if time.monotonic() - started > self.max_wait:
@@ -123,6 +128,21 @@ class _Quiet:
 
 
 QUIET = _Quiet(enabled=True)
+
+
+def _start_hogs(n: int) -> list[subprocess.Popen[bytes]]:
+    """``n`` busy CPU hogs beside the benchmark (``--hogs``): a training job's data loaders
+    or a noisy neighbour. Their CPU time does not count as "busy" for the idle wait."""
+    return [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+        for _ in range(n)
+    ]
+
+
+def _stop_hogs(hogs: list[subprocess.Popen[bytes]]) -> None:
+    for h in hogs:
+        h.kill()
+        h.wait()
 
 
 def _quiesce(pids: list[int | None] = ()) -> None:
@@ -518,6 +538,7 @@ class Bench:
         self.work = Path(tempfile.mkdtemp(prefix="cloudckpt-bench-", dir=args.workdir))
         self.profile_dir = Path(args.profile) if args.profile else None
         self.results: list[dict[str, Any]] = []
+        self.limits: dict[str, Any] | None = None
 
     def close(self) -> None:
         _rm(self.work)
@@ -540,6 +561,16 @@ class Bench:
             # first would upload nothing. Chunked saves: python -m benchmarks.incremental.
             chunking="off",
         )
+
+    def peer_rows(self, peers: Any) -> list[tuple[str, Any, Any, str]]:
+        """The peers to run: all of them, or ``--peers``' comma list."""
+        if peers.s3.kind == "moto":  # moto measures moto: the realism check keeps two clients
+            return []
+        rows = peers.rows()
+        if self.args.peers != "all":
+            wanted = {p.strip() for p in self.args.peers.split(",") if p.strip()}
+            rows = [r for r in rows if r[0] in wanted]
+        return rows
 
     # -- torch: stall and save()-to-commit --------------------------------------------
 
@@ -593,6 +624,36 @@ class Bench:
             (disk / f"state-{r}.pt").unlink()
             s3.drop("torch-boto3/")
 
+        def dcp_endpoint(fs: Any) -> None:
+            """S3StorageWriter/Reader take no endpoint: their S3FileSystem builds its
+            S3Client with ``endpoint=None`` (AWS only). Give it one for this endpoint."""
+            from s3torchconnector._s3client import S3Client
+
+            if s3.endpoint_url:
+                fs._client = S3Client(
+                    REGION, endpoint=s3.endpoint_url, s3client_config=Peers(s3, signing).config()
+                )
+
+        def dcp_s3(r: int) -> dict[str, float]:
+            from s3torchconnector.dcp import S3StorageWriter
+
+            touch()
+            writer = S3StorageWriter(
+                region=REGION,
+                path=f"s3://{s3.bucket}/{s3.root}torch-dcp-s3/{r}/",
+                s3client_config=Peers(s3, signing).config(),
+                thread_count=2,
+            )
+            dcp_endpoint(writer.fs)
+            with warnings.catch_warnings(), _env_creds(s3):
+                warnings.simplefilter("ignore")
+                t0 = time.perf_counter()
+                fut = dcp.async_save(state, storage_writer=writer)
+                t1 = time.perf_counter()
+                fut.result()
+                t2 = time.perf_counter()
+            return {"stall": t1 - t0, "commit": t2 - t0, "s": t2 - t0}
+
         def dcp_async(r: int) -> dict[str, float]:
             touch()
             with warnings.catch_warnings():
@@ -626,6 +687,13 @@ class Bench:
                     "that plus boto3 upload_file (default TransferConfig)",
                 ),
                 Contender(
+                    "DCP async_save S3StorageWriter",
+                    dcp_s3,
+                    lambda r: s3.drop("torch-dcp-s3/"),
+                    note="s3torchconnector's DCP storage writer: stall = until async_save "
+                    "returns; commit = until its future completes (every file in S3)",
+                ),
+                Contender(
                     "DCP async_save",
                     dcp_async,
                     lambda r: _rm(disk / f"dcp-{r}"),
@@ -642,6 +710,18 @@ class Bench:
                     2.0,
                     label="save-to-commit vs torch.save + upload_file",
                 ),
+                Comparison(
+                    "stall",
+                    "DCP async_save S3StorageWriter",
+                    2.0,
+                    label="stall vs DCP async_save to S3 (s3torchconnector)",
+                ),
+                Comparison(
+                    "commit",
+                    "DCP async_save S3StorageWriter",
+                    1.0,
+                    label="save-to-commit vs DCP async_save to S3 (s3torchconnector)",
+                ),
             ],
             servers={"server": s3.pid},
             info={"signing": signing, "endpoint": s3.kind},
@@ -653,6 +733,23 @@ class Bench:
             _rm(disk)
             state.clear()
             gc.collect()
+
+    # -- limits -------------------------------------------------------------------------
+
+    def limits_group(self, mib: int) -> None:
+        lim = Limits(mib * MiB, self.work / "limits")
+        try:
+            group = Group(
+                name="limits",
+                title=f"physical limits of this machine, {mib} MiB each (no comparisons)",
+                nbytes=mib * MiB,
+                contenders=[Contender(n, fn, after) for n, fn, after in lim.contenders()],
+                comparisons=[],
+                servers={"sink": lim.server.pid},
+            )
+            self.limits = _run_group(group, self.args.pairs, self.args.warmup, None)
+        finally:
+            lim.close()
 
     # -- upload -------------------------------------------------------------------------
 
@@ -682,6 +779,17 @@ class Bench:
         def s3fs_put(r: int) -> None:
             fs.put(f"{src}/", f"{s3.bucket}/{s3.root}up-s3fs/{r}/", recursive=True)
 
+        peers = Peers(s3, signing)
+        peer_rows = self.peer_rows(peers)
+
+        def peer_contender(tag: str, name: str, upload: Any, note: str) -> Contender:
+            return Contender(
+                name,
+                lambda r: upload(files, f"{s3.root}up-{tag}/{r}/"),
+                lambda r: s3.drop(f"up-{tag}/"),
+                note=note,
+            )
+
         group = Group(
             name=name,
             title=f"upload {nbytes / GiB:.2f} GiB in {len(files)} files from local disk "
@@ -704,18 +812,24 @@ class Bench:
                     note="one upload_file per file, default TransferConfig",
                 ),
                 Contender("s3fs put", s3fs_put, lambda r: s3.drop("up-s3fs/"), note="recursive"),
+                *(
+                    peer_contender(f"p{i}", name, up, note)
+                    for i, (name, up, _, note) in enumerate(peer_rows)
+                ),
             ],
             comparisons=[
                 Comparison("s", "boto3 upload_file", 1.5),
                 Comparison("s", "s3fs put", 1.5),
+                *(Comparison("s", name, 1.0) for name, *_ in peer_rows),
             ],
             servers={"server": s3.pid},
-            info={"signing": signing, "endpoint": s3.kind},
+            info={"signing": signing, "endpoint": s3.kind, **_limit(s3, "http put (sink)")},
         )
         try:
             self.run(group)
         finally:
             mgr.close()
+            peers.close()
 
     # -- restore ------------------------------------------------------------------------
 
@@ -743,6 +857,18 @@ class Bench:
             out.mkdir(parents=True)
             fs.get(f"{s3.bucket}/{s3.root}down-peer/", f"{out}/", recursive=True)
 
+        peers = Peers(s3, signing)
+        peer_rows = self.peer_rows(peers)
+        names = [f.name for f in files]
+
+        def peer_contender(tag: str, name: str, download: Any, note: str) -> Contender:
+            def run(r: int) -> None:
+                out = dest / f"{tag}-{r}"
+                out.mkdir(parents=True)
+                download(f"{s3.root}down-peer/", names, out)
+
+            return Contender(name, run, lambda r: _rm(dest), note=note)
+
         group = Group(
             name=name,
             title=f"restore {nbytes / GiB:.2f} GiB in {len(files)} files to local disk "
@@ -757,19 +883,26 @@ class Bench:
                     note="one download_file per file, default TransferConfig",
                 ),
                 Contender("s3fs get", s3fs_get, lambda r: _rm(dest), note="recursive"),
+                *(
+                    peer_contender(f"p{i}", name, down, note)
+                    for i, (name, _, down, note) in enumerate(peer_rows)
+                ),
             ],
             comparisons=[
                 Comparison("s", "boto3 download_file", 2.0),
                 Comparison("s", "s3fs get", None),
                 _without_fsync("boto3 download_file"),
+                *(Comparison("s", name, 1.0) for name, *_ in peer_rows),
+                *(_without_fsync(name, 1.0) for name, *_ in peer_rows),
             ],
             servers={"server": s3.pid},
-            info={"signing": signing, "endpoint": s3.kind},
+            info={"signing": signing, "endpoint": s3.kind, **_limit(s3, "http get (source)")},
         )
         try:
             self.run(group)
         finally:
             mgr.close()
+            peers.close()
             s3.drop("down-")
 
     # -- GCS ----------------------------------------------------------------------------
@@ -847,6 +980,12 @@ class Bench:
             gcs.drop("down-")
 
 
+def _limit(s3: S3Target, name: str) -> dict[str, str]:
+    """The limit a group's figures are set against: the loopback HTTP ceiling, for the
+    benchmark endpoint only (moto and real buckets have ceilings of their own)."""
+    return {"limit": name} if s3.kind == "bench" else {}
+
+
 def _restore_contenders(mgr: Any, dest: Path) -> list[Contender]:
     """cloudckpt's restore as shipped, and with fsync switched off (as the peers run)."""
     import cloudckpt.transfer as transfer
@@ -877,10 +1016,10 @@ def _restore_contenders(mgr: Any, dest: Path) -> list[Contender]:
     ]
 
 
-def _without_fsync(peer: str) -> Comparison:
+def _without_fsync(peer: str, target: float = 2.0) -> Comparison:
     """``peer`` against cloudckpt's restore with fsync off: like with like."""
     return Comparison(
-        "s", peer, 2.0, cloudckpt="cloudckpt (no fsync)", label="s (both without fsync)"
+        "s", peer, target, cloudckpt="cloudckpt (no fsync)", label="s (both without fsync)"
     )
 
 
@@ -898,6 +1037,32 @@ def _no_fsync(transfer: Any) -> Iterator[None]:
 # ----------------------------------------------------------------------------- output
 
 
+def apply_limits(results: list[dict[str, Any]], limits: dict[str, Any] | None) -> None:
+    """Each contender's GiB/s as a fraction of its group's limit (``info["limit"]``)."""
+    if not limits:
+        return
+    rates = {n: c.get("gib_per_s") for n, c in limits["contenders"].items()}
+    for g in results:
+        limit = rates.get(g.get("limit", ""))
+        if not limit:
+            continue
+        g["limit_gib_per_s"] = limit
+        for c in g["contenders"].values():
+            if c.get("gib_per_s"):
+                c["fraction_of_limit"] = c["gib_per_s"] / limit
+
+
+def limits_table(limits: dict[str, Any] | None) -> str:
+    if not limits:
+        return ""
+    lines = [limits["title"], f"  {'limit':<28} {'median s':>9} {'GiB/s':>6} {'s per GiB':>9}"]
+    for name, c in limits["contenders"].items():
+        s = c["metrics"]["s"]["median"]
+        gib = c.get("gib_per_s") or float("nan")
+        lines.append(f"  {name:<28} {_fmt_s(s):>9} {gib:>6.2f} {1 / gib:>9.3f}")
+    return "\n".join(lines)
+
+
 def _fmt_s(x: float) -> str:
     return "-" if x != x else (f"{x:.3f}" if x < 1 else f"{x:.2f}")
 
@@ -908,9 +1073,11 @@ def table(results: list[dict[str, Any]]) -> str:
         lines.append("")
         lines.append(g["title"])
         lines.append(
-            f"  {'contender':<28} {'median s':>9} {'GiB/s':>6} {'cpu client':>10} "
+            f"  {'contender':<32} {'median s':>9} {'GiB/s':>6} {'of limit':>8} {'cpu client':>10} "
             f"{'cpu server':>10}   other medians"
         )
+        if g.get("limit_gib_per_s"):
+            lines[-2] += f"  [limit: {g['limit']}, {g['limit_gib_per_s']:.2f} GiB/s]"
         for name, c in g["contenders"].items():
             m = c["metrics"]
             other = ", ".join(
@@ -919,9 +1086,11 @@ def table(results: list[dict[str, Any]]) -> str:
                 if k not in ("s",) and not k.startswith("cpu_")
             )
             gib = c.get("gib_per_s")
+            frac = c.get("fraction_of_limit")
             lines.append(
-                f"  {name:<28} {_fmt_s(m['s']['median']):>9} "
+                f"  {name:<32} {_fmt_s(m['s']['median']):>9} "
                 f"{'' if gib is None else f'{gib:.2f}':>6} "
+                f"{'' if frac is None else f'{frac:.0%}':>8} "
                 f"{_fmt_s(m['cpu_client_s']['median']):>10} "
                 f"{_fmt_s(m.get('cpu_server_s', {}).get('median', float('nan'))):>10}   {other}"
             )
@@ -939,27 +1108,42 @@ def table(results: list[dict[str, Any]]) -> str:
 
 def summary(results: list[dict[str, Any]]) -> str:
     rows = [
-        f"{'group':<14} {'comparison':<46} {'ratio':>7} {'target':>8}  met",
+        f"{'group':<14} {'comparison':<58} {'ratio':>7} {'target':>8}  met  "
+        f"{'cloudckpt':>9} {'peer':>5}  (fraction of the limit)",
     ]
     for g in results:
         for cmp in g["comparisons"]:
-            who = "" if cmp["cloudckpt"] == "cloudckpt" else " (no fsync)"
-            label = f"{cmp['label']} vs {cmp['baseline']}{who}"
+            label = f"{cmp['label']} vs {cmp['baseline']}"
             if cmp["label"].startswith(("stall", "save-to")):
                 label = cmp["label"]
             sig = g.get("signing")
             name = g["name"] + (f"/{sig[0]}" if sig and g["name"] != "torch" else "")
             target = "" if cmp["target"] is None else f">={cmp['target']:g}x"
             met = {True: "yes", False: "NO", None: "-"}[cmp["met"]]
-            rows.append(f"{name:<14} {label[:46]:<46} {cmp['speedup']:>6.2f}x {target:>8}  {met}")
+            fr = [
+                g["contenders"][who].get("fraction_of_limit")
+                for who in (cmp["cloudckpt"], cmp["baseline"])
+            ]
+            lim = "  ".join(f"{'' if f is None else f'{f:.0%}':>5}" for f in fr)
+            rows.append(
+                f"{name:<14} {label[:58]:<58} {cmp['speedup']:>6.2f}x {target:>8}  {met:<3}  "
+                f"    {lim}".rstrip()
+            )
     return "\n".join(rows)
 
 
 def _versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
-    for mod in ("cloudckpt", "torch", "boto3", "botocore", "s3transfer", "s3fs", "gcsfs"):
+    mods = ("cloudckpt", "torch", "boto3", "botocore", "s3transfer", "s3fs", "gcsfs")
+    for mod in (*mods, "awscrt", "obstore", "s3torchconnector", "safetensors"):
         with contextlib.suppress(Exception):
             out[mod] = __import__(mod).__version__
+    with contextlib.suppress(Exception):
+        exe = shutil.which("s5cmd")
+        if exe:
+            out["s5cmd"] = subprocess.run(
+                [exe, "version"], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
     return out
 
 
@@ -981,7 +1165,7 @@ def _machine() -> dict[str, Any]:
 # ----------------------------------------------------------------------------- main
 
 
-GROUPS = ("torch", "s3", "gcs", "moto")
+GROUPS = ("limits", "torch", "s3", "gcs", "moto")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -1008,6 +1192,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", default="cloudckpt-bench.json", help="where to write results")
     p.add_argument("--profile", metavar="DIR", help="write profiles here (py-spy, pyinstrument)")
     p.add_argument(
+        "--peers",
+        default="all",
+        help="comma list of the S3 peers to run (s5cmd, obstore, boto3 CRT, s3torchconnector, "
+        "boto3 tuned, s3fs tuned) or 'all'",
+    )
+    p.add_argument(
+        "--hogs",
+        type=int,
+        nargs="?",
+        const=2,
+        default=0,
+        help="run N busy CPU hogs (python -c 'while True: pass') beside the benchmark "
+        "(default with the flag: 2)",
+    )
+    p.add_argument("--limits-mib", type=int, default=1024, help="bytes per limit measurement")
+    p.add_argument(
+        "--max-idle-wait",
+        type=float,
+        default=120.0,
+        help="seconds to wait at most for an idle machine before each measurement",
+    )
+    p.add_argument(
         "--no-wait-idle",
         action="store_true",
         help="do not wait for other processes to leave the CPUs idle before each measurement",
@@ -1016,7 +1222,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.pairs = min(args.pairs, 1) if "--pairs" not in (argv or sys.argv) else args.pairs
         args.warmup = 0
-        args.mib = args.state_mib = args.gcs_mib = args.moto_mib = 24
+        args.mib = args.state_mib = args.gcs_mib = args.moto_mib = args.limits_mib = 24
         args.files = 2
         args.tensors = 2
     return args
@@ -1025,6 +1231,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     QUIET.enabled = not args.no_wait_idle and not args.quick
+    QUIET.max_wait = args.max_idle_wait
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     groups = [g.strip() for g in args.groups.split(",") if g.strip()]
     unknown = set(groups) - set(GROUPS)
@@ -1035,12 +1242,16 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--signing takes unsigned, signed or both")
     started = time.time()
     bench = Bench(args)
+    hogs = _start_hogs(args.hogs)
+    QUIET.exclude = [h.pid for h in hogs]
     print(
         f"cloudckpt benchmarks: pairs={args.pairs} warm-up={args.warmup} work={bench.work} "
-        f"signing={','.join(signings)}",
+        f"signing={','.join(signings)} hogs={len(hogs)}",
         flush=True,
     )
     try:
+        if "limits" in groups:
+            bench.limits_group(args.limits_mib)
         if "torch" in groups or "s3" in groups:
             s3 = S3Target("real", args.s3_url) if args.s3_url else S3Target("bench")
             try:
@@ -1067,7 +1278,9 @@ def main(argv: list[str] | None = None) -> int:
                 moto.close()
     finally:
         bench.close()
+        _stop_hogs(hogs)
 
+    apply_limits(bench.results, bench.limits)
     doc = {
         "schema": SCHEMA,
         "command": " ".join(
@@ -1088,6 +1301,9 @@ def main(argv: list[str] | None = None) -> int:
             "signing": signings,
             "s3_url": args.s3_url,
             "gcs_url": args.gcs_url,
+            "hogs": args.hogs,
+            "peers": args.peers,
+            "limits_mib": args.limits_mib,
         },
         "machine": _machine(),
         "idle_wait": {
@@ -1096,8 +1312,10 @@ def main(argv: list[str] | None = None) -> int:
             "measurements_started_busy": QUIET.busy_starts,
         },
         "versions": _versions(),
+        "limits": bench.limits,
         "groups": bench.results,
     }
+    print("\n" + limits_table(bench.limits))
     print("\n" + table(bench.results))
     print("\n" + summary(bench.results))
     Path(args.json).write_text(json.dumps(doc, indent=2, allow_nan=True) + "\n")

@@ -67,6 +67,7 @@ from cloudckpt.failpoints import hit as failpoint
 from cloudckpt.protocol import ChunkRef, FileEntry, Latest, Manifest
 from cloudckpt.retry import call_with_retries
 from cloudckpt.stores import CREATE, Store
+from cloudckpt.transfer import MemoryFile, read_at
 
 ChunkingMode = Literal["tensor", "fixed", "off"]
 MODES = ("tensor", "fixed", "off")
@@ -78,15 +79,15 @@ MIN_PIECE = 1024 * 1024
 # --------------------------------------------------------------------------- cut points
 
 
-def _safetensors_cuts(path: Path, size: int) -> list[int]:
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return []
-        (n,) = struct.unpack("<Q", head)
-        if n <= 1 or 8 + n > size or n > 100 * 1024 * 1024:
-            return []
-        header = json.loads(f.read(n))
+def _safetensors_cuts(read: Callable[[int, int], bytes], size: int) -> list[int]:
+    """Cut points of a safetensors file whose bytes ``read(offset, length)`` returns."""
+    head = read(0, 8)
+    if len(head) < 8:
+        return []
+    (n,) = struct.unpack("<Q", head)
+    if n <= 1 or 8 + n > size or n > 100 * 1024 * 1024:
+        return []
+    header = json.loads(read(8, n))
     base = 8 + n
     cuts = [base]
     for name, info in header.items():
@@ -114,29 +115,36 @@ def _zip_cuts(path: Path) -> list[int]:
     return cuts
 
 
-def tensor_cuts(path: Path, size: int) -> list[int]:
+def tensor_cuts(source: Path | MemoryFile, size: int, name: str | None = None) -> list[int]:
     """Offsets where tensors of at least ``MIN_PIECE`` bytes start and end, for
-    safetensors files and ``torch.save`` zips; [] for anything else (or unparsable)."""
+    safetensors files and ``torch.save`` zips (a file on disk, or ``save_state``'s
+    in-memory safetensors); [] for anything else (or unparsable). ``name`` is the file's
+    name in the checkpoint (default: the path's)."""
     if size < MIN_PIECE:
         return []
+    name = name if name is not None else getattr(source, "name", "")
     try:
-        with open(path, "rb") as f:
+        if isinstance(source, MemoryFile):
+            return _safetensors_cuts(source.read, size) if name.endswith(".safetensors") else []
+        with open(source, "rb") as f:
             magic = f.read(4)
         if magic == b"PK\x03\x04":
-            return _zip_cuts(path)
-        if path.name.endswith(".safetensors"):
-            return _safetensors_cuts(path, size)
+            return _zip_cuts(source)
+        if name.endswith(".safetensors"):
+            return _safetensors_cuts(lambda off, n: read_at(source, off, n), size)
     except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, struct.error):
         return []
     return []
 
 
-def plan(path: Path, size: int, mode: ChunkingMode) -> list[tuple[int, int]]:
+def plan(
+    source: Path | MemoryFile, size: int, mode: ChunkingMode, name: str | None = None
+) -> list[tuple[int, int]]:
     """(offset, length) of every chunk of the file: the 8 MiB leaf grid, plus tensor
     boundaries with ``mode="tensor"``."""
     cuts = set(range(0, size, LEAF))
     if mode == "tensor":
-        cuts.update(c for c in tensor_cuts(path, size) if 0 < c < size)
+        cuts.update(c for c in tensor_cuts(source, size, name) if 0 < c < size)
     points = [*sorted(cuts), size]
     return [(a, b - a) for a, b in itertools.pairwise(points) if b > a]
 
@@ -193,24 +201,6 @@ class UploadStats:
 # --------------------------------------------------------------------------- upload
 
 
-def _read_at(path: Path, offset: int, length: int) -> bytes:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        raise StagingError(f"cannot read staged file {path}: {exc.strerror}") from None
-    try:
-        parts, got = [], 0
-        while got < length:
-            part = os.pread(fd, length - got, offset + got)
-            if not part:
-                raise StagingError(f"staged file {path} shrank while it was being uploaded")
-            parts.append(part)
-            got += len(part)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-    finally:
-        os.close(fd)
-
-
 class _Uploader:
     def __init__(self, engine, store: Store, prefix: str, index: ChunkIndex, progress) -> None:
         self.engine, self.store, self.prefix, self.index = engine, store, prefix, index
@@ -229,10 +219,14 @@ class _Uploader:
             pass  # content-addressed and create-only: whoever won wrote these bytes
         failpoint("save.after_part")
 
-    def span(self, path: Path, offset: int, pieces: list[tuple[int, int]]):
+    def span(self, source: Path | MemoryFile, offset: int, pieces: list[tuple[int, int]]):
         """One leaf: read it, hash it and its chunks, upload the chunks the index lacks."""
         length = sum(n for _, n in pieces)
-        data = _read_at(path, offset, length)
+        data = (
+            source.read(offset, length)
+            if isinstance(source, MemoryFile)
+            else (read_at(source, offset, length))
+        )
         leaf = digest.leaf(data)
         refs = []
         for off, n in pieces:
@@ -263,52 +257,56 @@ class _Uploader:
         return leaf, refs
 
 
+def _identity(source: Path | MemoryFile) -> tuple[int, int, int]:
+    """(size, mtime, inode) of a staged file, to notice a change during the upload; a
+    ``MemoryFile``'s buffers are the caller's to keep unchanged, so only its size."""
+    if isinstance(source, MemoryFile):
+        return source.size, 0, 0
+    st = os.stat(source)
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
 def upload_chunked(
     engine,
     store: Store,
     prefix: str,
-    files: Sequence[tuple[str, Path]],
+    files: Sequence[tuple[str, Path | MemoryFile]],
     index: ChunkIndex,
     mode: ChunkingMode = "tensor",
     progress: Callable[[int], None] | None = None,
 ) -> tuple[list[FileEntry], UploadStats]:
-    """Upload ``files`` (relative path, local path) as chunks under the attempt ``prefix``,
-    skipping chunks ``index`` holds; return their manifest entries and what was sent.
+    """Upload ``files`` (relative path, local path or ``MemoryFile``) as chunks under the
+    attempt ``prefix``, skipping chunks ``index`` holds; return their manifest entries and
+    what was sent.
 
     Raises StagingError (a file unreadable or changed meanwhile) or StoreError.
     """
     up = _Uploader(engine, store, prefix, index, progress)
     jobs = []
-    for rel, path in files:
+    for rel, source in files:
         try:
-            before = os.stat(path)
+            before = _identity(source)
         except OSError as exc:
-            raise StagingError(f"cannot read staged file {path}: {exc.strerror}") from None
-        size = before.st_size
+            raise StagingError(f"cannot read staged file {source}: {exc.strerror}") from None
+        size = before[0]
         spans: dict[int, list[tuple[int, int]]] = {}
-        for off, n in plan(path, size, mode):
+        for off, n in plan(source, size, mode, name=rel.rsplit("/", 1)[-1]):
             spans.setdefault(off // LEAF * LEAF, []).append((off, n))
-        futures = [engine.submit(up.span, path, start, p) for start, p in sorted(spans.items())]
-        jobs.append((rel, path, before, futures))
+        futures = [engine.submit(up.span, source, start, p) for start, p in sorted(spans.items())]
+        jobs.append((rel, source, before, futures))
     entries = []
     try:
-        for rel, path, before, futures in jobs:
+        for rel, source, before, futures in jobs:
             results = engine.wait_all(futures)
             try:
-                after = os.stat(path)
+                after = _identity(source)
             except OSError as exc:
-                raise StagingError(f"staged file {path} became unreadable: {exc}") from None
-            if (after.st_size, after.st_mtime_ns, after.st_ino) != (
-                before.st_size,
-                before.st_mtime_ns,
-                before.st_ino,
-            ):
-                raise StagingError(f"staged file {path} changed while it was being uploaded")
+                raise StagingError(f"staged file {source} became unreadable: {exc}") from None
+            if after != before:
+                raise StagingError(f"staged file {source} changed while it was being uploaded")
             leaves = [leaf for leaf, _ in results]
             refs = tuple(r for _, rs in results for r in rs)
-            entries.append(
-                FileEntry(rel, before.st_size, digest.root(leaves, before.st_size), refs)
-            )
+            entries.append(FileEntry(rel, before[0], digest.root(leaves, before[0]), refs))
     except BaseException:
         for _, _, _, futures in jobs:
             for f in futures:

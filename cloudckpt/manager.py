@@ -50,7 +50,7 @@ from cloudckpt.restore import _prepare_destination as check_destination
 from cloudckpt.retry import IDEMPOTENT_RETRY, call_with_retries
 from cloudckpt.staging import COMMITTED, DURABLE, FAILED, STAGED, Attempt, StagingArea
 from cloudckpt.stores import CREATE, OVERWRITE, Store, open_store
-from cloudckpt.transfer import ProgressCallback, TransferConfig, TransferEngine
+from cloudckpt.transfer import MemoryFile, ProgressCallback, TransferConfig, TransferEngine
 
 log = logging.getLogger("cloudckpt")
 
@@ -141,6 +141,9 @@ class SaveHandle:
         self.blocking_seconds = 0.0  # time spent in save()'s enter and exit, not the caller's
         self.observed = False
         self.handed_over_at = 0.0
+        # Set by save_state: the files as in-memory buffers, uploaded from memory while the
+        # staged copy (crash recovery only) is written beside the upload (``_save``).
+        self._memory_files: list[tuple[str, MemoryFile]] | None = None
 
     # -- context manager (save()) --
 
@@ -691,6 +694,8 @@ class CheckpointManager:
 
     def _save(self, job: _Job) -> CommitInfo:
         """Upload, write the manifest, commit (runs on the worker thread)."""
+        if job.handle._memory_files is not None and not job.recovered:
+            return self._save_from_memory(job, job.handle._memory_files)
         attempt, handle = job.attempt, job.handle
 
         def make_durable() -> None:
@@ -702,25 +707,12 @@ class CheckpointManager:
         # (docs/performance.md). The commit waits for both.
         flushed = _run_in_thread(make_durable, f"cloudckpt-fsync-{handle.step}")
         try:
-            for retry in (False, True):
-                try:
-                    try:
-                        begun = self._begin_attempt(handle.step)
-                        entries, requires = self._upload(begun, attempt.list_files(), retry)
-                        failpoint("save.after_upload")
-                        flushed.result()
-                    finally:
-                        cf.wait([flushed])  # never remove or reuse files still being flushed
-                    latest, manifest = self._finish_attempt(
-                        begun, entries, handle.metadata, requires=requires
-                    )
-                    break
-                except ChunkSourceDroppedError as exc:
-                    # A checkpoint whose chunks we reuse left retention meanwhile (an
-                    # unpin, another tool): upload everything again under a new attempt.
-                    if retry:
-                        raise
-                    log.warning("step %d: %s; uploading it again in full", handle.step, exc)
+            try:
+                begun, latest, manifest = self._upload_and_commit(
+                    handle, attempt.list_files(), before_commit=flushed.result
+                )
+            finally:
+                cf.wait([flushed])  # never remove or reuse files still being flushed
         except FencedError as exc:
             self._fenced = exc
             self._fail(attempt)
@@ -733,8 +725,37 @@ class CheckpointManager:
         attempt.remove()
         return self._commit_info(begun, latest, manifest, handle)
 
+    def _upload_and_commit(
+        self,
+        handle: SaveHandle,
+        files: Sequence[tuple[str, Path | MemoryFile]],
+        before_commit: Callable[[], object] | None = None,
+    ) -> tuple[_BegunAttempt, Latest, protocol.Manifest]:
+        """Begin an attempt, upload ``files`` into it, run ``before_commit`` and commit.
+        If a checkpoint whose chunks it reuses left retention meanwhile (an unpin, another
+        tool), everything is uploaded again in full under a new attempt, once."""
+        for retry in (False, True):
+            try:
+                begun = self._begin_attempt(handle.step)
+                entries, requires = self._upload(begun, files, retry)
+                failpoint("save.after_upload")
+                if before_commit is not None:
+                    before_commit()
+                latest, manifest = self._finish_attempt(
+                    begun, entries, handle.metadata, requires=requires
+                )
+                return begun, latest, manifest
+            except ChunkSourceDroppedError as exc:
+                if retry:
+                    raise
+                log.warning("step %d: %s; uploading it again in full", handle.step, exc)
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def _upload(
-        self, begun: _BegunAttempt, files: Sequence[tuple[str, Path]], full: bool = False
+        self,
+        begun: _BegunAttempt,
+        files: Sequence[tuple[str, Path | MemoryFile]],
+        full: bool = False,
     ) -> tuple[list[protocol.FileEntry], Callable[[Latest], None] | None]:
         """Upload a save's files into its attempt: as chunks, skipping those the last
         committed checkpoint holds (none with ``full``), or whole with chunking off.
@@ -767,6 +788,47 @@ class CheckpointManager:
                 except CloudCkptError as exc:
                     log.warning("cannot read the current manifest (%s); uploading in full", exc)
         return self._chunk_index
+
+    def _save_from_memory(self, job: _Job, files: list[tuple[str, MemoryFile]]) -> CommitInfo:
+        """``_save`` for files held in memory (``save_state``'s host buffers): upload them
+        straight from memory, no round trip through the staging file system. The staged
+        copy, which only a crash before the commit would need, is written and fsynced on a
+        thread of its own beside the upload; the commit does not wait for it, and once the
+        commit lands the copy is cut short and removed (the store holds the checkpoint).
+        A failure to write it (a full staging disk) is logged, not fatal."""
+        attempt, handle = job.attempt, job.handle
+        cancelled = threading.Event()
+
+        def stage() -> None:
+            # The upload is what the commit waits for: this thread yields the CPU to it
+            # (a per-thread nice value on Linux; elsewhere a no-op).
+            with contextlib.suppress(AttributeError, OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            try:
+                if attempt.write_files(files, cancelled) and not cancelled.is_set():
+                    attempt.fsync_files()
+                    attempt.set_state(DURABLE)
+            except CloudCkptError as exc:
+                if not cancelled.is_set():
+                    log.warning(
+                        "step %d: no local copy for crash recovery: %s", job.handle.step, exc
+                    )
+
+        staged = _run_in_thread(stage, f"cloudckpt-stage-{handle.step}")
+        try:
+            begun, latest, manifest = self._upload_and_commit(handle, files)
+        except Exception as exc:
+            cancelled.set()
+            cf.wait([staged])  # never remove files still being written
+            if isinstance(exc, FencedError):
+                self._fenced = exc
+            self._fail(attempt)
+            raise
+        cancelled.set()
+        cf.wait([staged])
+        attempt.set_state(COMMITTED)
+        attempt.remove()
+        return self._commit_info(begun, latest, manifest, handle)
 
     # The save pipeline in reusable steps. ``_save`` runs them on one host; the multi-rank
     # coordinator (cloudckpt.distributed, cloudckpt.integrations.dcp) runs ``_begin_attempt``

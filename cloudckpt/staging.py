@@ -8,7 +8,9 @@ Layout under ``staging_dir``::
         files/...                 the checkpoint's files
 
 Journal states: ``open`` (the caller is writing), ``staged`` (files complete, handed to
-the uploader), ``durable`` (staged files fsynced), ``committed``, ``failed``. A manager
+the uploader; for ``save_state``, which uploads from its host buffers, the files are written
+by the uploader beside the upload), ``durable`` (staged files fsynced), ``committed``,
+``failed``. A manager
 started after a crash recovers ``durable`` attempts newer than the committed checkpoint
 (their files are complete and on disk, so uploading them loses nothing) and abandons the
 rest (an ``open`` attempt may be half-written by the caller; ``staged`` files may not have
@@ -119,6 +121,24 @@ class Attempt:
                     )
                 found.append((rel, path))
         return sorted(found)
+
+    def write_files(self, files: Any, cancelled: Any = None) -> bool:
+        """Write in-memory files (relative path, ``transfer.MemoryFile``) into the attempt;
+        False if ``cancelled`` (a ``threading.Event``) stopped it: the upload committed
+        first and the local copy is no longer needed."""
+        try:
+            for rel, mem in files:
+                path = self.files_dir.joinpath(*rel.split("/"))
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    if not mem.write_to(fd, cancelled):
+                        return False
+                finally:
+                    os.close(fd)
+        except OSError as exc:
+            raise _staging_error(exc, f"write the staged files of attempt {self.id}") from None
+        return True
 
     def fsync_files(self) -> None:
         """Make the staged files durable (so a crash-recovered attempt is never torn)."""

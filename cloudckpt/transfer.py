@@ -137,7 +137,7 @@ class _BufferPool:
             self._free.clear()
 
 
-def _read_at(path: Path, offset: int, length: int) -> bytes:
+def read_at(path: Path, offset: int, length: int) -> bytes:
     """``length`` bytes at ``offset``; each worker opens its own descriptor, so thousands
     of files never hold thousands of descriptors open."""
     try:
@@ -155,6 +155,45 @@ def _read_at(path: Path, offset: int, length: int) -> bytes:
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
     finally:
         os.close(fd)
+
+
+class MemoryFile:
+    """A file to upload straight from memory: the concatenation of ``segments`` (bytes or
+    C-contiguous buffers the caller keeps unchanged until the upload returns), e.g. a
+    safetensors header followed by host buffers. Parts are cut across segments; each part
+    is one ``bytes`` (the copy ``pread`` would make from the page cache)."""
+
+    def __init__(self, segments: Sequence[bytes | memoryview]) -> None:
+        self.segments = [memoryview(s).cast("B") for s in segments if len(s)]
+        self.starts: list[int] = []
+        pos = 0
+        for seg in self.segments:
+            self.starts.append(pos)
+            pos += len(seg)
+        self.size = pos
+
+    def read(self, offset: int, length: int) -> bytes:
+        out, end = [], offset + length
+        for start, seg in zip(self.starts, self.segments, strict=True):
+            lo, hi = max(offset, start), min(end, start + len(seg))
+            if lo < hi:
+                out.append(seg[lo - start : hi - start])
+        if len(out) == 1:
+            return out[0].tobytes()
+        return b"".join(out)
+
+    def write_to(self, fd: int, cancelled: threading.Event | None = None) -> bool:
+        """Write the whole file at ``fd``'s position; False if ``cancelled`` stopped it."""
+        piece = 64 * MiB
+        for seg in self.segments:
+            for i in range(0, len(seg), piece):
+                if cancelled is not None and cancelled.is_set():
+                    return False
+                view = seg[i : i + piece]
+                done = 0
+                while done < len(view):
+                    done += os.write(fd, view[done:])
+        return True
 
 
 def _fsync_path(path: Path) -> None:
@@ -238,11 +277,11 @@ class TransferEngine:
         self,
         store: Store,
         prefix: str,
-        files: Sequence[tuple[str, Path]],
+        files: Sequence[tuple[str, Path | MemoryFile]],
         progress: ProgressCallback | None = None,
     ) -> list[FileEntry]:
-        """Upload local ``files`` (relative path, local path) under ``prefix``; return
-        their manifest entries (size and digest of exactly the bytes uploaded).
+        """Upload ``files`` (relative path, local path or ``MemoryFile``) under ``prefix``;
+        return their manifest entries (size and digest of exactly the bytes uploaded).
 
         Raises:
             StagingError: a local file is unreadable or changed during the upload.
@@ -260,10 +299,10 @@ class TransferEngine:
             raise
 
     def _start_file(
-        self, store: Store, key: str, rel: str, path: Path, report: _Progress
+        self, store: Store, key: str, rel: str, path: Path | MemoryFile, report: _Progress
     ) -> _FileUpload:
         try:
-            before = _Stat.of(path)
+            before = _Stat(path.size, 0, 0) if isinstance(path, MemoryFile) else _Stat.of(path)
         except OSError as exc:
             raise StagingError(f"cannot read staged file {path}: {exc.strerror}") from None
         multipart = store.capabilities.multipart and before.size >= self.config.multipart_threshold
@@ -390,7 +429,7 @@ class _FileUpload:
         store: Store,
         key: str,
         rel: str,
-        path: Path,
+        path: Path | MemoryFile,
         before: _Stat,
         report: _Progress,
     ) -> None:
@@ -416,8 +455,13 @@ class _FileUpload:
             for n, offset in enumerate(range(0, self.before.size, self.part_size), start=1)
         ]
 
+    def _read(self, offset: int, length: int) -> bytes:
+        if isinstance(self.path, MemoryFile):
+            return self.path.read(offset, length)
+        return read_at(self.path, offset, length)
+
     def _single(self) -> tuple[list[bytes], None]:
-        data = _read_at(self.path, 0, self.before.size)
+        data = self._read(0, self.before.size)
         leaves = digest.leaves_of(data)
         known = digest.known_sha256(data, leaves[0]) if len(leaves) == 1 else nullcontext()
         with known:
@@ -429,7 +473,7 @@ class _FileUpload:
 
     def _part(self, number: int, offset: int) -> tuple[list[bytes], PartInfo]:
         length = min(self.part_size, self.before.size - offset)
-        data = _read_at(self.path, offset, length)
+        data = self._read(offset, length)
         leaves = digest.leaves_of(data)
         crc = crc32c_b64(data)
         # A one-chunk part's leaf is its SHA-256: a payload-signing store reuses it.
@@ -450,6 +494,8 @@ class _FileUpload:
             leaves = [leaf for part_leaves, _ in results for leaf in part_leaves]
             if self.upload is not None:
                 self._complete([part for _, part in results])
+            if isinstance(self.path, MemoryFile):
+                return FileEntry(self.rel, self.before.size, digest.root(leaves, self.before.size))
             after = _Stat.of(self.path)
         except OSError as exc:
             raise StagingError(f"staged file {self.path} became unreadable: {exc}") from None

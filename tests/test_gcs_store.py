@@ -295,3 +295,21 @@ def test_unknown_storage_option_is_refused(gcs_target):
 
     with pytest.raises(ConfigurationError, match="endpont_url"):
         open_store(gcs_target.url, {**gcs_target.storage_options, "endpont_url": "x"})
+
+
+def test_ranges_are_read_straight_into_the_callers_buffer(gcs_target, open_target):
+    # get_range_into: the transfer engine's download path (plain http.client per thread,
+    # not gcsfs's event loop), with the same answers as get_range.
+    store = open_target(gcs_target)
+    store.put("obj", b"0123456789")
+    buf = bytearray(4)
+    assert store.get_range_into("obj", 3, memoryview(buf)) == 4 and buf == b"3456"
+    buf = bytearray(8)
+    assert store.get_range_into("obj", 6, memoryview(buf)) == 4 and buf[:4] == b"6789"
+    assert store.get_range_into("obj", 10, memoryview(bytearray(5))) == 0
+    assert store.get_range_into("obj", 0, memoryview(bytearray(0))) == 0
+    with pytest.raises(ObjectNotFoundError):
+        store.get_range_into("nope", 0, memoryview(bytearray(1)))
+    # The connection stays usable after an error answer.
+    buf = bytearray(2)
+    assert store.get_range_into("obj", 0, memoryview(buf)) == 2 and buf == b"01"

@@ -19,6 +19,7 @@ from safetensors import safe_open  # noqa: E402
 from cloudckpt import CloudCkptError, ConfigurationError  # noqa: E402
 from cloudckpt.integrations import torch as ct  # noqa: E402
 from cloudckpt.integrations.torch import StateSaver, load_state, save_state  # noqa: E402
+from cloudckpt.transfer import MemoryFile  # noqa: E402
 
 
 class Opaque:
@@ -157,26 +158,26 @@ def test_the_loop_waits_only_for_the_copy_and_buffers_are_reused(
     mgr = manager_factory(s3_target)
     weights = {"w": torch.full((256, 256), 1.0), "b": torch.zeros(256)}
 
-    real_save = ct._st.save_file
-    writing = threading.Event()
+    real_read = MemoryFile.read
+    reading = threading.Event()
 
-    def slow_save(tensors, path, metadata=None):
-        writing.set()
-        time.sleep(0.5)  # a slow local disk
-        real_save(tensors, path, metadata=metadata)
+    def slow_read(self, offset, length):
+        reading.set()
+        time.sleep(0.3)  # a slow upload, straight from the host buffers
+        return real_read(self, offset, length)
 
-    monkeypatch.setattr(ct._st, "save_file", slow_save)
+    monkeypatch.setattr(MemoryFile, "read", slow_read)
     first = save_state(mgr, 1, weights)
-    # Returned before the file was written; the tensors may change at once.
-    assert first.blocking_seconds < 0.5
+    # Returned before anything was uploaded; the tensors may change at once.
+    assert first.blocking_seconds < 0.3
     weights["w"].fill_(2.0)
     weights["b"].fill_(2.0)
     saver = ct._savers[mgr]
     allocations = saver.pool.allocations
-    # The second save reuses the buffers, so it must wait for the first write to finish
-    # before copying (otherwise step 1 would be written with step 2's values).
+    # The second save reuses the buffers, which the first save's upload reads: it must
+    # wait for that upload before copying (otherwise step 1 would get step 2's values).
     second = save_state(mgr, 2, weights)
-    assert writing.is_set()
+    assert reading.is_set() and first.done()
     assert saver.pool.allocations == allocations == 2
     first.result(timeout=60)
     second.result(timeout=60)
@@ -191,14 +192,45 @@ def test_the_loop_waits_only_for_the_copy_and_buffers_are_reused(
     assert saver.pool.nbytes == 3 * 4
 
 
+def test_the_upload_reads_the_host_buffers_and_the_staged_copy_is_written_beside_it(
+    s3_target, manager_factory, monkeypatch, tmp_path
+):
+    mgr = manager_factory(s3_target)
+    release = threading.Event()
+    real_read = MemoryFile.read
+
+    def held_read(self, offset, length):
+        release.wait(30)  # the upload is slow; the local copy does not wait for it
+        return real_read(self, offset, length)
+
+    monkeypatch.setattr(MemoryFile, "read", held_read)
+    handle = save_state(mgr, 1, {"w": torch.arange(100_000.0), "b": torch.ones(3)})
+    attempts = mgr.staging.attempts_dir
+    deadline = time.monotonic() + 30
+    journal: dict = {}
+    while time.monotonic() < deadline and journal.get("state") != "durable":
+        found = list(attempts.glob("*/journal.json"))
+        journal = json.loads(found[0].read_text()) if found else {}
+        time.sleep(0.02)
+    assert journal.get("state") == "durable"  # a crash now would be recovered from it
+    staged = next(attempts.glob("*/files/tensors.safetensors")).read_bytes()
+    release.set()
+    assert handle.result(timeout=60).step == 1
+    assert not list(attempts.iterdir())  # the local copy goes once the commit lands
+    restored = mgr.restore(into=tmp_path / "r")
+    assert (restored.path / "tensors.safetensors").read_bytes() == staged
+    state = load_state(restored)
+    assert torch.equal(state["w"], torch.arange(100_000.0))
+
+
 def test_close_waits_for_a_state_still_being_written(s3_target, manager_factory, monkeypatch):
-    real_save = ct._st.save_file
+    real_files = ct._memory_files
 
-    def slow_save(*args, **kwargs):
+    def slow_files(*args, **kwargs):
         time.sleep(0.5)
-        real_save(*args, **kwargs)
+        return real_files(*args, **kwargs)
 
-    monkeypatch.setattr(ct._st, "save_file", slow_save)
+    monkeypatch.setattr(ct, "_memory_files", slow_files)
     mgr = manager_factory(s3_target)
     handle = save_state(mgr, 5, {"x": torch.ones(10)})
     mgr.close()  # must not lose the save whose files were still being written
@@ -248,3 +280,40 @@ def test_a_private_saver_can_be_closed(s3_target, manager_factory, tmp_path):
     assert saver.pool.nbytes == 0
     assert handle.result(timeout=60).step == 9
     assert torch.equal(load_state(mgr.restore(into=tmp_path / "r"))["t"], torch.arange(4))
+
+
+def test_save_state_is_incremental_frozen_tensors_are_not_uploaded_again(
+    s3_target, manager_factory, tmp_path
+):
+    """save_state uploads from host buffers as chunks cut at tensor boundaries: a frozen
+    base (LoRA-style) is sent once; later saves send only what changed and name the rest."""
+    mgr = manager_factory(s3_target)
+    base = torch.arange(1024 * 1024, dtype=torch.float32)  # 4 MiB, frozen
+    adapter = torch.zeros(1024)
+    save_state(mgr, 1, {"base": base, "adapter": adapter}).result(timeout=60)
+    first = mgr.last_upload
+    assert first.bytes_uploaded >= base.numel() * 4 and first.bytes_reused == 0
+
+    adapter += 1.0
+    save_state(mgr, 2, {"base": base, "adapter": adapter}).result(timeout=60)
+    second = mgr.last_upload
+    assert second.bytes_reused >= base.numel() * 4  # the base was named, not sent
+    assert second.bytes_uploaded < base.numel() * 4 // 4
+
+    for step, expected in ((1, 0.0), (2, 1.0)):
+        state = load_state(
+            manager_factory(s3_target).restore(into=tmp_path / f"r{step}", step=step)
+        )
+        assert torch.equal(state["base"], base) and torch.all(state["adapter"] == expected)
+
+
+def test_save_state_with_chunking_off_uploads_whole_files(s3_target, manager_factory, tmp_path):
+    mgr = manager_factory(s3_target, chunking="off")
+    base = torch.arange(1024 * 1024, dtype=torch.float32)
+    for step in (1, 2):
+        save_state(mgr, step, {"base": base, "step": torch.tensor(step)}).result(timeout=60)
+    keys = [o.key for o in mgr.store.list("ckpt/")]
+    assert not [k for k in keys if "/chunks/" in k]  # whole files, every save
+    assert len([k for k in keys if k.endswith("/files/tensors.safetensors")]) == 2
+    state = load_state(mgr.restore(into=tmp_path / "r", step=2))
+    assert torch.equal(state["base"], base) and int(state["step"]) == 2

@@ -536,3 +536,33 @@ def test_anonymous_access_sends_no_credentials(moto_server, s3_target, open_targ
         assert store.get("public")[0] == b"open data"
         with pytest.raises(PermissionDeniedError):
             store.get("private")
+
+
+def test_signed_payloads_reuse_the_parts_digest_even_with_awscrt(s3_target, open_target):
+    # With awscrt installed botocore signs with the CRT's SigV4, which hashes every payload
+    # again; the store swaps in botocore's own signer that takes the known digest.
+    import hashlib
+
+    from cloudckpt import digest
+    from cloudckpt.stores import s3
+
+    opts = {**s3_target.storage_options, "config_kwargs": {"s3": {"payload_signing_enabled": True}}}
+    store = open_target(s3_target._replace(storage_options=opts))
+    seen = []
+    real = s3._PrehashedS3SigV4Auth.payload
+
+    def payload(self, request):
+        seen.append(digest.sha256_if_known(request.body) is not None)
+        return real(self, request)
+
+    s3._PrehashedS3SigV4Auth.payload = payload
+    try:
+        upload = store.create_multipart("k")
+        data = os.urandom(5 * 1024 * 1024)
+        with digest.known_sha256(data, hashlib.sha256(data).digest()):
+            part = store.upload_part(upload, 1, data)
+        store.complete_multipart(upload, [part])
+    finally:
+        s3._PrehashedS3SigV4Auth.payload = real
+    assert True in seen  # the part was signed with its known digest
+    assert store.get("k")[0] == data

@@ -21,22 +21,26 @@ What ``save_state`` does, and what the training loop waits for:
 
 1. (caller) Walk the state: nested dicts (any JSON-able keys, including the ``int`` keys of
    ``optimizer.state_dict()``), lists and tuples; tensors; plain values.
-2. (caller) Wait for the previous ``save_state`` of this manager to finish *writing* its
-   files (not uploading), because its host buffers are about to be reused.
+2. (caller) Wait for the previous ``save_state`` of this manager to be done with its host
+   buffers (uploaded and committed, or failed), because they are about to be reused.
 3. (caller) Copy every tensor into a reused host buffer (pinned when the tensor is on a GPU,
    with one stream synchronisation at the end). This copy is all the loop waits for; after
    it the tensors may change freely.
-4. (background) Write ``tensors.safetensors`` from the buffers (no extra copy), a small
-   ``state.json`` describing the structure and the plain values, and, only if some leaf is
-   neither a tensor nor a plain value, ``objects.pt``; then hand the files to the manager,
-   which uploads and commits them in the background as usual.
+4. (background) Describe the files in memory: ``tensors.safetensors`` laid out as its
+   header followed by the host buffers themselves (no copy, ``transfer.MemoryFile``), a
+   small ``state.json`` describing the structure and the plain values, and, only if some
+   leaf is neither a tensor nor a plain value, ``objects.pt``. The manager uploads them
+   straight from memory and commits; the staged copy on local disk, which only a crash
+   before the commit would need, is written and fsynced beside the upload (the commit does
+   not wait for it) and dropped once the commit lands. A buffer safetensors' own layout
+   cannot describe here (a big-endian host) falls back to writing the files first.
 
 Buffer policy: one set of host buffers per manager, keyed by (shape, dtype, pinned) and kept
 between saves, so steady-state saves allocate nothing and pin nothing (pinning is slow).
 Host memory is therefore about one copy of the state. A second ``save_state`` issued while
-the first is still being written waits for that write (step 2) rather than allocate a
-second set: checkpoints are minutes apart and a local write takes seconds, so the wait is
-almost always zero, and host RAM is usually what is short. Buffers a save no longer needs
+the first is still uploading waits for that upload (step 2) rather than allocate a second
+set: checkpoints are minutes apart and an upload takes seconds, so the wait is almost
+always zero, and host RAM is usually what is short. Buffers a save no longer needs
 (the state changed shape) are freed after it. ``StateSaver(manager).close()`` frees them all.
 
 File format (``cloudckpt.torch/1``):
@@ -75,6 +79,7 @@ import json
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import weakref
@@ -88,6 +93,7 @@ from cloudckpt._version import __version__
 from cloudckpt.errors import CloudCkptError, ConfigurationError, CorruptionError
 from cloudckpt.manager import CheckpointManager, SaveHandle
 from cloudckpt.restore import RestoreResult
+from cloudckpt.transfer import MemoryFile
 
 try:
     import safetensors.torch as _st
@@ -412,7 +418,10 @@ def _decode(node: Any, tensors: Mapping[str, torch.Tensor], objects: list[Any]) 
 
 
 _COPY_SLICE = 32 * 1024 * 1024  # bytes per memcpy handed to a copier thread
-_COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+# Four copier threads per core: memcpy is memory-bound, so on an idle host two threads
+# already saturate it, but on a busy one (data loaders, other jobs: the --hogs benchmark)
+# the scheduler shares the CPU per thread, and more threads get the copy a larger share.
+_COPY_THREADS = max(2, min(32, 4 * (os.cpu_count() or 1)))
 
 
 def _memcpy(dst: torch.Tensor, src: torch.Tensor, copiers: cf.Executor | None = None) -> list:
@@ -438,6 +447,70 @@ def _memcpy(dst: torch.Tensor, src: torch.Tensor, copiers: cf.Executor | None = 
         copiers.submit(np.copyto, to[i : i + _COPY_SLICE], frm[i : i + _COPY_SLICE])
         for i in range(0, len(frm), _COPY_SLICE)
     ]
+
+
+_ST_NAMES = {dtype: name for name, dtype in getattr(_st, "_TYPES", {}).items()}
+
+
+def _state_doc(tree: Any, flat: _Flattener) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "writer": f"cloudckpt {__version__}, torch {torch.__version__}",
+        "tree": tree,
+        "tensors": {
+            name: {
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+                "device": str(t.device),
+            }
+            for name, t in flat.tensors.items()
+        },
+        "arrays": sorted(flat.arrays),
+        "objects": len(flat.objects),
+        "object_paths": flat.object_paths,
+        "shared_storage": flat.shared_storage(),
+    }
+
+
+def _memory_files(
+    tree: Any,
+    buffers: Mapping[str, torch.Tensor],
+    flat: _Flattener,
+    objects_blob: bytes | None,
+) -> list[tuple[str, MemoryFile]] | None:
+    """The checkpoint's files as in-memory buffers, to upload without writing them first:
+    ``tensors.safetensors`` laid out here (an 8-byte little-endian header length, the JSON
+    header padded with spaces to 8 bytes, then every tensor's bytes back to back, in name
+    order) over the host buffers themselves, no copy; ``state.json``; ``objects.pt``.
+    None when a buffer cannot be laid out so (a dtype without a safetensors name, a
+    big-endian host): the caller then writes the files with safetensors as before."""
+    if sys.byteorder != "little":
+        return None
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    segments: list[Any] = []
+    offset = 0
+    for name in sorted(buffers):
+        t = buffers[name]
+        dtype = _ST_NAMES.get(t.dtype)
+        if dtype is None or t.device.type != "cpu" or not t.is_contiguous():
+            return None
+        nbytes = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        if nbytes:
+            segments.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    files = [(TENSORS_FILE, MemoryFile([len(head).to_bytes(8, "little"), head, *segments]))]
+    if objects_blob is not None:
+        files.append((OBJECTS_FILE, MemoryFile([objects_blob])))
+    doc = json.dumps(_state_doc(tree, flat), allow_nan=False, sort_keys=True).encode()
+    files.append((STATE_FILE, MemoryFile([doc])))
+    return sorted(files)
 
 
 class StateSaver:
@@ -497,7 +570,10 @@ class StateSaver:
                 try:
                     if "copy_error" in cell:
                         raise cell["copy_error"]
-                    self._write(files_dir, tree, cell["buffers"], flat, objects_blob)
+                    files = _memory_files(tree, cell["buffers"], flat, objects_blob)
+                    if files is None:  # a layout only safetensors' own writer knows
+                        self._write(files_dir, tree, cell["buffers"], flat, objects_blob)
+                    handle._memory_files = files
                 except BaseException as exc:
                     if "copy_error" not in cell:
                         log.error("writing the state of step %d failed: %r", step, exc)
@@ -506,6 +582,10 @@ class StateSaver:
                 caller_done.wait(60)
                 handle.blocking_seconds = cell.get("blocking", 0.0)
                 handle.__exit__(None, None, None)
+                if files is not None:
+                    # The upload (and the staged copy) read the host buffers until the
+                    # save is done: the next save_state waits for that before reusing them.
+                    cf.wait([handle._future])
 
             future = self._executor.submit(background)
             self._previous = future
@@ -560,31 +640,15 @@ class StateSaver:
         flat: _Flattener,
         objects_blob: bytes | None,
     ) -> None:
-        tensors_meta = {
-            name: {
-                "dtype": str(t.dtype).removeprefix("torch."),
-                "shape": list(t.shape),
-                "device": str(t.device),
-            }
-            for name, t in flat.tensors.items()
-        }
         _st.save_file(dict(buffers), str(files_dir / TENSORS_FILE), metadata={"format": "pt"})
         if objects_blob is not None:
             (files_dir / OBJECTS_FILE).write_bytes(objects_blob)
-        doc = {
-            "format": FORMAT,
-            "writer": f"cloudckpt {__version__}, torch {torch.__version__}",
-            "tree": tree,
-            "tensors": tensors_meta,
-            "arrays": sorted(flat.arrays),
-            "objects": len(flat.objects),
-            "object_paths": flat.object_paths,
-            "shared_storage": flat.shared_storage(),
-        }
+        doc = _state_doc(tree, flat)
         (files_dir / STATE_FILE).write_text(json.dumps(doc, allow_nan=False, sort_keys=True))
 
     def wait(self) -> None:
-        """Wait until the last save's files are written (not committed: see the handle)."""
+        """Wait until the last save is done with the host buffers: its files written, or
+        (when uploaded from the buffers, the usual case) its upload finished."""
         if self._previous is not None:
             with contextlib.suppress(BaseException):
                 self._previous.result()

@@ -26,16 +26,18 @@ import asyncio
 import datetime as dt
 import email.utils
 import functools
+import http.client
 import inspect
 import io
 import json
 import logging
 import os
 import re
+import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode, urlsplit
 
 # gcsfs >= 2026 otherwise swaps in a filesystem that probes every bucket over gRPC with a
 # 60 s timeout, which hangs against emulators. Must be set before gcsfs is imported.
@@ -69,6 +71,7 @@ from cloudckpt.stores.base import (
     Create,
     MultipartUpload,
     ObjectInfo,
+    Overwrite,
     PartInfo,
     PendingUpload,
     PutMode,
@@ -149,6 +152,23 @@ def _accepted_options() -> frozenset[str]:
     return frozenset(named - {"self", "asynchronous", "loop"}) | _FSSPEC_OPTIONS
 
 
+def _read_into(resp: http.client.HTTPResponse, buf: memoryview, skip: int) -> int:
+    """Read a response body into ``buf`` after discarding ``skip`` bytes; the number of
+    body bytes that belong in ``buf`` (at most ``len(buf)``)."""
+    while skip > 0:
+        skipped = len(resp.read(min(skip, 1 << 20)))
+        if not skipped:
+            return 0
+        skip -= skipped
+    got = 0
+    while got < len(buf):
+        n = resp.readinto(buf[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
 class GCSStore(Store):
     """A store on ``gs://bucket/prefix``. See the module docstring.
 
@@ -198,6 +218,7 @@ class GCSStore(Store):
         self._upload_url = f"{self._fs._location}/upload/storage/v1/b/{quote(bucket, safe='')}/o"
         # Real GCS composes like any other write; fake-gcs-server does not (probed once).
         self._compose_trusted: bool | None = True if self._fs.on_google else None
+        self._local = threading.local()  # get_range_into's connection per thread
         self._closed = False
 
     # --- transport and error mapping ------------------------------------------------
@@ -470,6 +491,76 @@ class GCSStore(Store):
 
         return self._run(go, write=False, key=key)
 
+    def get_range_into(self, key: str, start: int, buf: memoryview) -> int:
+        """Read ``len(buf)`` bytes from offset ``start`` straight from the socket into
+        ``buf``; return how many the store sent (fewer only at the end of the object).
+
+        Not through gcsfs's event loop: that is one thread per process, which every range
+        of a parallel download would queue behind, and aiohttp hands each body over as a
+        new ``bytes``. This is a plain ``http.client`` request on the calling thread (one
+        kept-alive connection per transfer thread) with gcsfs's credentials and request
+        parameters. Raises like ``get_range``."""
+        length = len(buf)
+        if length <= 0:
+            self.head(key)
+            return 0
+        name = self._name(key)
+        headers = self._fs._get_headers({"Range": f"bytes={start}-{start + length - 1}"})
+        query = urlencode({k: str(v) for k, v in self._fs._get_params({"alt": "media"}).items()})
+        target = f"{self._object_url(name)}?{query}"
+        where = f"{self.url}{key}"
+        try:
+            resp = self._request(target, headers)
+            if resp.status in (200, 206):
+                skip = start if resp.status == 200 else 0  # the Range header was ignored
+                got = _read_into(resp, buf, skip)
+                if not resp.isclosed():
+                    resp.read()
+                return got
+            body = resp.read()
+        except (OSError, http.client.HTTPException) as exc:
+            self._drop_connection()
+            raise TransientStoreError(
+                f"{where}: request failed ({type(exc).__name__})", key=key
+            ) from None
+        if resp.status == 416:
+            return 0
+        r = _Response(resp.status, resp.headers, body)
+        raise self._run(functools.partial(self._error, write=False), r, key, write=False, key=key)
+
+    def _request(self, target: str, headers: dict[str, str]) -> http.client.HTTPResponse:
+        """GET on this thread's kept-alive connection; once more on a fresh connection
+        when the server had closed the idle one (nothing was answered: a safe retry)."""
+        reused = getattr(self._local, "conn", None) is not None
+        try:
+            conn = self._connection()
+            conn.request("GET", target, headers=headers)
+            return conn.getresponse()
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            self._drop_connection()
+            if not reused:
+                raise
+        conn = self._connection()
+        conn.request("GET", target, headers=headers)
+        return conn.getresponse()
+
+    def _connection(self) -> http.client.HTTPConnection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            url = urlsplit(self._fs._location)
+            cls = (
+                http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+            )
+            timeout = self._fs.requests_timeout or _DEFAULT_TIMEOUT.sock_read
+            conn = self._local.conn = cls(url.hostname, url.port, timeout=timeout)
+        return conn
+
+    def _drop_connection(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            conn.close()
+
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = OVERWRITE) -> ObjectInfo:
         """One multipart upload; CREATE sends ``ifGenerationMatch=0``, ``Update(v)`` sends
         ``ifGenerationMatch=v``. Raises PreconditionFailedError (also for Update of a missing
@@ -571,9 +662,10 @@ class GCSStore(Store):
         """Compose the parts (tree-wise, 32 per call) into the key, then delete them.
 
         CREATE composes with ``ifGenerationMatch=0``. On a store whose compose ignores
-        preconditions or keeps the old generation (fake-gcs-server) the composite is built
-        in the scratch space and then written by one multipart upload (holds the object in
-        memory: emulators only). Raises PreconditionFailedError, ObjectNotFoundError (no
+        preconditions or keeps the old generation (fake-gcs-server) a CREATE composite is
+        built in the scratch space and then written by one multipart upload (holds the
+        object in memory: emulators only), as is an OVERWRITE onto an existing key; an
+        OVERWRITE onto a missing key composes in place. Raises PreconditionFailedError, ObjectNotFoundError (no
         such upload), StoreError (bad part list), OutcomeUnknownError, ..."""
         if isinstance(mode, Update):
             raise StoreError("compare-and-swap completion of multipart uploads is not offered")
@@ -630,9 +722,14 @@ class GCSStore(Store):
             sources = [(o["name"], str(o["generation"])) for o in results]
             level += 1
 
-        if not await self._compose_is_trustworthy():
+        if not await self._compose_is_trustworthy() and not (
+            isinstance(mode, Overwrite) and not await self._exists(name)
+        ):
             # Composing onto the key could overwrite despite CREATE, or leave the old
             # generation in place (a later compare-and-swap would not see the change).
+            # An OVERWRITE onto a key that does not exist (every checkpoint data file: a
+            # fresh key under a unique attempt prefix) risks neither: it composes in place
+            # (docs/performance.md: the read-back and re-upload were 2/3 of the bytes).
             final = await self._compose(f"{scratch}final", sources, {}, key)
             r = await self._send("GET", self._object_url(final["name"]), params={"alt": "media"})
             if r.status != 200:
@@ -645,6 +742,14 @@ class GCSStore(Store):
 
         await self._cleanup(scratch, key)
         return self._info(key, obj)
+
+    async def _exists(self, name: str) -> bool:
+        r = await self._send("GET", self._object_url(name), params={"fields": "generation"})
+        if r.status == 404:
+            return False
+        if r.status != 200:
+            raise await self._error(r, None, write=False)
+        return True
 
     async def _compose(
         self, dest: str, sources: Sequence[tuple[str, str]], params: dict[str, str], key: str
