@@ -624,16 +624,6 @@ class Bench:
             (disk / f"state-{r}.pt").unlink()
             s3.drop("torch-boto3/")
 
-        def dcp_endpoint(fs: Any) -> None:
-            """S3StorageWriter/Reader take no endpoint: their S3FileSystem builds its
-            S3Client with ``endpoint=None`` (AWS only). Give it one for this endpoint."""
-            from s3torchconnector._s3client import S3Client
-
-            if s3.endpoint_url:
-                fs._client = S3Client(
-                    REGION, endpoint=s3.endpoint_url, s3client_config=Peers(s3, signing).config()
-                )
-
         def dcp_s3(r: int) -> dict[str, float]:
             from s3torchconnector.dcp import S3StorageWriter
 
@@ -644,7 +634,7 @@ class Bench:
                 s3client_config=Peers(s3, signing).config(),
                 thread_count=2,
             )
-            dcp_endpoint(writer.fs)
+            _dcp_endpoint(writer.fs, s3, signing)
             with warnings.catch_warnings(), _env_creds(s3):
                 warnings.simplefilter("ignore")
                 t0 = time.perf_counter()
@@ -732,6 +722,112 @@ class Bench:
             mgr.close()
             _rm(disk)
             state.clear()
+            gc.collect()
+
+    def torch_restore_group(self, s3: S3Target, signing: str) -> None:
+        """A state dict back into memory on a new host: cloudckpt restore + load_state vs
+        boto3 download_file + torch.load and s3torchconnector's DCP S3StorageReader."""
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+
+        from cloudckpt.integrations.torch import load_state, save_state
+
+        args = self.args
+        n = max(1, args.tensors)
+        numel = args.state_mib * MiB // 4 // n
+        torch.manual_seed(1)
+        state = {f"layer{i}.weight": torch.randn(numel) for i in range(n)}
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        client = s3.boto3_client(signing)
+        disk = self.work / "torch-restore"
+        disk.mkdir()
+        # The three checkpoints, written once, unmeasured.
+        mgr = self.manager(s3.url("torch-restore-ck/"), s3.storage_options(signing), "tr")
+        save_state(mgr, 1, state).result()
+        torch.save(state, disk / "state.pt")
+        pt_key = f"{s3.root}torch-restore-boto3/state.pt"
+        client.upload_file(str(disk / "state.pt"), s3.bucket, pt_key)
+        (disk / "state.pt").unlink()
+        dcp_path = f"s3://{s3.bucket}/{s3.root}torch-restore-dcp/"
+        writer = S3StorageWriter(
+            region=REGION, path=dcp_path, s3client_config=Peers(s3, signing).config()
+        )
+        _dcp_endpoint(writer.fs, s3, signing)
+        with warnings.catch_warnings(), _env_creds(s3):
+            warnings.simplefilter("ignore")
+            dcp.save(state, storage_writer=writer)
+        expected = {k: v.clone() for k, v in state.items()}
+        state.clear()
+
+        def check(loaded: dict[str, Any]) -> None:
+            # Every contender must really return the state (one tensor compared per round).
+            name = next(iter(expected))
+            if not torch.equal(loaded[name], expected[name]):
+                raise AssertionError(f"restored {name} differs")
+
+        def cloudckpt(r: int) -> None:
+            check(load_state(mgr.restore(disk / f"ck-{r}")))
+
+        def torch_load(r: int) -> None:
+            path = disk / f"state-{r}.pt"
+            client.download_file(s3.bucket, pt_key, str(path))
+            check(torch.load(path, weights_only=True))
+
+        def dcp_load(r: int) -> None:
+            reader = S3StorageReader(
+                region=REGION, path=dcp_path, s3client_config=Peers(s3, signing).config()
+            )
+            _dcp_endpoint(reader.fs, s3, signing)
+            target = {k: torch.empty_like(v) for k, v in expected.items()}
+            with warnings.catch_warnings(), _env_creds(s3):
+                warnings.simplefilter("ignore")
+                dcp.load(target, storage_reader=reader)
+            check(target)
+
+        group = Group(
+            name="torch-restore",
+            title=f"state dict back into memory: {nbytes / GiB:.2f} GiB in {n} fp32 tensors "
+            f"(S3 endpoint: {s3.kind}, {signing} payload)",
+            nbytes=nbytes,
+            contenders=[
+                Contender(
+                    "cloudckpt",
+                    cloudckpt,
+                    lambda r: _rm(disk / f"ck-{r}"),
+                    cloudckpt=True,
+                    note="restore (LATEST, manifest, parallel ranged GETs, every byte "
+                    "verified, fsynced) + load_state",
+                ),
+                Contender(
+                    "download_file + torch.load",
+                    torch_load,
+                    lambda r: (disk / f"state-{r}.pt").unlink(),
+                    note="boto3 download_file (default TransferConfig) + torch.load "
+                    "(weights_only); nothing verified",
+                ),
+                Contender(
+                    "DCP load S3StorageReader",
+                    dcp_load,
+                    note="s3torchconnector's DCP storage reader (dcp_optimized) into "
+                    "preallocated tensors; nothing verified",
+                ),
+            ],
+            comparisons=[
+                Comparison("s", "download_file + torch.load", 1.0, label="vs torch.load"),
+                Comparison(
+                    "s", "DCP load S3StorageReader", 1.0, label="vs DCP load (s3torchconnector)"
+                ),
+            ],
+            servers={"server": s3.pid},
+            info={"signing": signing, "endpoint": s3.kind},
+        )
+        try:
+            self.run(group)
+        finally:
+            mgr.close()
+            _rm(disk)
+            expected.clear()
             gc.collect()
 
     # -- limits -------------------------------------------------------------------------
@@ -984,6 +1080,17 @@ def _limit(s3: S3Target, name: str) -> dict[str, str]:
     """The limit a group's figures are set against: the loopback HTTP ceiling, for the
     benchmark endpoint only (moto and real buckets have ceilings of their own)."""
     return {"limit": name} if s3.kind == "bench" else {}
+
+
+def _dcp_endpoint(fs: Any, s3: S3Target, signing: str) -> None:
+    """s3torchconnector's S3StorageWriter/Reader take no endpoint: their S3FileSystem builds
+    its S3Client with ``endpoint=None`` (AWS only). Give it one for this endpoint."""
+    from s3torchconnector._s3client import S3Client
+
+    if s3.endpoint_url:
+        fs._client = S3Client(
+            REGION, endpoint=s3.endpoint_url, s3client_config=Peers(s3, signing).config()
+        )
 
 
 def _restore_contenders(mgr: Any, dest: Path) -> list[Contender]:
@@ -1257,6 +1364,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if "torch" in groups:
                     bench.torch_group(s3, signings[0])
+                    bench.torch_restore_group(s3, signings[0])
                 if "s3" in groups:
                     for signing in signings:
                         bench.s3_upload_group(s3, signing, args.mib, "s3-upload")
