@@ -581,12 +581,7 @@ class Bench:
 
         from cloudckpt.integrations.torch import save_state
 
-        args = self.args
-        n = max(1, args.tensors)
-        numel = args.state_mib * MiB // 4 // n
-        torch.manual_seed(0)
-        state = {f"layer{i}.weight": torch.randn(numel) for i in range(n)}
-        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        state, n, nbytes = self._torch_state(seed=0)
         client = s3.boto3_client(signing)
         mgr = self.manager(s3.url("torch-ck/"), s3.storage_options(signing), "torch")
         disk = self.work / "torch"
@@ -716,6 +711,20 @@ class Bench:
             servers={"server": s3.pid},
             info={"signing": signing, "endpoint": s3.kind},
         )
+        self._run_and_release(group, mgr, disk, state)
+
+    def _torch_state(self, seed: int) -> tuple[dict[str, Any], int, int]:
+        """The torch groups' state dict: ``--state-mib`` of fp32 in ``--tensors`` tensors."""
+        import torch
+
+        n = max(1, self.args.tensors)
+        numel = self.args.state_mib * MiB // 4 // n
+        torch.manual_seed(seed)
+        state = {f"layer{i}.weight": torch.randn(numel) for i in range(n)}
+        return state, n, sum(t.numel() * t.element_size() for t in state.values())
+
+    def _run_and_release(self, group: Group, mgr: Any, disk: Path, state: dict) -> None:
+        """Run ``group``, then free its manager, files and tensors before the next one."""
         try:
             self.run(group)
         finally:
@@ -733,12 +742,7 @@ class Bench:
 
         from cloudckpt.integrations.torch import load_state, save_state
 
-        args = self.args
-        n = max(1, args.tensors)
-        numel = args.state_mib * MiB // 4 // n
-        torch.manual_seed(1)
-        state = {f"layer{i}.weight": torch.randn(numel) for i in range(n)}
-        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        state, n, nbytes = self._torch_state(seed=1)
         client = s3.boto3_client(signing)
         disk = self.work / "torch-restore"
         disk.mkdir()
@@ -822,13 +826,7 @@ class Bench:
             servers={"server": s3.pid},
             info={"signing": signing, "endpoint": s3.kind},
         )
-        try:
-            self.run(group)
-        finally:
-            mgr.close()
-            _rm(disk)
-            expected.clear()
-            gc.collect()
+        self._run_and_release(group, mgr, disk, expected)
 
     # -- limits -------------------------------------------------------------------------
 
