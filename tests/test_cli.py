@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -397,7 +398,7 @@ def test_interrupted_restore_leaves_dest_as_it_was(s3_target, manager_factory, t
     dest.mkdir(parents=True)
     (dest / "old.txt").write_bytes(b"the previous contents")
 
-    def interrupted(sig) -> subprocess.Popen:
+    def interrupted(sig) -> tuple[int, str]:
         # Every GET of big.bin is held on its way to moto for longer than the test, so the
         # signal always lands while the download is in progress, however fast or loaded
         # this machine is (a request still held when the proxy stops never reaches moto).
@@ -428,19 +429,21 @@ def test_interrupted_restore_leaves_dest_as_it_was(s3_target, manager_factory, t
                 time.sleep(0.01)
             assert proc.poll() is None, proc.communicate()
             proc.send_signal(sig)
-            proc.communicate(timeout=120)
-        return proc
+            _, err = proc.communicate(timeout=120)
+        return proc.returncode, err.decode(errors="replace")
 
     # Ctrl-C (and SIGTERM): DEST untouched, the temporary directory cleaned up.
     for sig, code in ((2, 130), (15, 130)):
-        proc = interrupted(sig)
-        assert proc.returncode == code, proc.stderr
+        returncode, err = interrupted(sig)
+        assert returncode == code, err
+        # Cleanup finished by itself (the exit watchdog did not have to cut it short).
+        assert "did not finish" not in err, err
         assert read_tree(dest) == {"old.txt": b"the previous contents"}
         assert sorted(p.name for p in parent.iterdir()) == ["dest"]
 
     # SIGKILL (no cleanup possible): DEST is still exactly as it was.
-    proc = interrupted(9)
-    assert proc.returncode == -9
+    returncode, _ = interrupted(9)
+    assert returncode == -9
     assert read_tree(dest) == {"old.txt": b"the previous contents"}
 
     # And a restore that runs to the end replaces it.
@@ -503,3 +506,38 @@ def test_interrupted_push_flushes_once_and_abandons_on_the_second_signal(s3_targ
     assert latest.current.step == 1 and [r.step for r in latest.retained()] == [1]
     assert any(store.list("ckpt/000000000002-")), "the abandoned attempt should stay for GC"
     store.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupt_ends_the_process_even_when_cleanup_hangs(tmp_path, sig):
+    """Ctrl-C/SIGTERM always end a command: if its cleanup is stuck (here: forever), the
+    exit watchdog ends the process after the grace period with 130 and the stacks of all
+    threads, to show where it was stuck."""
+    script = tmp_path / "stuck.py"
+    script.write_text(
+        "import threading, time, click\n"
+        "from cloudckpt.cli import _common, main\n"
+        "from cloudckpt.cli._main import cli\n"
+        "_common.CLEANUP_GRACE = 1.0\n"
+        "@cli.command('stuck')\n"
+        "def stuck():\n"
+        "    try:\n"
+        "        print('ready', flush=True)\n"
+        "        time.sleep(600)\n"
+        "    finally:\n"
+        "        threading.Event().wait()  # a cleanup that never returns\n"
+        "main()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "stuck"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout.readline() == b"ready\n"
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    text = err.decode()
+    assert "did not finish within 1 s; exiting now" in text
+    assert "in stuck" in text  # the dump shows the stuck frame

@@ -107,8 +107,41 @@ class Interrupted(BaseException):
     """SIGTERM, turned into an exception so cleanup (``finally``) runs as for Ctrl-C."""
 
 
+#: Seconds an interrupted command may spend cleaning up before the process exits anyway.
+CLEANUP_GRACE = 20.0
+_CLEANUP_OVERRAN = "cloudckpt: cleanup after the interrupt did not finish"
+
+
+def _arm_exit_watchdog() -> None:
+    """After an interrupt, end the process within ``CLEANUP_GRACE`` seconds whatever the
+    cleanup is stuck on (a user's Ctrl-C must always work). Nothing half-done becomes
+    visible by exiting early: restores place files atomically and the next restore
+    removes a leftover temporary directory; uploads are never committed. If it fires, it
+    prints every thread's stack first, so the stuck place can be found and fixed."""
+    import faulthandler
+    import os
+    import threading
+
+    def overran() -> None:
+        sys.stderr.write(f"{_CLEANUP_OVERRAN} within {CLEANUP_GRACE:.0f} s; exiting now\n")
+        sys.stderr.flush()
+        with contextlib.suppress(Exception):
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        os._exit(INTERRUPTED)
+
+    timer = threading.Timer(CLEANUP_GRACE, overran)
+    timer.daemon = True
+    timer.start()
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
+    _arm_exit_watchdog()
     raise Interrupted()
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    _arm_exit_watchdog()
+    raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
@@ -434,9 +467,11 @@ class CloudCkptGroup(click.Group):
     """Runs a subcommand and maps what it raises to the documented exit codes."""
 
     def invoke(self, ctx: click.Context) -> Any:
-        previous = None
+        previous = {}
         with contextlib.suppress(ValueError):  # not in the main thread: leave signals alone
-            previous = signal.signal(signal.SIGTERM, _on_sigterm)
+            previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, _on_sigterm)
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                previous[signal.SIGINT] = signal.signal(signal.SIGINT, _on_sigint)
         try:
             return super().invoke(ctx)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
@@ -462,8 +497,8 @@ class CloudCkptGroup(click.Group):
             ctx.exit(ERROR)
         finally:
             teardown_logging(ctx.find_root().meta)
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
 
 def setup_logging(verbose: int) -> None:
