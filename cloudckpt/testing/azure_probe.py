@@ -27,14 +27,14 @@ import contextlib
 import hashlib
 import json
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from cloudckpt.stores.azure import error_code
-from cloudckpt.testing.s3_probe import Finding, ProbeReport, RaceFigures, _run_threads
+from cloudckpt.testing import races
+from cloudckpt.testing.s3_probe import Finding, ProbeReport, RaceFigures
 
 __all__ = ["probe_container", "service_factory"]
 
@@ -229,44 +229,30 @@ class _Probe:
         self.service.close()
 
 
+def _put(service: Any, container: str, name: str, body: bytes, **condition: str) -> str:
+    blob = service.get_blob_client(container, name)
+    answer, _ = _answer(
+        lambda: blob.upload_blob(
+            body, overwrite=True, headers={"Content-MD5": _md5(body)}, **condition
+        )
+    )
+    return answer
+
+
 def race_creates(
     make_service: Callable[[], Any], container: str, prefix: str, creators: int, rounds: int
 ) -> tuple[list[int], dict[str, int], float, int]:
-    """``rounds`` times, ``creators`` threads race a create-only Put Blob of one new blob."""
-    winners: list[int] = []
-    losers: dict[str, int] = {}
-    slowest = 0.0
-    wrong_bytes = 0
-    services = [make_service() for _ in range(creators)]
-    try:
-        for r in range(rounds):
-            name = f"{prefix}race-create-{r}-{uuid.uuid4().hex[:8]}"
-
-            def create(service: Any, i: int, name: str = name) -> tuple[str, float]:
-                body = b"writer-%d" % i
-                blob = service.get_blob_client(container, name)
-                start = time.monotonic()
-                answer, _ = _answer(
-                    lambda: blob.upload_blob(
-                        body, overwrite=True, if_none_match="*", headers={"Content-MD5": _md5(body)}
-                    )
-                )
-                return answer, time.monotonic() - start
-
-            answers = _run_threads(services, create)
-            won = [i for i, (a, _) in enumerate(answers) if a == "ok"]
-            winners.append(len(won))
-            slowest = max([slowest, *(t for _, t in answers)])
-            for a, _ in answers:
-                if a != "ok":
-                    losers[a] = losers.get(a, 0) + 1
-            stored = services[0].get_blob_client(container, name).download_blob().readall()
-            if len(won) != 1 or stored != b"writer-%d" % won[0]:
-                wrong_bytes += 1
-    finally:
-        for s in services:
-            s.close()
-    return winners, losers, slowest, wrong_bytes
+    """``rounds`` times, ``creators`` threads race a create-only Put Blob of one new blob
+    (see ``races.race_creates`` for what it returns)."""
+    names = (f"{prefix}race-create-{r}-{uuid.uuid4().hex[:8]}" for r in range(rounds))
+    with races.clients_of(make_service, creators) as services:
+        return races.race_creates(
+            services,
+            names,
+            lambda s, name, body: _put(s, container, name, body, if_none_match="*"),
+            lambda s, name: s.get_blob_client(container, name).download_blob().readall(),
+            ok="ok",
+        )
 
 
 def race_cas(
@@ -277,43 +263,22 @@ def race_cas(
     name = f"{prefix}race-cas-{uuid.uuid4().hex[:8]}"
     setup = make_service()
     setup.get_blob_client(container, name).upload_blob(b"0")
-    lock = threading.Lock()
-    retries = [0]
 
-    def worker(service: Any, i: int) -> int:
-        blob = service.get_blob_client(container, name)
-        done = attempts = 0
-        while done < increments:
-            attempts += 1
-            if attempts > increments * writers * 50:
-                raise RuntimeError("compare-and-swap never succeeds")
-            downloader = blob.download_blob()
-            value = int(downloader.readall())
-            time.sleep(0.001)
-            body = b"%d" % (value + 1)
-            answer, _ = _answer(
-                lambda body=body, etag=downloader.properties.etag: blob.upload_blob(
-                    body, overwrite=True, if_match=etag, headers={"Content-MD5": _md5(body)}
-                )
-            )
-            if answer == "ok":
-                done += 1
-            elif answer.startswith(("412", "409")):
-                with lock:
-                    retries[0] += 1
-            else:
-                raise RuntimeError(f"compare-and-swap answered {answer}")
-        return done
+    def read(service: Any) -> tuple[bytes, str]:
+        downloader = service.get_blob_client(container, name).download_blob()
+        return downloader.readall(), downloader.properties.etag
 
-    services = [make_service() for _ in range(writers)]
-    try:
-        acknowledged = sum(_run_threads(services, worker))
-    finally:
-        for s in services:
-            s.close()
+    with races.clients_of(make_service, writers) as services:
+        acknowledged, retries = races.race_cas(
+            services,
+            read,
+            lambda s, body, etag: _put(s, container, name, body, if_match=etag),
+            ok="ok",
+            increments=increments,
+        )
     final = int(setup.get_blob_client(container, name).download_blob().readall())
     setup.close()
-    return final, acknowledged, retries[0]
+    return final, acknowledged, retries
 
 
 def probe_container(

@@ -27,18 +27,18 @@ from __future__ import annotations
 
 import argparse
 import base64
-import concurrent.futures as cf
 import contextlib
 import dataclasses
 import json
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import google_crc32c
+
+from cloudckpt.testing import races
 
 __all__ = [
     "Finding",
@@ -395,70 +395,34 @@ class _Probe:
         self.client.close()
 
 
-def _run_threads(clients: list[Any], fn: Callable[[Any, int], Any]) -> list:
-    """``fn(client_i, i)`` in one thread per client, released together by a barrier."""
-    barrier = threading.Barrier(len(clients))
-
-    def run(i: int) -> Any:
-        barrier.wait()
-        return fn(clients[i], i)
-
-    with cf.ThreadPoolExecutor(len(clients)) as pool:
-        return list(pool.map(run, range(len(clients))))
-
-
-@contextlib.contextmanager
-def _clients(make_client: Callable[[], Any], n: int) -> Iterator[list[Any]]:
-    clients = [make_client() for _ in range(n)]
-    try:
-        yield clients
-    finally:
-        for c in clients:
-            c.close()
-
-
-def race_creates(
-    make_client: Callable[[], Any], bucket: str, prefix: str, creators: int, rounds: int
-) -> tuple[list[int], dict[str, int], float, int]:
-    """``rounds`` times, ``creators`` threads race a create-only PutObject of one new key.
-
-    Returns the number of winners of each round, how the losers were answered, the
-    slowest single answer (seconds), and the number of rounds whose stored bytes are not
-    the (single) winner's."""
-    winners: list[int] = []
-    losers: dict[str, int] = {}
-    slowest = 0.0
-    wrong_bytes = 0
-    with _clients(make_client, creators) as clients:
-        for r in range(rounds):
-            key = f"{prefix}race-create-{r}-{uuid.uuid4().hex[:8]}"
-            answers = _run_threads(clients, lambda c, i, key=key: _timed_create(c, bucket, key, i))
-            won = [i for i, (a, _) in enumerate(answers) if a == "200"]
-            winners.append(len(won))
-            slowest = max([slowest, *(t for _, t in answers)])
-            for a, _ in answers:
-                if a != "200":
-                    losers[a] = losers.get(a, 0) + 1
-            stored = clients[0].get_object(Bucket=bucket, Key=key)["Body"].read()
-            if len(won) != 1 or stored != b"writer-%d" % won[0]:
-                wrong_bytes += 1
-    return winners, losers, slowest, wrong_bytes
-
-
-def _timed_create(client: Any, bucket: str, key: str, i: int) -> tuple[str, float]:
-    body = b"writer-%d" % i
-    start = time.monotonic()
+def _put(client: Any, bucket: str, key: str, body: bytes, **condition: str) -> str:
     answer, _ = _answer(
         lambda: client.put_object(
             Bucket=bucket,
             Key=key,
             Body=body,
-            IfNoneMatch="*",
             ChecksumAlgorithm="CRC32C",
             ChecksumCRC32C=_crc32c(body),
+            **condition,
         )
     )
-    return answer, time.monotonic() - start
+    return answer
+
+
+def race_creates(
+    make_client: Callable[[], Any], bucket: str, prefix: str, creators: int, rounds: int
+) -> tuple[list[int], dict[str, int], float, int]:
+    """``rounds`` times, ``creators`` threads race a create-only PutObject of one new key
+    (see ``races.race_creates`` for what it returns)."""
+    keys = (f"{prefix}race-create-{r}-{uuid.uuid4().hex[:8]}" for r in range(rounds))
+    with races.clients_of(make_client, creators) as clients:
+        return races.race_creates(
+            clients,
+            keys,
+            lambda c, key, body: _put(c, bucket, key, body, IfNoneMatch="*"),
+            lambda c, key: c.get_object(Bucket=bucket, Key=key)["Body"].read(),
+            ok="200",
+        )
 
 
 def race_cas(
@@ -469,43 +433,22 @@ def race_cas(
     key = f"{prefix}race-cas-{uuid.uuid4().hex[:8]}"
     setup = make_client()
     setup.put_object(Bucket=bucket, Key=key, Body=b"0")
-    lock = threading.Lock()
-    retries = [0]
 
-    def worker(client: Any, i: int) -> int:
-        done = attempts = 0
-        while done < increments:
-            attempts += 1
-            if attempts > increments * writers * 50:
-                raise RuntimeError("compare-and-swap never succeeds")
-            resp = client.get_object(Bucket=bucket, Key=key)
-            value = int(resp["Body"].read())
-            time.sleep(0.001)  # a read-modify-write window like a real network's
-            body = b"%d" % (value + 1)
-            answer, _ = _answer(
-                lambda body=body, etag=resp["ETag"]: client.put_object(
-                    Bucket=bucket,
-                    Key=key,
-                    Body=body,
-                    IfMatch=etag,
-                    ChecksumAlgorithm="CRC32C",
-                    ChecksumCRC32C=_crc32c(body),
-                )
-            )
-            if answer == "200":
-                done += 1
-            elif answer.startswith(("412", "409")):
-                with lock:
-                    retries[0] += 1
-            else:
-                raise RuntimeError(f"compare-and-swap answered {answer}")
-        return done
+    def read(client: Any) -> tuple[bytes, str]:
+        resp = client.get_object(Bucket=bucket, Key=key)
+        return resp["Body"].read(), resp["ETag"]
 
-    with _clients(make_client, writers) as clients:
-        acknowledged = sum(_run_threads(clients, worker))
+    with races.clients_of(make_client, writers) as clients:
+        acknowledged, retries = races.race_cas(
+            clients,
+            read,
+            lambda c, body, etag: _put(c, bucket, key, body, IfMatch=etag),
+            ok="200",
+            increments=increments,
+        )
     final = int(setup.get_object(Bucket=bucket, Key=key)["Body"].read())
     setup.close()
-    return final, acknowledged, retries[0]
+    return final, acknowledged, retries
 
 
 def probe_endpoint(
