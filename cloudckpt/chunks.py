@@ -60,6 +60,7 @@ from cloudckpt.errors import (
     MissingChunkError,
     ObjectNotFoundError,
     PreconditionFailedError,
+    ReusedChunkMissingError,
     StagingError,
     StoreError,
 )
@@ -170,6 +171,11 @@ class ChunkIndex:
 
     def __len__(self) -> int:
         return len(self._by_sha)
+
+    def without(self, sha256s: Iterable[str]) -> ChunkIndex:
+        """This index less the chunks ``sha256s`` (found missing from the store)."""
+        gone = set(sha256s)
+        return ChunkIndex(k for sha, k in self._by_sha.items() if sha not in gone)
 
     def get(self, sha256: str, size: int) -> _Known | None:
         known = self._by_sha.get(sha256)
@@ -316,23 +322,47 @@ def upload_chunked(
     return entries, up.stats
 
 
+def _stored_chunk_sizes(store: Store, owner_prefixes: Iterable[str]) -> dict[str, int]:
+    """Chunk key -> stored size, by one listing of each owner prefix's ``chunks/``."""
+    sizes: dict[str, int] = {}
+    for owner in sorted(set(owner_prefixes)):
+        where = owner + protocol.CHUNKS_DIR
+        listed = call_with_retries(lambda w=where: list(store.list(w)), what=f"list {where}")
+        sizes.update((o.key, o.size) for o in listed)
+    return sizes
+
+
 def check_uploaded(store: Store, prefix: str, entries: Sequence[FileEntry]) -> None:
-    """One listing of the attempt's ``chunks/``: every chunk it uploaded is stored whole.
-    (Chunks of earlier checkpoints are vouched for by their retained manifests.)"""
-    own = {c.sha256: c.size for e in entries for c in e.chunks or () if c.owner == prefix}
-    if not own:
+    """Before the manifest is written: every chunk ``entries`` name is in the store whole,
+    by one listing per owner prefix. Those this attempt uploaded (a store or proxy that
+    silently kept fewer bytes must not get a torn checkpoint committed), and those it
+    reuses from earlier checkpoints: a chunk lost to a lifecycle rule, a deletion by hand
+    or a damaged commit would otherwise spread to every later save of unchanged data.
+    From here to the commit, ``UploadStats.requires`` keeps the reused ones protected.
+
+    Raises:
+        StoreError: a chunk this attempt uploaded is missing or short.
+        ReusedChunkMissingError: reused chunks are missing (``missing``: their SHA-256s).
+    """
+    named = {c.key: c for e in entries for c in e.chunks or ()}
+    if not named:
         return
-    where = prefix + protocol.CHUNKS_DIR
-    listed = call_with_retries(lambda: list(store.list(where)), what="list the uploaded chunks")
-    sizes = {o.key[len(where) :]: o.size for o in listed}
-    for sha, size in own.items():
-        if sizes.get(sha) != size:
+    sizes = _stored_chunk_sizes(store, (c.owner for c in named.values()))
+    bad = [c for key, c in sorted(named.items()) if sizes.get(key) != c.size]
+    for c in bad:
+        if c.owner == prefix:
             raise StoreError(
-                f"{store.url}{where}{sha} holds {sizes.get(sha)} bytes after uploading {size} bytes; "
-                "the checkpoint was not committed",
-                key=where + sha,
+                f"{store.url}{c.key} holds {sizes.get(c.key)} bytes after uploading {c.size} "
+                "bytes; the checkpoint was not committed",
+                key=c.key,
                 hint="The store or a proxy lost part of the upload. Save again",
             )
+    if bad:
+        raise ReusedChunkMissingError(
+            f"{len(bad)} chunk(s) this save reuses from earlier checkpoints are not in "
+            f"{store.url} (first: {bad[0].key})",
+            missing=frozenset(c.sha256 for c in bad),
+        )
 
 
 # --------------------------------------------------------------------------- restore

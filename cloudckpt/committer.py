@@ -10,6 +10,16 @@ writer re-reads LATEST and decides:
 - otherwise the same writer's run was edited (a pin, GC): re-apply on the new LATEST.
 
 After an unknown outcome, nothing the attempt uploaded is deleted (DESIGN §6.7).
+
+How old an attempt is, is judged on the STORE's clock, never the host's (DESIGN §6.8,
+§8): GC dates an attempt by its objects' ``last_modified`` and its own ``store.now()``, and a
+host's ``time.monotonic()`` stops while the VM is suspended or hibernated. Before every
+compare-and-swap the commit reads the store's clock, after the LATEST it is based on was
+read or written, and refuses (``StaleAttemptError``) once the attempt is older than
+``max_attempt_age``. GC writes LATEST (``protocol.sweep``) before it deletes an orphan and
+judged that orphan older than grace at a store time before that write; so a commit based on
+a LATEST from before the sweep fails its compare-and-swap, and one based on a later LATEST
+reads a clock past GC's and refuses, however long the host slept in between.
 """
 
 from __future__ import annotations
@@ -43,6 +53,41 @@ from cloudckpt.stores import CREATE, PutMode, Store, Update
 log = logging.getLogger("cloudckpt.commit")
 
 MAX_CAS_ATTEMPTS = 20
+
+
+def max_attempt_age(grace_s: float, clock_resolution: float) -> float:
+    """The oldest (in store seconds) an attempt may be when its commit is written: the
+    GC grace period less a margin of 10 % (at most 10 minutes), and never less than two
+    steps of the store's clock (the attempt's birth and the current time are each read
+    truncated to that step, so an age can read up to two steps short)."""
+    return grace_s - min(600.0, max(0.1 * grace_s, 2.0 * clock_resolution))
+
+
+@dataclasses.dataclass(frozen=True)
+class AttemptAge:
+    """When an attempt was born on the store's clock (read before its first object was
+    written, so never later than the time GC dates it by) and the age past which it may
+    not be committed."""
+
+    born: dt.datetime
+    max_age_s: float
+
+    def check(self, store: Store, step: int) -> None:
+        """Read the store's clock; raise StaleAttemptError if the attempt is too old.
+
+        Raises: StaleAttemptError; StoreError if the clock cannot be read (after retries).
+        """
+        now = call_with_retries(store.now, what="read the store's clock")
+        age = (now - self.born).total_seconds()
+        if age > self.max_age_s:
+            raise StaleAttemptError(
+                f"the save of step {step} began {age:.0f} s ago on the store's clock, more "
+                f"than the {self.max_age_s:.0f} s the run's GC grace period allows (the host "
+                "may have been suspended, or the upload was slow); it was not committed, "
+                "since garbage collection may already own its files"
+            )
+
+
 _SETTING_FIELDS = frozenset(f.name for f in dataclasses.fields(Settings))
 
 
@@ -209,21 +254,23 @@ class Committer:
         self,
         record: CheckpointRecord,
         *,
-        deadline: float | None = None,
+        age: AttemptAge | None = None,
         requires: Callable[[Latest], None] | None = None,
     ) -> Latest:
         """Make ``record`` current with a compare-and-swap from this writer's last version.
 
-        ``deadline`` (``time.monotonic()``): refuse to write after it (the attempt would be
-        old enough for GC to own its files). ``requires(base)``: called with every LATEST
-        the commit would replace; raising refuses the commit.
+        ``age``: checked on the store's clock before every compare-and-swap (see the module
+        docstring): an attempt old enough for GC to own its files is refused.
+        ``requires(base)``: called with every LATEST the commit would replace; raising
+        refuses the commit.
 
         Raises:
             FencedError: a newer writer claimed the run.
             CommitConflictError: same-epoch edits kept winning the race.
             CommitStateUnknownError: the store stopped answering; the outcome is unknown.
-            StaleAttemptError: the deadline passed before the commit could be written.
+            StaleAttemptError: the attempt grew too old before the commit could be written.
             NeedsRepairError: LATEST vanished or became corrupt.
+            StoreError: the store's clock could not be read before any write was sent.
         """
         if self._mine is None:
             raise RuntimeError("claim() the run before committing")
@@ -231,11 +278,19 @@ class Committer:
         unknown_rounds = 0
         for _ in range(MAX_CAS_ATTEMPTS):
             self._check_fence(base.latest)
-            if deadline is not None and time.monotonic() > deadline:
-                raise StaleAttemptError(
-                    f"the save of step {record.step} took longer than the GC grace period "
-                    "allows; it was not committed"
-                )
+            if age is not None:
+                # After ``base`` was read or written, before the write that replaces it.
+                try:
+                    age.check(self.store, record.step)
+                except StaleAttemptError:
+                    raise
+                except StoreError as exc:
+                    if unknown_rounds:  # an earlier write's fate is unknown: say so
+                        raise CommitStateUnknownError(
+                            f"the commit of step {record.step} to {self.store.url} got no "
+                            f"answer, and the store's clock cannot be read ({exc})"
+                        ) from None
+                    raise
             if requires is not None:
                 # E.g. the checkpoints whose chunks this save reuses must still be retained
                 # in the very LATEST the compare-and-swap replaces (cloudckpt.chunks).

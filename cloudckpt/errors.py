@@ -22,11 +22,14 @@ credentials: URLs are redacted before they reach a message (see ``redact_url``).
     ├── CommitStateUnknownError       cannot tell whether the commit landed
     ├── StaleAttemptError             an attempt is too old to commit safely (GC may own it)
     ├── CorruptionError               data does not match its recorded digest; nothing usable
+    │   └── MissingChunkError         a chunk a manifest names is missing or damaged
     ├── NeedsRepairError              checkpoints exist but LATEST is missing or unreadable
     ├── CheckpointNotFoundError       no committed checkpoint matches the request
     ├── DestinationNotEmptyError      a restore target already holds files
     ├── StagingError                  local staging failed (disk full, files changed under us)
     ├── SaveDroppedError              a queued save was replaced by a newer one (backpressure)
+    ├── ChunkSourceDroppedError       chunks a save reuses lost their retained source (retried)
+    │   └── ReusedChunkMissingError   chunks a save reuses are not in the store (re-uploaded)
     └── UnsafePathError               a manifest path would escape the destination
 """
 
@@ -39,6 +42,7 @@ __all__ = [
     "BucketNotFoundError",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
+    "ChunkSourceDroppedError",
     "CloudCkptError",
     "CommitConflictError",
     "CommitStateUnknownError",
@@ -47,12 +51,14 @@ __all__ = [
     "CredentialsError",
     "DestinationNotEmptyError",
     "FencedError",
+    "MissingChunkError",
     "MissingDependencyError",
     "NeedsRepairError",
     "ObjectNotFoundError",
     "OutcomeUnknownError",
     "PermissionDeniedError",
     "PreconditionFailedError",
+    "ReusedChunkMissingError",
     "SaveDroppedError",
     "StagingError",
     "StaleAttemptError",
@@ -314,3 +320,21 @@ class ChunkSourceDroppedError(CloudCkptError):
     another tool dropped it while the save uploaded). The save is retried without them."""
 
     default_hint = "Nothing was committed by this attempt; the manager uploads again in full"
+
+
+class ReusedChunkMissingError(ChunkSourceDroppedError):
+    """Chunks a save meant to reuse from an earlier checkpoint are not in the store (a
+    lifecycle rule, a manual deletion, or that checkpoint was committed damaged). The
+    save is retried with those chunks uploaded again; ``missing`` holds their SHA-256s."""
+
+    default_hint = (
+        "Nothing was committed by this attempt; the manager uploads the missing chunks "
+        "again. Check lifecycle rules and who can delete from the bucket, and run "
+        "'cloudckpt verify --all' on the run"
+    )
+
+    def __init__(
+        self, message: str, *, missing: frozenset[str] = frozenset(), hint: str | None = None
+    ) -> None:
+        self.missing = missing
+        super().__init__(message, hint=hint)

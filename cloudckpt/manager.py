@@ -32,13 +32,14 @@ from types import TracebackType
 from typing import Any, Literal
 
 from cloudckpt import chunks, protocol
-from cloudckpt.committer import Committer
+from cloudckpt.committer import AttemptAge, Committer, max_attempt_age
 from cloudckpt.errors import (
     ChunkSourceDroppedError,
     CloudCkptError,
     ConfigurationError,
     FencedError,
     PreconditionFailedError,
+    ReusedChunkMissingError,
     SaveDroppedError,
     StoreError,
 )
@@ -210,7 +211,7 @@ class _BegunAttempt:
     epoch: int
     commit_id: str  # the attempt id; also the save's commit_id
     prefix: str  # ckpt/<step>-e<epoch>-<commit_id>/
-    deadline: float  # time.monotonic() after which the commit is refused (GC may own it)
+    age: AttemptAge  # born on the store's clock; past max age, GC may own it
 
 
 @dataclasses.dataclass
@@ -733,11 +734,13 @@ class CheckpointManager:
     ) -> tuple[_BegunAttempt, Latest, protocol.Manifest]:
         """Begin an attempt, upload ``files`` into it, run ``before_commit`` and commit.
         If a checkpoint whose chunks it reuses left retention meanwhile (an unpin, another
-        tool), everything is uploaded again in full under a new attempt, once."""
+        tool), everything is uploaded again in full under a new attempt, once; if reused
+        chunks are missing from the store, they are uploaded again (new attempt, once)."""
+        index: chunks.ChunkIndex | None = None  # None: the manager's own index
         for retry in (False, True):
             try:
                 begun = self._begin_attempt(handle.step)
-                entries, requires = self._upload(begun, files, retry)
+                entries, requires = self._upload(begun, files, index)
                 failpoint("save.after_upload")
                 if before_commit is not None:
                     before_commit()
@@ -745,27 +748,35 @@ class CheckpointManager:
                     begun, entries, handle.metadata, requires=requires
                 )
                 return begun, latest, manifest
+            except ReusedChunkMissingError as exc:
+                if retry:
+                    raise
+                log.error("step %d: %s; uploading them again", handle.step, exc)
+                index = self._load_chunk_index().without(exc.missing)
+                self._chunk_index = index  # later saves must not name them either
             except ChunkSourceDroppedError as exc:
                 if retry:
                     raise
                 log.warning("step %d: %s; uploading it again in full", handle.step, exc)
+                index = chunks.ChunkIndex()
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _upload(
         self,
         begun: _BegunAttempt,
         files: Sequence[tuple[str, Path | MemoryFile]],
-        full: bool = False,
+        index: chunks.ChunkIndex | None = None,
     ) -> tuple[list[protocol.FileEntry], Callable[[Latest], None] | None]:
-        """Upload a save's files into its attempt: as chunks, skipping those the last
-        committed checkpoint holds (none with ``full``), or whole with chunking off.
-        Returns the manifest entries and the check its commit must pass."""
+        """Upload a save's files into its attempt: as chunks, skipping those ``index``
+        holds (default: those of the last committed checkpoint), or whole with chunking
+        off. Returns the manifest entries and the check its commit must pass."""
         if self._chunking == "off":
             entries = self.engine.upload_files(
                 self.store, begun.prefix + protocol.FILES_DIR, files, self._progress
             )
             return entries, None
-        index = chunks.ChunkIndex() if full else self._load_chunk_index()
+        if index is None:
+            index = self._load_chunk_index()
         entries, stats = chunks.upload_chunked(
             self.engine, self.store, begun.prefix, files, index, self._chunking, self._progress
         )
@@ -835,10 +846,12 @@ class CheckpointManager:
     # and ``_finish_attempt`` around uploads that every rank makes into the same prefix.
 
     def _begin_attempt(self, step: int) -> _BegunAttempt:
-        """Claim the run if no one has yet (committing crash-recovered saves first), fix
-        the commit deadline, choose a fresh attempt prefix and write its ``ATTEMPT.json``.
+        """Claim the run if no one has yet (committing crash-recovered saves first), read
+        the store's clock (the attempt's birth, which bounds its commit: ``committer``),
+        choose a fresh attempt prefix and write its ``ATTEMPT.json``.
 
-        Raises: FencedError, NeedsRepairError, CommitConflictError, StoreError.
+        Raises: FencedError, NeedsRepairError, CommitConflictError, ConfigurationError (a
+        grace period the store's clock cannot resolve), StoreError.
         """
         if self._fenced is not None:
             raise self._fenced
@@ -851,9 +864,16 @@ class CheckpointManager:
                 earlier.handle._future.set_exception(exc)
                 log.warning("could not commit recovered step %d: %s", earlier.handle.step, exc)
         epoch = self.committer.epoch
-        started = time.monotonic()
         grace = self.settings.gc_grace_s
-        deadline = started + grace - min(600.0, grace * 0.1)
+        max_age = max_attempt_age(grace, self.store.clock_resolution)
+        if max_age <= 0:
+            raise ConfigurationError(
+                f"gc_grace={grace}s is too short for {self.url}, whose clock counts whole "
+                f"{self.store.clock_resolution:g} s steps: no save could be committed safely",
+                hint="Use a gc_grace of at least a minute (the default is 2 hours)",
+            )
+        # Read before ATTEMPT.json is written: never later than the time GC dates it by.
+        born = call_with_retries(self.store.now, what="read the store's clock")
         remote_id = protocol.new_attempt_id(dt.datetime.now(dt.timezone.utc))
         prefix = protocol.ckpt_prefix(step, epoch, remote_id)
         self._put_idempotent(
@@ -868,7 +888,11 @@ class CheckpointManager:
         )
         failpoint("save.after_marker")
         return _BegunAttempt(
-            step=step, epoch=epoch, commit_id=remote_id, prefix=prefix, deadline=deadline
+            step=step,
+            epoch=epoch,
+            commit_id=remote_id,
+            prefix=prefix,
+            age=AttemptAge(born, max_age),
         )
 
     def _finish_attempt(
@@ -879,11 +903,12 @@ class CheckpointManager:
         *,
         requires: Callable[[Latest], None] | None = None,
     ) -> tuple[Latest, Manifest]:
-        """Check that every uploaded file is stored whole (one listing), write the
-        manifest (create-only) and commit it with the fenced compare-and-swap of LATEST.
+        """Check that every file and chunk the manifest will name is stored whole (one
+        listing per prefix), write the manifest (create-only) and commit it with the
+        fenced compare-and-swap of LATEST.
 
-        Raises: StoreError, FencedError, CommitConflictError, CommitStateUnknownError,
-        StaleAttemptError, NeedsRepairError.
+        Raises: StoreError, ReusedChunkMissingError, FencedError, CommitConflictError,
+        CommitStateUnknownError, StaleAttemptError, NeedsRepairError.
         """
         entries = list(entries)
         prefix = begun.prefix
@@ -905,7 +930,7 @@ class CheckpointManager:
         failpoint("save.after_manifest")
         with self._commit_lock:
             latest = self.committer.commit(
-                manifest.record(body, now), deadline=begun.deadline, requires=requires
+                manifest.record(body, now), age=begun.age, requires=requires
             )
         if manifest.chunked:
             self._chunk_index = chunks.ChunkIndex.of(manifest)

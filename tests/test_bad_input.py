@@ -396,12 +396,12 @@ def test_permission_denied_on_delete_stops_gc_and_loses_nothing(iam_moto, tmp_pa
         storage_options=options,
         staging_dir=tmp_path / "s",
         keep_last=1,
-        gc_grace=1,
+        gc_grace=5,  # the shortest S3's whole-second clock allows a few seconds of upload
         auto_gc=False,
     )
     _save(mgr, 1, b"one")
     _save(mgr, 2, b"two")  # step 1 becomes a tombstone
-    time.sleep(2.2)  # past grace on the store's (1 s resolution) clock
+    time.sleep(6.2)  # past grace on the store's (1 s resolution) clock
     with pytest.raises(PermissionDeniedError) as err:
         mgr.gc()
     assert "access denied" in str(err.value) and "permissions listed in" in str(err.value)

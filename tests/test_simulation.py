@@ -24,7 +24,7 @@ from cloudckpt import (
     protocol,
 )
 from cloudckpt.admin import pin, unpin
-from cloudckpt.committer import Committer, read_latest
+from cloudckpt.committer import AttemptAge, Committer, read_latest
 from cloudckpt.errors import PreconditionFailedError
 from cloudckpt.gc import collect_garbage
 from cloudckpt.restore import restore
@@ -70,6 +70,8 @@ def test_seeds():
     assert c["bit_flips_detected"] == c["bit_flips"] > 0
     # Checkpoints share chunks, GC had to keep some, and flips of chunks were caught.
     assert c["chunks_reused"] > 0 and c["chunk_flips"] > 0
+    # Hosts were suspended, and writers that woke too late were refused.
+    assert c["host_suspends"] > 0 and c["save_failed:StaleAttemptError"] > 0
     assert set(summary["faults_injected"]) >= {
         "fail_before",
         "lose_response",
@@ -101,8 +103,8 @@ def test_main_prints_the_replay_command_of_a_failing_seed(monkeypatch, capsys):
 # --- the checker is not vacuous: known-broken protocols are caught -----------------------
 
 
-def _violations(seeds: range, mutate=None) -> list[str]:
-    return [v for s in seeds for v in simulation.run_seed(s, 200, mutate).violations]
+def _violations(seeds: range, mutate=None, steps: int = 200) -> list[str]:
+    return [v for s in seeds for v in simulation.run_seed(s, steps, mutate).violations]
 
 
 def test_catches_a_store_that_ignores_preconditions():
@@ -123,13 +125,29 @@ def test_catches_gc_that_ignores_chunk_references(monkeypatch):
     import cloudckpt.chunks as chunks
 
     monkeypatch.setattr(chunks, "protected_chunk_keys", lambda store, latest, deleting=(): set())
-    found = _violations(range(20))
+    found = _violations(range(60))
     assert any("I7" in v and "chunk" in v for v in found), found[:3]
 
 
 def test_catches_a_writer_that_is_never_fenced(monkeypatch):
     monkeypatch.setattr(Committer, "_check_fence", lambda self, latest: None)
     assert any("I4" in v for v in _violations(range(20)))
+
+
+def test_catches_a_writer_that_judges_its_attempts_age_on_its_own_clock(monkeypatch):
+    """Issue 21 item 1, as it was: the attempt's age read from the host's monotonic clock,
+    which stops while the host is suspended. A suspended writer then commits an attempt GC
+    deleted while it slept; the simulation's host-suspend event must catch that."""
+
+    def host_clock_check(self, store, step):
+        # "now" on the host's clock: the store's time less what this host slept through.
+        now = simulation._T0 + dt.timedelta(seconds=time.monotonic())
+        if (now - self.born).total_seconds() > self.max_age_s:
+            raise StaleAttemptError(f"step {step} is stale")
+
+    monkeypatch.setattr(AttemptAge, "check", host_clock_check)
+    found = _violations(range(260, 310), steps=250)  # about 1 seed in 50 meets the window
+    assert any("I7" in v and "committed after GC deleted" in v for v in found), found[:3]
 
 
 # --- regression tests for the bugs the simulation found ---------------------------------
@@ -218,18 +236,19 @@ def test_a_commit_delayed_in_flight_cannot_land_after_gc_deleted_its_attempt(mem
     settings = protocol.Settings(keep_last=None, gc_grace_s=100)
     writer = Committer(store, "w", settings)
     writer.claim()
+    age = AttemptAge(born=clock(), max_age_s=90)
     record = _attempt(store.inner, 1, 1)
-    deadline = time.monotonic() + 0.3
 
     def stall_then_gc() -> None:
-        time.sleep(0.4)  # the writer's own clock passes its deadline...
-        clock.advance(200)  # ...and the store's passes the grace period
+        clock.advance(200)  # the store's clock passes the grace period
         report = collect_garbage(store.inner)
         assert report.deleted_orphans == [record.ckpt]
 
-    store.add(Rule(Callback(before=stall_then_gc), ops={"put"}, key="LATEST", modes={"update"}))
+    rule = Rule(Callback(before=stall_then_gc), ops={"put"}, key="LATEST", modes={"update"})
+    store.add(rule)
     with pytest.raises(StaleAttemptError):
-        writer.commit(record, deadline=deadline)
+        writer.commit(record, age=age)
+    assert rule.fired == 1
     latest = read_latest(store).latest
     assert latest.current is None and latest.op == "gc-sweep"
 

@@ -149,6 +149,10 @@ class Store(abc.ABC):
     #: Redacted root URL, safe for messages and logs.
     url: str
     capabilities: Capabilities = Capabilities()
+    #: Seconds: the step of ``now()`` and ``last_modified`` (HTTP ``Date`` headers and S3
+    #: ``LastModified`` are whole seconds). Ages measured on the store's clock can be off
+    #: by this much at each end; commits keep a margin of twice this (``committer``).
+    clock_resolution: float = 1.0
 
     # --- single objects -------------------------------------------------------------
 

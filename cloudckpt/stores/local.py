@@ -89,6 +89,9 @@ class LocalStore(Store):
         self.root = os.path.abspath(root)
         self.url = f"file://{self.root}/"
         self.capabilities = Capabilities()
+        # File times are nanoseconds, but the kernel stamps them from a coarse clock
+        # (a jiffy, up to 10 ms); an NFS server may round further.
+        self.clock_resolution = 0.1
         self._fsync = fsync
         self._internal = os.path.join(self.root, INTERNAL_PREFIX.rstrip("/"))
 

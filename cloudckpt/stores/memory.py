@@ -123,6 +123,7 @@ class MemoryStore(Store):
         self._prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.url = f"memory://{bucket}/{self._prefix}"
         self.capabilities = Capabilities(min_part_size=min_part_size)
+        self.clock_resolution = 0.0  # exact: a datetime from the bucket's clock
 
     @property
     def bucket(self) -> MemoryBucket:

@@ -136,6 +136,9 @@ class Profile:
     p_clock_jump: float
     big_files: bool
     weights: dict[str, float]
+    # A host suspended (VM hibernated or paused): the store's clock jumps, the host's
+    # monotonic clock does not, and the host makes no call while it sleeps.
+    p_suspend: float = 0.0
 
     @classmethod
     def draw(cls, rng: random.Random) -> Profile:
@@ -160,6 +163,7 @@ class Profile:
             p_clock_jump=rate(0.005, 0.02, 0.05),
             big_files=rng.random() < 0.03,
             weights={n: rng.uniform(0.2, 1.0) for n in ("A", "B", "gc", "restorer", "pinner")},
+            p_suspend=rate(0, 0.002, 0.005, 0.01),
         )
 
     def rules(self, rng: random.Random) -> list[Rule]:
@@ -291,6 +295,8 @@ class _Actor:
         self.op = 0  # the operation this actor is in (attributes LATEST writes)
         self.writer_id: str | None = None
         self.wake_at = 0  # the tick before which the scheduler leaves this actor idle
+        self.asleep_s = 0.0  # store seconds this actor's host spent suspended
+        self.next_call = ""  # the store call this actor is about to make
         self.port: Store | None = None
         self.faults: FaultInjectingStore | None = None
         sim.actors.append(self)
@@ -364,6 +370,10 @@ class _Port(ForwardingStore):
 
     def head(self, key):
         return self._do("head", key, lambda: self.inner.head(key))
+
+    def now(self):
+        # A scheduling point too: a host may sleep between reading the clock and writing.
+        return self._do("now", "", lambda: self.inner.now())
 
     def get(self, key):
         return self._do("get", key, lambda: self.inner.get(key))
@@ -811,6 +821,7 @@ class Simulation:
         self.sched_rng = random.Random(f"{seed}/scheduler")
         self.crash_rng = random.Random(f"{seed}/crash")
         self.id_rng = random.Random(f"{seed}/ids")
+        self.suspend_rng = random.Random(f"{seed}/suspend")
         self.result = SimResult(seed, steps)
         self.bucket = f"sim-{seed}-{os.getpid()}-{id(self):x}"
         self.clock = ManualClock(_T0)
@@ -835,6 +846,7 @@ class Simulation:
     def yield_(self, actor: _Actor, what: str, *, store_call: bool = True) -> None:
         """Called by an actor: record what it is about to do and hand the baton back."""
         self._store_call = store_call
+        actor.next_call = what
         line = f"{self.result.ticks} {actor.name}#{actor.incarnation} {what}"
         self._trace.update(line.encode() + b"\n")
         self._tail.append(line)
@@ -879,6 +891,8 @@ class Simulation:
         self.clock.advance(0.5)
         if self.faults_on and self.sched_rng.random() < self.profile.p_clock_jump:
             self.clock.advance(self.profile.grace * self.sched_rng.uniform(0.2, 1.5))
+        if self.faults_on and self.suspend_rng.random() < self._suspend_rate(actor):
+            self._suspend(actor)
         if self.checks_on and not self.result.violations:
             with contextlib.suppress(InvariantViolation):
                 self.checker.check_world()
@@ -912,8 +926,38 @@ class Simulation:
 
     # -- virtual time --
 
-    def monotonic(self) -> float:
+    def elapsed(self) -> float:
+        """Seconds on the store's clock since the world began (what GC's ages count)."""
         return (self.clock() - _T0).total_seconds()
+
+    def monotonic(self) -> float:
+        """``time.monotonic()`` of the calling actor's host: the store's clock, less the
+        time that host spent suspended (a hibernated VM's monotonic clock stops)."""
+        actor = self.current
+        if actor is not None and threading.current_thread() is actor.thread:
+            return self.elapsed() - actor.asleep_s
+        return self.elapsed()
+
+    def _suspend_rate(self, actor: _Actor) -> float:
+        """The chance that ``actor``'s host sleeps before its next call: 20x higher right
+        before a write of LATEST or of a manifest, the windows a commit's checks guard."""
+        rate = self.profile.p_suspend
+        call = actor.next_call
+        if call.startswith("put ") and call.endswith((protocol.LATEST_KEY, protocol.MANIFEST_NAME)):
+            return min(1.0, 20 * rate)
+        return rate
+
+    def _suspend(self, actor: _Actor) -> None:
+        """Host suspend: ``actor``'s host sleeps (VM hibernate, GCE suspend, a paused VM)
+        for 1.2-4 x grace of store time while the others go on; its monotonic clock does
+        not move meanwhile. It may sleep anywhere: between its upload and its commit,
+        inside GC between the inventory and the deletions, in the middle of a restore."""
+        seconds = self.profile.grace * self.suspend_rng.uniform(1.2, 4.0)
+        self.clock.advance(seconds)
+        actor.asleep_s += seconds
+        actor.wake_at = self.result.ticks + self.suspend_rng.randint(5, 150)
+        self.result.counters["host_suspends"] += 1
+        self._trace.update(f"suspend {actor.name} {seconds:.1f}\n".encode())
 
     def _sleep(self, seconds: float) -> None:
         self.clock.advance(max(0.0, float(seconds)))
@@ -988,7 +1032,7 @@ class Simulation:
         }
         if got != expected:
             c.fail(f"I8: {who} restored step {res.step} with bytes that are not its checkpoint's")
-        slow = self.monotonic() - started > (c.latest.settings.gc_grace_s if c.latest else 0)
+        slow = self.elapsed() - started > (c.latest.settings.gc_grace_s if c.latest else 0)
         if res.skipped:
             if not slow and not damage:
                 c.fail(f"I8: {who}'s restore skipped {res.skipped} with no damage injected")
@@ -1068,7 +1112,7 @@ class Simulation:
     def _resume(self, actor: _Actor, mgr: Any) -> int | None:
         """``resume()`` and check what it restored; the next step, or None if it failed."""
         c = self.checker
-        floor, started = c.ack_floor(), self.monotonic()
+        floor, started = c.ack_floor(), self.elapsed()
         into = self.new_dir("resume")
         try:
             res = mgr.resume(into=into)
@@ -1202,13 +1246,13 @@ class Simulation:
                     if c.latest and c.latest.history and actor.rng.random() < 0.3:
                         step = actor.rng.choice(c.latest.history).step
                     into = self.new_dir("restore")
-                    floor, started = c.ack_floor(), self.monotonic()
+                    floor, started = c.ack_floor(), self.elapsed()
                     try:
                         res = restore(port, into, engine, step=step)
                     except CheckpointNotFoundError:
                         self.result.counters["restore_nothing"] += 1
                     except CorruptionError as exc:
-                        slow = self.monotonic() - started > (c.latest.settings.gc_grace_s)
+                        slow = self.elapsed() - started > (c.latest.settings.gc_grace_s)
                         if not slow:
                             c.fail(f"I8: restore found damage where none was injected: {exc}")
                         self.result.counters["slow_reader_fallbacks"] += 1
@@ -1246,7 +1290,7 @@ class Simulation:
         staging = actor.rng.choice(dirs) if dirs and actor.rng.random() < 0.7 else self.new_dir("staging-final")  # fmt: skip
         mgr = self._manager(actor, port, staging)
         actor.writer_id = mgr.writer_id
-        floor, started = c.ack_floor(), self.monotonic()
+        floor, started = c.ack_floor(), self.elapsed()
         into = self.new_dir("final-resume")
         try:
             res = mgr.resume(into=into)
@@ -1281,7 +1325,7 @@ class Simulation:
         for rec in latest.retained():
             into = self.new_dir("final-restore")
             res = restore(port, into, engine, step=rec.step)
-            self.check_restore(res, 0, self.monotonic(), f"final restore of step {rec.step}")
+            self.check_restore(res, 0, self.elapsed(), f"final restore of step {rec.step}")
             shutil.rmtree(into, ignore_errors=True)
         # 4. Damage: every single bit flip is detected (I9); a missing LATEST falls back.
         self.checks_on = False
@@ -1321,7 +1365,7 @@ class Simulation:
         res = restore(port, into, engine)
         if not res.from_commit_records:
             c.fail("I9: restore without LATEST did not say it used the commit records")
-        self.check_restore(res, 0, self.monotonic(), "restore without LATEST")
+        self.check_restore(res, 0, self.elapsed(), "restore without LATEST")
         try:
             collect_garbage(port)
         except NeedsRepairError:
@@ -1342,7 +1386,7 @@ class Simulation:
                 return True
             into = self.new_dir("damage")
             res = restore(port, into, engine)
-            self.check_restore(res, 0, self.monotonic(), "restore with a damaged LATEST")
+            self.check_restore(res, 0, self.elapsed(), "restore with a damaged LATEST")
             return res.from_commit_records
         if key == current.manifest_key:
             try:
@@ -1356,7 +1400,7 @@ class Simulation:
         except CorruptionError:
             return not (into.exists() and any(into.iterdir()))
         # Another retained checkpoint of the same step may stand in, with a report.
-        self.check_restore(res, 0, self.monotonic(), "restore of a damaged step", damage=True)
+        self.check_restore(res, 0, self.elapsed(), "restore of a damaged step", damage=True)
         return current.commit_id in {s.commit_id for s in res.skipped}
 
     # -- run --

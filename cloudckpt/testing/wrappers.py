@@ -31,6 +31,7 @@ class ForwardingStore(Store):
         self.inner = inner
         self.url = inner.url
         self.capabilities = inner.capabilities
+        self.clock_resolution = inner.clock_resolution
 
     def head(self, key: str) -> ObjectInfo:
         return self.inner.head(key)
