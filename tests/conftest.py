@@ -166,3 +166,14 @@ def manager_factory(tmp_path):
         # A test may leave failed saves behind on purpose; close() re-raises those.
         with contextlib.suppress(BaseException):
             mgr.close(timeout=60)
+
+
+def pytest_configure(config):
+    """``CLOUDCKPT_MUTANT=<name>``: run the session with one safety rule broken on purpose
+    (``tests/mutants.py``; ``tests/test_mutations.py`` checks that its guards fail)."""
+    name = os.environ.get("CLOUDCKPT_MUTANT")
+    if name:
+        import mutants
+
+        config._cloudckpt_mutant = mutants.applied(name)
+        config._cloudckpt_mutant.__enter__()

@@ -1002,8 +1002,13 @@ class Simulation:
         if self.profile.big_files and rng.random() < 0.3:
             files["big.bin"] = rng.randbytes(digest.CHUNK_SIZE + rng.randint(1, 5000))
         if rng.random() < 0.8:
-            # Frozen weights shared by most saves: chunks that later checkpoints reuse.
-            files["base/frozen.bin"] = random.Random(f"base{rng.randint(0, 1)}").randbytes(3000)
+            # Frozen weights shared by most saves: chunks that later checkpoints reuse. The
+            # base changes every few steps (a new stage of training), so a chunk can end up
+            # named by dropped checkpoints only, which GC must keep while a pin could still
+            # bring one of them back.
+            parts = key.split(".")
+            stage = int(parts[2]) // 4 if len(parts) > 2 and parts[2].isdigit() else 0
+            files["base/frozen.bin"] = random.Random(f"base{stage % 3}").randbytes(3000)
         return files
 
     def transfer_config(self) -> TransferConfig:
@@ -1358,6 +1363,7 @@ class Simulation:
             if not detected:
                 c.fail(f"I9: a flip of bit {bit} of {key} went unnoticed")
             self.result.counters["bit_flips_detected"] += 1
+        self._forge(rng, port, engine, current, manifest)
         # LATEST deleted: readers fall back to the commit records, writers refuse.
         original, _ = raw.get(protocol.LATEST_KEY)
         raw.delete(protocol.LATEST_KEY)
@@ -1373,6 +1379,49 @@ class Simulation:
         else:
             c.fail("I9: GC ran without LATEST")
         raw.put(protocol.LATEST_KEY, original)
+
+    def _forge(
+        self,
+        rng: random.Random,
+        port: Store,
+        engine: TransferEngine,
+        current: CheckpointRecord,
+        manifest: protocol.Manifest,
+    ) -> None:
+        """A consistent forgery (I9): one file of the current checkpoint rewritten and its
+        manifest re-sealed to match, so only the digest LATEST recorded can tell. The
+        manifest must be refused, and no restore may return the forged bytes."""
+        c, raw = self.checker, self.memory
+        entry = rng.choice(manifest.files)
+        evil = b"forged " + rng.randbytes(rng.randint(1, 64))
+        if entry.chunks is None:
+            key = current.ckpt + protocol.FILES_DIR + entry.path
+            forged = protocol.FileEntry(entry.path, len(evil), digest.tree_digest(evil))
+        else:
+            sha = hashlib.sha256(evil).hexdigest()
+            key = f"{current.ckpt}{protocol.CHUNKS_DIR}{sha}"
+            ref = protocol.ChunkRef(current.ckpt, sha, len(evil))
+            tree = digest.tree_digest(evil, manifest.chunk_size)
+            forged = protocol.FileEntry(entry.path, len(evil), tree, (ref,))
+        files = tuple(forged if e is entry else e for e in manifest.files)
+        saved = {k: raw.get(k)[0] for k in (key, current.manifest_key) if raw.exists(k)}
+        raw.put(key, evil)
+        raw.put(current.manifest_key, dataclasses.replace(manifest, files=files).to_bytes())
+        self.result.counters["forgeries"] += 1
+        try:
+            if not self._detect(current.manifest_key, current, port, engine):
+                c.fail(f"I9: a re-sealed manifest of step {current.step} was accepted")
+            into = self.new_dir("forgery")
+            with contextlib.suppress(CorruptionError):
+                res = restore(port, into, engine, step=current.step)
+                self.check_restore(res, 0, self.elapsed(), "restore of a forgery", damage=True)
+            self.result.counters["forgeries_detected"] += 1
+        finally:
+            for k in (key, current.manifest_key):
+                if k in saved:
+                    raw.put(k, saved[k])
+                else:
+                    raw.delete(k)
 
     def _detect(self, key: str, current: CheckpointRecord, port: Store, engine) -> bool:
         if key == protocol.LATEST_KEY or key.startswith(protocol.COMMITS_PREFIX):

@@ -1,0 +1,231 @@
+"""Deliberately broken variants of cloudckpt's safety rules, one per guard (issue 21, item 7).
+
+Each mutant breaks one rule the way a plausible bug would. ``tests/test_mutations.py``
+applies each one and checks that its guards notice: the fast tests named in ``guards``
+fail, and, where the rule is reachable there, the simulation's invariant checker reports
+a violation within ``seeds``. A guard that passes under its mutant guards nothing.
+
+Apply one by hand: ``CLOUDCKPT_MUTANT=<name> pytest tests/...`` (``tests/conftest.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    rule: str  # the rule it breaks
+    patch: Callable[[Callable[[Any, str, Any], None]], None]  # patch(setattr)
+    guards: tuple[str, ...]  # fast tests that must fail under it
+    seeds: range | None = None  # simulation seeds that must show a violation
+    violation: str = ""  # text of that violation
+    why_not_simulated: str = ""
+
+
+# --------------------------------------------------------------------------- the patches
+
+
+def _restore_scans_the_bucket(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A restore that, like tools that trust "the newest complete directory", also offers
+    every attempt whose manifest is complete, committed or not, newest first."""
+    from cloudckpt import protocol, restore
+
+    original = restore.load_latest_for_reading
+
+    def scanning(store):
+        latest, from_records = original(store)
+        if latest is None:
+            return latest, from_records
+        known = {r.commit_id for r in latest.retained()}
+        found = []
+        for obj in store.list(protocol.CKPT_PREFIX):
+            if not obj.key.endswith(protocol.MANIFEST_NAME):
+                continue
+            with contextlib.suppress(Exception):
+                data, _ = store.get(obj.key)
+                manifest = protocol.parse_manifest(data)
+                if manifest.commit_id not in known:
+                    found.append(manifest.record(data, store.now()))
+        records = sorted([*latest.retained(), *found], key=lambda r: r.step, reverse=True)
+        if not records:
+            return latest, from_records
+        return dataclasses.replace(latest, current=records[0], history=tuple(records[1:])), (
+            from_records
+        )
+
+    setattr_(restore, "load_latest_for_reading", scanning)
+
+
+def _gc_forgets_pending_tombstones(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """GC protects chunks named by retained checkpoints only, not by pending tombstones
+    (which a pin may still bring back)."""
+    from cloudckpt import chunks
+
+    original = chunks.protected_chunk_keys
+
+    def retained_only(store, latest, deleting=()):
+        pending = {t.record.commit_id for t in latest.tombstones}
+        return original(store, latest, {*deleting, *pending})
+
+    setattr_(chunks, "protected_chunk_keys", retained_only)
+
+
+def _manifest_not_checked_against_latest(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A manifest is accepted if it is well formed and sealed, whatever LATEST recorded."""
+    from cloudckpt import protocol
+
+    original = protocol.parse_manifest
+
+    def unchecked(data, record=None):
+        if record is not None:
+            record = dataclasses.replace(
+                record,
+                manifest_size=len(data),
+                manifest_sha256=__import__("hashlib").sha256(data).hexdigest(),
+            )
+        return original(data, record)
+
+    setattr_(protocol, "parse_manifest", unchecked)
+
+
+def _no_chunk_source_rule(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A save may name chunks of a checkpoint that left retention while it uploaded."""
+    from cloudckpt import chunks
+
+    setattr_(chunks.UploadStats, "requires", lambda self, base: None)
+
+
+def _gc_does_not_sweep(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """GC deletes orphan attempts without first writing LATEST (no gc-sweep)."""
+    from cloudckpt import protocol
+
+    setattr_(protocol, "sweep", lambda base, now: None)
+
+
+def _age_on_the_hosts_clock(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """An attempt's age measured on the host's monotonic clock (stops while suspended)."""
+    from cloudckpt import committer, manager
+    from cloudckpt.errors import StaleAttemptError
+
+    @dataclasses.dataclass(frozen=True)
+    class HostClockAge(committer.AttemptAge):
+        started: float = dataclasses.field(default_factory=lambda: time.monotonic())
+
+        def check(self, store, step):
+            if time.monotonic() - self.started > self.max_age_s:
+                raise StaleAttemptError(f"step {step} is stale")
+
+    setattr_(manager, "AttemptAge", HostClockAge)
+
+
+def _reused_chunks_not_listed(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The pre-commit listing checks only the chunks this attempt uploaded."""
+    from cloudckpt import chunks
+
+    original = chunks.check_uploaded
+
+    def own_only(store, prefix, entries):
+        own = [
+            dataclasses.replace(e, chunks=tuple(c for c in e.chunks if c.owner == prefix))
+            for e in entries
+            if e.chunks is not None
+        ]
+        original(store, prefix, own)
+
+    setattr_(chunks, "check_uploaded", own_only)
+
+
+MUTANTS = {
+    m.name: m
+    for m in [
+        Mutant(
+            "restore-scans-the-bucket",
+            "a fallback never restores an uncommitted attempt, even one with a complete manifest",
+            _restore_scans_the_bucket,
+            ("tests/test_guards.py::test_fallback_never_restores_an_uncommitted_attempt",),
+            range(0, 40),
+            "never committed",
+        ),
+        Mutant(
+            "gc-forgets-pending-tombstones",
+            "GC keeps a chunk named only by a pending tombstone",
+            _gc_forgets_pending_tombstones,
+            ("tests/test_guards.py::test_gc_keeps_a_chunk_named_only_by_a_pending_tombstone",),
+            range(0, 400),
+            "deleted chunk",
+        ),
+        Mutant(
+            "manifest-not-checked-against-latest",
+            "a manifest must match the digest and size LATEST recorded",
+            _manifest_not_checked_against_latest,
+            ("tests/test_guards.py::test_a_resealed_manifest_is_refused",),
+            range(0, 20),
+            "re-sealed manifest",
+        ),
+        Mutant(
+            "no-chunk-source-rule",
+            "a commit may name another checkpoint's chunks only while it is retained",
+            _no_chunk_source_rule,
+            # (test_a_save_whose_chunk_source_was_dropped_uploads_in_full guards the retry
+            # after a refusal, not the rule: it replaces the rule with its own refusal.)
+            ("tests/test_chunks.py::test_commit_refused_when_a_source_left_retention",),
+            why_not_simulated=(
+                "unreachable there today: a writer's chunk index holds the chunks of its own "
+                "current checkpoint, which only its own next commit replaces (pins and "
+                "unpins never drop the current one); the rule guards future index sources"
+            ),
+        ),
+        Mutant(
+            "gc-does-not-sweep",
+            "GC writes LATEST (gc-sweep) before deleting orphan attempts",
+            _gc_does_not_sweep,
+            (
+                "tests/test_simulation.py::test_a_commit_delayed_in_flight_cannot_land_after_gc_deleted_its_attempt",
+            ),
+            range(0, 300),
+            "I7",
+        ),
+        Mutant(
+            "age-on-the-hosts-clock",
+            "an attempt's age is judged on the store's clock",
+            _age_on_the_hosts_clock,
+            ("tests/test_store_clock.py::test_a_suspended_host_cannot_commit_after_waking",),
+            range(0, 400),
+            "I7",
+        ),
+        Mutant(
+            "reused-chunks-not-listed",
+            "a commit never names a chunk that is not in the store",
+            _reused_chunks_not_listed,
+            ("tests/test_chunks.py::test_a_save_never_names_a_reused_chunk_that_is_gone",),
+            why_not_simulated=(
+                "in the simulation a chunk can go missing only through another broken rule; "
+                "the fast test deletes one by hand"
+            ),
+        ),
+    ]
+}
+
+
+@contextlib.contextmanager
+def applied(name: str) -> Iterator[Mutant]:
+    """Apply mutant ``name`` for the duration of the block."""
+    mutant = MUTANTS[name]
+    undo: list[tuple[Any, str, Any]] = []
+
+    def setattr_(obj: Any, attr: str, value: Any) -> None:
+        undo.append((obj, attr, getattr(obj, attr)))
+        setattr(obj, attr, value)
+
+    mutant.patch(setattr_)
+    try:
+        yield mutant
+    finally:
+        for obj, attr, value in reversed(undo):
+            setattr(obj, attr, value)
