@@ -166,3 +166,12 @@ def manager_factory(tmp_path):
         # A test may leave failed saves behind on purpose; close() re-raises those.
         with contextlib.suppress(BaseException):
             mgr.close(timeout=60)
+
+
+@pytest.fixture
+def refused_url():
+    """An http:// run URL whose port refuses connections (nothing listens there)."""
+    from cloudckpt.testing.static_http import refused_port
+
+    with refused_port() as port:
+        yield f"http://127.0.0.1:{port}/run"
