@@ -37,6 +37,7 @@ from cloudckpt.errors import (
     CommitStateUnknownError,
     FencedError,
     NeedsRepairError,
+    NotARunError,
     ObjectNotFoundError,
     OutcomeUnknownError,
     PreconditionFailedError,
@@ -49,6 +50,7 @@ from cloudckpt.failpoints import hit as failpoint
 from cloudckpt.protocol import CheckpointRecord, CorruptRecordError, Latest, Settings
 from cloudckpt.retry import call_with_retries
 from cloudckpt.stores import CREATE, PutMode, Store, Update
+from cloudckpt.stores.base import INTERNAL_PREFIX
 
 log = logging.getLogger("cloudckpt.commit")
 
@@ -119,6 +121,27 @@ def run_has_data(store: Store) -> bool:
         for _ in store.list(prefix):
             return True
     return False
+
+
+#: Where cloudckpt writes under a run, besides LATEST (``.cloudckpt/``: a store's scratch).
+_OWN_PREFIXES = (protocol.CKPT_PREFIX, protocol.COMMITS_PREFIX, INTERNAL_PREFIX)
+
+
+def refuse_foreign_data(store: Store) -> None:
+    """Before a new run is started at ``store``: refuse a location that holds objects
+    cloudckpt did not write (a user's checkpoint, another tool's files, other runs under
+    a parent prefix), so that a new run never mixes with them.
+
+    Raises:
+        NotARunError: such an object exists (the message names one).
+        StoreError: the listing failed.
+    """
+    for obj in store.list(""):
+        if obj.key != protocol.LATEST_KEY and not obj.key.startswith(_OWN_PREFIXES):
+            raise NotARunError(
+                f"{store.url} is not empty and is not a cloudckpt run: it holds "
+                f"{obj.key!r} (and no LATEST)"
+            )
 
 
 def write_commit_record(store: Store, body: bytes, seq: int) -> None:
@@ -198,6 +221,7 @@ class Committer:
 
         Raises:
             NeedsRepairError: LATEST is missing or corrupt but checkpoints exist.
+            NotARunError: no LATEST, and the location holds data cloudckpt did not write.
             CommitConflictError: the claim kept losing races.
             StoreError: the store failed.
         """
@@ -213,6 +237,7 @@ class Committer:
                     if self._reread_quietly() is not None:
                         continue  # a racing writer created the run after our read
                     raise NeedsRepairError(f"{self.store.url} holds checkpoints but no LATEST")
+                refuse_foreign_data(self.store)
                 writer = protocol.Writer(1, self.writer_id, protocol.iso(now))
                 new, mode = protocol.initial(writer, self.settings, now), CREATE
             else:

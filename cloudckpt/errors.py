@@ -6,7 +6,8 @@ credentials: URLs are redacted before they reach a message (see ``redact_url``).
     CloudCkptError
     ├── ConfigurationError            bad URL, bad option
     │   ├── MissingDependencyError    the backend's library is not installed (names the extra)
-    │   └── UnsupportedBackendError   the store cannot do what writing needs
+    │   ├── UnsupportedBackendError   the store cannot do what writing needs
+    │   └── NotARunError              the location holds other data; a run would mix with it
     ├── StoreError                    a store call failed (normalised across backends)
     │   ├── ObjectNotFoundError       the key does not exist
     │   ├── BucketNotFoundError       the bucket/container/root does not exist
@@ -36,6 +37,7 @@ credentials: URLs are redacted before they reach a message (see ``redact_url``).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from urllib.parse import urlsplit, urlunsplit
 
 __all__ = [
@@ -54,6 +56,7 @@ __all__ = [
     "MissingChunkError",
     "MissingDependencyError",
     "NeedsRepairError",
+    "NotARunError",
     "ObjectNotFoundError",
     "OutcomeUnknownError",
     "PermissionDeniedError",
@@ -68,6 +71,7 @@ __all__ = [
     "UnsafePathError",
     "UnsupportedBackendError",
     "redact_url",
+    "scrub",
 ]
 
 _SECRET_QUERY = re.compile(
@@ -87,6 +91,19 @@ def redact_url(url: str) -> str:
         netloc = "***@" + netloc.rsplit("@", 1)[1]
     query = _SECRET_QUERY.sub(lambda m: m.group(1) + "=***", parts.query)
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+
+
+def scrub(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` (a library's error message, say) with every URL in it redacted
+    (``redact_url``) and every string of ``secrets`` replaced by ``***``."""
+    text = _URL_IN_TEXT.sub(lambda m: redact_url(m.group()), text)
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "***")
+    return text
 
 
 class CloudCkptError(Exception):
@@ -130,6 +147,17 @@ class UnsupportedBackendError(ConfigurationError):
     def __init__(self, message: str, *, capability: str = "", hint: str | None = None) -> None:
         self.capability = capability
         super().__init__(message, hint=hint)
+
+
+class NotARunError(ConfigurationError):
+    """A writer was pointed at a location that holds data cloudckpt did not write (and no
+    LATEST): a new run there would mix its files with someone else's."""
+
+    default_hint = (
+        "Nothing was written. Give the run a location of its own: a new or empty "
+        "directory or prefix. (`cloudckpt push SRC_DIR URL` takes the local checkpoint "
+        "directory first and the run second)"
+    )
 
 
 class StoreError(CloudCkptError):

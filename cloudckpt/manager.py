@@ -49,7 +49,15 @@ from cloudckpt.protocol import INHERIT, CheckpointRecord, Latest, Manifest, Sett
 from cloudckpt.restore import RestoreResult, load_latest_for_reading, restore
 from cloudckpt.restore import _prepare_destination as check_destination
 from cloudckpt.retry import IDEMPOTENT_RETRY, call_with_retries
-from cloudckpt.staging import COMMITTED, DURABLE, FAILED, STAGED, Attempt, StagingArea
+from cloudckpt.staging import (
+    COMMITTED,
+    DURABLE,
+    FAILED,
+    STAGED,
+    Attempt,
+    StagingArea,
+    holds_files,
+)
 from cloudckpt.stores import CREATE, OVERWRITE, Store, open_store
 from cloudckpt.transfer import MemoryFile, ProgressCallback, TransferConfig, TransferEngine
 
@@ -402,9 +410,15 @@ class CheckpointManager:
         hard-linked into staging (copied across filesystems) before this returns, so the
         caller may delete or rotate ``src`` at once.
 
+        A directory without files is saved as an empty checkpoint, with a warning (a
+        rank may legitimately contribute nothing to a distributed save, and refusing on
+        one rank would leave the others waiting); ``cloudckpt push`` refuses one.
+
         Raises: as ``save()``, plus ConfigurationError if ``src`` is not a directory.
         """
         started = time.perf_counter()
+        if Path(src).is_dir() and not holds_files(src):
+            log.warning("save_dir: %s holds no files; step %d is saved empty", src, step)
         handle = self.save(step, metadata)
         handle.__enter__()
         try:

@@ -52,6 +52,12 @@ def _staging_error(exc: OSError, action: str) -> StagingError:
     return StagingError(f"could not {action}: {exc.strerror or exc}")
 
 
+def holds_files(src: str | os.PathLike[str]) -> bool:
+    """Whether the directory ``src`` (or one below it) holds at least one file, i.e.
+    whether a snapshot of it would save anything."""
+    return any(filenames for _, _, filenames in os.walk(src))
+
+
 @dataclasses.dataclass
 class Attempt:
     """One save attempt's local state."""

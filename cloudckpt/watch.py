@@ -54,7 +54,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from cloudckpt.committer import read_latest, run_has_data
+from cloudckpt.committer import read_latest, refuse_foreign_data, run_has_data
 from cloudckpt.errors import CloudCkptError, ConfigurationError, FencedError, NeedsRepairError
 from cloudckpt.manager import CheckpointManager, SaveHandle
 from cloudckpt.protocol import CorruptRecordError, Latest
@@ -157,7 +157,8 @@ class Watcher:
             not change them.
 
     Raises (constructor): ConfigurationError (not a directory), NeedsRepairError (the run
-    has data but no readable LATEST), StoreError.
+    has data but no readable LATEST), NotARunError (the run location holds other data and
+    no LATEST), StoreError.
     """
 
     def __init__(
@@ -229,6 +230,7 @@ class Watcher:
         if head is None:
             if run_has_data(store):
                 raise NeedsRepairError(f"{store.url} holds checkpoints but no LATEST")
+            refuse_foreign_data(store)  # refused now, not at the first upload
             return None
         return head.latest
 

@@ -177,3 +177,12 @@ def pytest_configure(config):
 
         config._cloudckpt_mutant = mutants.applied(name)
         config._cloudckpt_mutant.__enter__()
+
+
+@pytest.fixture
+def refused_url():
+    """An http:// run URL whose port refuses connections (nothing listens there)."""
+    from cloudckpt.testing.static_http import refused_port
+
+    with refused_port() as port:
+        yield f"http://127.0.0.1:{port}/run"

@@ -10,6 +10,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -24,8 +25,10 @@ from cloudckpt import (
     CredentialsError,
     DestinationNotEmptyError,
     NeedsRepairError,
+    NotARunError,
     PermissionDeniedError,
     StagingError,
+    TransientStoreError,
     UnsupportedBackendError,
     digest,
     protocol,
@@ -289,6 +292,141 @@ def test_unsupported_urls_are_refused_before_any_io(url, error, hint, tmp_path):
     with pytest.raises(error) as err:
         CheckpointManager(url, staging_dir=tmp_path / "s")
     assert hint in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "typed, meant",
+    [
+        ("s3:/ckpts/runs/x", "s3://ckpts/runs/x"),
+        ("s3//ckpts/runs/x", "s3://ckpts/runs/x"),
+        ("s3:ckpts/runs/x", "s3://ckpts/runs/x"),
+        ("gs:/bucket/run", "gs://bucket/run"),
+        ("az:container/run", "az://container/run"),
+        ("memory:/b/run", "memory://b/run"),
+        ("https:/host/run", "https://host/run"),
+        ("file:relrun", "file://{cwd}/relrun"),
+        ("file:/abs/run", "file:///abs/run"),
+    ],
+)
+def test_mistyped_urls_are_refused_naming_the_url_meant(typed, meant, tmp_path, monkeypatch):
+    """A URL whose "://" is mistyped is not a local directory (./s3:/ckpts/...): writers
+    and readers refuse it, say which URL it probably meant, and create nothing."""
+    monkeypatch.chdir(tmp_path)
+    meant = meant.format(cwd=tmp_path)
+    calls = (
+        lambda: open_store(typed),
+        lambda: open_store(typed, writable=False),
+        lambda: CheckpointManager(typed, staging_dir=tmp_path / "s"),
+    )
+    for call in calls:
+        with pytest.raises(ConfigurationError) as err:
+            call()
+        assert f"did you mean {meant}" in str(err.value), str(err.value)
+        assert f"./{typed}" in err.value.hint  # how to say "a local directory" on purpose
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_local_paths_that_only_look_odd_still_work(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for path in ("relrun", "./s3:/explicitly-local", str(tmp_path / "abs:run"), "s3/bucket"):
+        mgr = CheckpointManager(path, staging_dir=tmp_path / "s")
+        _save(mgr, 1, path.encode())
+        mgr.close()
+        assert (tmp_path / path / protocol.LATEST_KEY).is_file()
+
+
+def _user_checkpoint(root: Path) -> dict[str, bytes]:
+    files = {"config.json": b"{}", "model.safetensors": os.urandom(4096)}
+    root.mkdir(parents=True)
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    return files
+
+
+def test_a_writer_refuses_a_directory_that_is_not_a_run(tmp_path):
+    """A trainer (or push with swapped arguments) pointed at a user's checkpoint directory
+    must not write LATEST, ckpt/ and commits/ into it."""
+    target = tmp_path / "checkpoint-500"
+    files = _user_checkpoint(target)
+    mgr = CheckpointManager(str(target), staging_dir=tmp_path / "s")
+    with pytest.raises(NotARunError) as err:
+        mgr.resume(into=tmp_path / "r")
+    assert "holds 'config.json'" in str(err.value) and "Nothing was written" in str(err.value)
+    handle = mgr.save(step=1)
+    with handle as d:
+        (d / "f").write_bytes(b"x")
+    with pytest.raises(NotARunError):
+        handle.result()
+    mgr.close()
+    assert sorted(os.listdir(target)) == sorted(files)  # no LATEST, ckpt/, .cloudckpt/
+    assert _tree(target) == files
+    # An empty directory, or one holding only empty directories, is a fine new run.
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    mgr = CheckpointManager(str(tmp_path / "empty"), staging_dir=tmp_path / "s2")
+    assert mgr.resume(into=tmp_path / "r2") is None
+    _save(mgr, 1, b"one")
+    mgr.close()
+
+
+@pytest.mark.parametrize("backend", ["memory", "s3"])
+def test_a_writer_refuses_a_prefix_that_holds_other_objects(backend, request, tmp_path):
+    """The same on object stores: a prefix holding objects cloudckpt did not write (another
+    tool's files, or other runs below it) is not started as a run."""
+    target = request.getfixturevalue(f"{backend}_target")
+    runs = target.url.rsplit("/", 1)[0] + "/runs"
+    mgr = CheckpointManager(
+        runs + "/exp1", storage_options=target.storage_options, staging_dir=tmp_path / "s"
+    )
+    _save(mgr, 1, b"one")
+    mgr.close()
+    other = target.url + "-other"
+    open_store(other, target.storage_options).put("data/model.bin", b"theirs")
+    for url, named in ((runs, "exp1/LATEST"), (other, "data/model.bin")):
+        store = open_store(url, target.storage_options)
+        before = _snapshot(store)
+        mgr = CheckpointManager(store, staging_dir=tmp_path / "s")
+        with pytest.raises(NotARunError) as err:
+            mgr.resume(into=tmp_path / "r")
+        assert f"holds {named!r}" in str(err.value)
+        mgr.close()
+        assert _snapshot(store) == before
+
+
+def test_save_dir_of_an_empty_directory_saves_an_empty_checkpoint_loudly(
+    memory_target, tmp_path, caplog
+):
+    """save_dir() of a directory without files commits an empty checkpoint (a rank of a
+    distributed save may have nothing to add), with a warning; `cloudckpt push` refuses."""
+    (tmp_path / "src" / "sub").mkdir(parents=True)
+    mgr = CheckpointManager(memory_target.url, staging_dir=tmp_path / "s")
+    with caplog.at_level(logging.WARNING, logger="cloudckpt"):
+        mgr.save_dir(3, tmp_path / "src").result()
+    assert any("holds no files" in r.getMessage() for r in caplog.records)
+    assert mgr.restore(into=tmp_path / "r").num_files == 0
+    mgr.close()
+
+
+def test_an_unreachable_server_is_an_error_not_an_empty_run(refused_url, tmp_path):
+    """fsspec's HTTP backend reports a refused connection as FileNotFoundError; read as
+    "no LATEST", a job that starts fresh when no checkpoint exists would throw away its
+    training. Every read must fail instead, saying the server could not be reached."""
+    mgr = CheckpointManager(refused_url, staging_dir=tmp_path / "s", unsafe_single_writer=True)
+    calls = {
+        "latest": mgr.latest,
+        "list": mgr.list,
+        "restore": lambda: mgr.restore(into=tmp_path / "r"),
+        "resume": lambda: mgr.resume(into=tmp_path / "r"),
+        "store.list": lambda: list(open_store(refused_url, writable=False).list("")),
+        "store.get": lambda: open_store(refused_url, writable=False).get("LATEST"),
+    }
+    for name, call in calls.items():
+        with pytest.raises(TransientStoreError) as err:
+            call()
+        text = str(err.value)
+        assert "could not reach the server" in text and "Connect call failed" in text, name
+        assert "Check the host and port" in text, name
+    mgr.close()
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.parametrize("backend", ["s3", "gcs"])

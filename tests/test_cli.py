@@ -230,6 +230,88 @@ def test_bad_input_exit_codes(cloud, tmp_path):
     assert "Traceback" not in err.output
 
 
+def test_push_refuses_mistyped_urls_locations_that_are_not_runs_and_empty_dirs(
+    tmp_path, monkeypatch
+):
+    """Each of these used to exit 0 having written somewhere the user did not mean: a
+    mistyped URL became a local directory (./s3:/ckpts/...), swapped arguments wrote a run
+    into the user's checkpoint, an empty directory became the current checkpoint."""
+    monkeypatch.chdir(tmp_path)
+    ck = tmp_path / "out" / "checkpoint-500"
+    ck.mkdir(parents=True)
+    files = make_tree(ck, 5)
+    for typed, meant in (
+        ("s3:/ckpts/runs/x", "s3://ckpts/runs/x"),
+        ("s3//ckpts/runs/x", "s3://ckpts/runs/x"),
+        ("s3:ckpts/runs/x", "s3://ckpts/runs/x"),
+        ("file:relrun", f"file://{tmp_path}/relrun"),
+    ):
+        for argv in (
+            ["push", ck, typed, "--step", 500],
+            ["ls", typed],
+            ["restore", typed, tmp_path / "dest"],
+            ["watch", tmp_path / "out", typed, "--once"],
+        ):
+            result = run(*argv)
+            assert result.exit_code == 2, (argv, result.output)
+            assert f"did you mean {meant}" in result.stderr, (argv, result.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing was created
+
+    # A real run, then push with its arguments swapped: into the user's checkpoint.
+    ok_json(run("push", ck, "run", "--step", 500, "--json"))
+    swapped = run("push", "run", ck, "--step", 500)
+    assert swapped.exit_code == 2, swapped.output
+    assert "is not empty and is not a cloudckpt run" in swapped.stderr
+    assert "takes the local checkpoint directory first" in swapped.stderr
+    assert read_tree(ck) == files and not (ck / ".cloudckpt").exists()
+    # watch refuses such a location at once, not at its first upload.
+    watched = run("watch", tmp_path / "out", ck, "--once")
+    assert watched.exit_code == 2 and "not a cloudckpt run" in watched.stderr, watched.output
+
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    empty = run("push", tmp_path / "empty", "run", "--step", 600)
+    assert empty.exit_code == 2 and "holds no files" in empty.stderr, empty.output
+    assert [c["step"] for c in ok_json(run("ls", "run", "--json"))["checkpoints"]] == [500]
+    fresh = run("push", tmp_path / "empty", "new-run", "--step", 1)
+    assert fresh.exit_code == 2 and not (tmp_path / "new-run").exists()
+
+
+def test_unreachable_server_exits_9_and_a_served_run_reads_over_http(refused_url, tmp_path):
+    """ls/show/restore/verify through fsspec's HTTP backend: a refused connection is "the
+    store is unreachable" (exit 9), never an empty run; a 404 is an empty run; a run served
+    by a web server lists, shows, restores and verifies."""
+    from cloudckpt.testing.static_http import StaticHTTPServer
+
+    for argv in (
+        ["ls", refused_url],
+        ["show", refused_url],
+        ["restore", refused_url, tmp_path / "dest"],
+        ["verify", refused_url],
+    ):
+        result = run(*argv, "--json")
+        assert result.exit_code == 9, (argv, result.output)
+        assert "could not reach the server" in result.stderr, (argv, result.stderr)
+        assert "Connect call failed" in result.stderr
+        assert json.loads(result.stdout)["error"]["type"] == "TransientStoreError"
+    assert not (tmp_path / "dest").exists()
+
+    files = make_tree(tmp_path / "src", 9)
+    ok_json(run("push", tmp_path / "src", tmp_path / "www" / "run", "--step", 7, "--json"))
+    with StaticHTTPServer(tmp_path / "www") as server:
+        url = f"{server.url}/run"
+        listed = ok_json(run("ls", url, "--json"))
+        assert [c["step"] for c in listed["checkpoints"]] == [7]
+        assert ok_json(run("show", url, "--json"))["num_files"] == len(files)
+        restored = ok_json(run("restore", url, tmp_path / "dest", "--json"))
+        assert restored["step"] == 7 and read_tree(tmp_path / "dest") == files
+        verified = ok_json(run("verify", url, "--all", "--read-data", "--json"))
+        assert verified["exit_code"] == 0
+        assert 206 in server.statuses  # ranged reads were served as ranges
+        seen = len(server.statuses)
+        nothing = ok_json(run("ls", f"{server.url}/no-run-here", "--json"))
+        assert nothing["checkpoints"] == [] and 404 in server.statuses[seen:]
+
+
 @pytest.mark.parametrize("damage", ["missing", "corrupt"])
 def test_damage_fallback_and_repair(cloud, manager_factory, tmp_path, damage):
     url = cloud.url

@@ -5,6 +5,7 @@ successful calls and failing ones, and are searched for in everything that was p
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -136,3 +137,52 @@ def test_azure_credentials_never_leak(azurite_server, azurite_target, tmp_path, 
     forms = {secret, quote(secret, safe=""), secret[:16], quote(secret, safe="")[:16]}
     for text in forms:
         assert text not in everything, f"the {how} leaked"
+
+
+def test_passwords_in_file_memory_and_fsspec_urls_never_leak(tmp_path, debug_logs):
+    """A user:password in a file://, memory:// or other fsspec URL is masked wherever the
+    URL shows up: errors, `ls` (table and JSON), logs. Over http:// the password still
+    authenticates (HTTP Basic), and a wrong one is "permission denied"."""
+    from click.testing import CliRunner
+
+    from cloudckpt.cli import cli
+    from cloudckpt.testing.static_http import StaticHTTPServer, refused_port
+
+    mgr = CheckpointManager(str(tmp_path / "www" / "run"), staging_dir=tmp_path / "s")
+    with mgr.save(step=4) as d:
+        (d / "f").write_bytes(b"x" * 1000)
+    mgr.close()
+    texts: list[str] = []
+    with StaticHTTPServer(tmp_path / "www", auth=("user", URL_PASSWORD)) as server:
+        host = server.url.split("://")[1]
+        good = f"http://user:{URL_PASSWORD}@{host}/run"
+        wrong = f"http://user:{URL_PASSWORD}-wrong@{host}/run"
+        with refused_port() as port:
+            refused = f"http://user:{URL_PASSWORD}@127.0.0.1:{port}/run"
+            runs = {
+                "file": (f"file://user:{URL_PASSWORD}@remotehost/run", 2),
+                "memory": (f"memory://user:{URL_PASSWORD}@bucket/run", 2),
+                "good": (good, 0),
+                "wrong": (wrong, 8),
+                "refused": (refused, 9),
+            }
+            for name, (url, code) in runs.items():
+                for extra in ([], ["--json"]):
+                    result = CliRunner().invoke(cli, ["-vv", "ls", url, *extra])
+                    assert result.exit_code == code, (name, result.output)
+                    texts.append(result.output)
+            listed = CliRunner().invoke(cli, ["ls", good, "--json"])
+            assert [c["step"] for c in json.loads(listed.stdout)["checkpoints"]] == [4]
+            assert json.loads(listed.stdout)["url"] == f"http://***@{host}/run/"
+            for url in (good, wrong, refused):
+                opened = CheckpointManager(
+                    url, staging_dir=tmp_path / "s2", unsafe_single_writer=True
+                )
+                texts.append(repr(opened.store))
+                with pytest.raises(CloudCkptError) as err:
+                    opened.restore(into=tmp_path / "www")  # not empty, or no server
+                texts += [str(err.value), repr(err.value), repr(err.value.__cause__ or "")]
+                opened.close()
+        assert server.authorized > 0 and 401 in server.statuses  # the password was sent
+    assert sum("://***@" in t for t in texts) >= 10  # the URLs are shown, masked
+    _assert_clean(texts, debug_logs)

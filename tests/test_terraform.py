@@ -211,6 +211,33 @@ def test_iam_actions_are_documented():
             )
 
 
+def test_aws_list_bucket_condition_lets_missing_keys_answer_404():
+    """The writer's and restore role's s3:ListBucket must count for a GetObject/HeadObject of
+    a missing key (AWS answers 404 only then, 403 otherwise), and such a request carries no
+    s3:prefix: the prefix condition has to be an ...IfExists one, or a new run's first read
+    of LATEST is denied. moto ignores these conditions, so the HCL itself is checked (and
+    the rendered policy in the apply test below)."""
+    hcl = _load_hcl(TF_ROOT / "aws")
+    documents = {}
+    for block in hcl["data"]:
+        documents.update(block.get("aws_iam_policy_document", {}))
+    for name in ("writer", "restore"):
+        (listing,) = [s for s in documents[name]["statement"] if "s3:ListBucket" in s["actions"]]
+        (dynamic,) = listing["dynamic"]
+        (condition,) = dynamic["condition"]["content"]
+        assert condition == {
+            "test": "StringLikeIfExists",
+            "variable": "s3:prefix",
+            "values": ["${var.run_prefix}/*"],
+        }, name
+    # The reason is written down where the policy is, and in the docs, with AWS's pages.
+    for path in (TF_ROOT / "aws" / "iam.tf", REPO / "docs" / "infrastructure.md"):
+        text = path.read_text()
+        assert "StringLikeIfExists" in text and "API_GetObject.html" in text, path
+        assert "Conditions_IfExists" in text, path
+        assert "gc --dry-run" in text, f"{path}: the restore policy's GC limit is not stated"
+
+
 # --- AWS: init, validate, apply to moto, cloudckpt round trip, destroy ----------------------
 
 
@@ -335,6 +362,13 @@ def test_aws_module_apply_save_restore_destroy(aws_example, moto_server, tmp_pat
                 f"arn:aws:s3:::{bucket}",
                 f"arn:aws:s3:::{bucket}/runs/*",
             }, name
+            (listing,) = [
+                st
+                for st in document["Statement"]
+                if "s3:ListBucket" in _policy_actions({"Statement": [st]})
+            ]
+            expected = None if name == "gc" else {"StringLikeIfExists": {"s3:prefix": "runs/*"}}
+            assert listing.get("Condition") == expected, (name, listing)
         attached = iam.list_attached_role_policies(RoleName=role)["AttachedPolicies"]
         assert [p["PolicyArn"] for p in attached] == [arns["writer"]]
 

@@ -48,7 +48,7 @@ from cloudckpt.errors import (
 
 OK = 0
 ERROR = 1  # anything not listed below
-USAGE = 2  # bad arguments, bad URL, bad option (click's own usage errors are 2 as well)
+USAGE = 2  # bad arguments, bad URL, bad option, not a run (click's usage errors are 2 too)
 NOT_FOUND = 3  # no such checkpoint / step / bucket; an empty run where one was needed
 DAMAGED = 4  # verification failed: corrupt or missing data, hostile manifest
 CONFLICT = 5  # fenced, or another writer is active / won the race
@@ -84,7 +84,11 @@ EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
 EXIT_CODE_TABLE = (
     (OK, "success (verify: everything checked is intact)"),
     (ERROR, "any other error"),
-    (USAGE, "bad usage: unknown option, bad URL, bad storage option or duration"),
+    (
+        USAGE,
+        "bad usage: unknown option, bad or mistyped URL, a run location holding other "
+        "data, an empty push source, bad storage option or duration",
+    ),
     (NOT_FOUND, "not found: no such step, no checkpoint, no such bucket"),
     (DAMAGED, "damaged: verification failed, or nothing intact to restore"),
     (CONFLICT, "conflict: fenced by a newer writer, or an active writer would be fenced"),

@@ -37,7 +37,7 @@ from cloudckpt.cli._common import (
     two_stage_interrupts,
     warn,
 )
-from cloudckpt.errors import CheckpointNotFoundError, CorruptionError
+from cloudckpt.errors import CheckpointNotFoundError, ConfigurationError, CorruptionError
 
 if TYPE_CHECKING:
     from cloudckpt.manager import CommitInfo, SaveHandle
@@ -336,7 +336,7 @@ def restore_cmd(
         latest, _ = _load_for_reading(store)
         todo = candidates(latest, step) if latest is not None else []
         total = todo[0].total_bytes if todo else None
-        with progress_bar(f"restoring {url}", total) as progress:
+        with progress_bar(f"restoring {store.url}", total) as progress:
             result = restore(store, dest, engine, step=step, overwrite=force, progress=progress)
     elapsed = time.perf_counter() - started
     doc = {
@@ -423,8 +423,15 @@ def push_cmd(
     from cloudckpt import CheckpointManager
     from cloudckpt.admin import check_takeover
     from cloudckpt.committer import read_latest
+    from cloudckpt.staging import holds_files
 
     user_metadata = parse_key_values(metadata, "--metadata")
+    if not holds_files(src_dir):  # before the store is touched: nothing is claimed
+        raise ConfigurationError(
+            f"{src_dir} holds no files: there is nothing to push",
+            hint="Check SRC_DIR (the local checkpoint directory comes first, the run URL "
+            "second); an empty checkpoint would become the current one that restores pick",
+        )
     files = [p for p in src_dir.rglob("*") if p.is_file()]
     total = sum(p.stat().st_size for p in files)
     with _closing(store_args.open(url)) as store:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -63,7 +64,13 @@ __all__ = [
 
 
 def split_url(url: str) -> tuple[str, str, str]:
-    """Split ``url`` into (scheme, bucket-or-netloc, prefix). Plain paths become file://."""
+    """Split ``url`` into (scheme, bucket-or-netloc, prefix). Plain paths become file://.
+
+    Raises:
+        ConfigurationError: a malformed URL, credentials in an s3/gs/memory URL, or a
+            local path that is a mistyped URL (``s3:/bucket/run``; see
+            ``_refuse_mistyped_url``). Messages carry the URL redacted.
+    """
     if not isinstance(url, str) or not url.strip():
         raise ConfigurationError(
             f"invalid run URL {url!r}",
@@ -71,13 +78,15 @@ def split_url(url: str) -> tuple[str, str, str]:
             "file:///data/run or a local path",
         )
     if "://" not in url:
+        _refuse_mistyped_url(url)
         return "file", "", os.path.abspath(os.path.expanduser(url))
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):
+            host = urlsplit(redact_url(url)).netloc
             raise ConfigurationError(
-                f"invalid file URL {redact_url(url)!r}: host {parts.netloc!r} is not local",
+                f"invalid file URL {redact_url(url)!r}: host {host!r} is not local",
                 hint="Use file:///absolute/path (three slashes)",
             )
         return "file", "", os.path.abspath(parts.path or "/")
@@ -89,10 +98,12 @@ def split_url(url: str) -> tuple[str, str, str]:
             if scheme in _AZURE_SCHEMES
             else f"Write it as {scheme}://BUCKET/prefix",
         )
-    if scheme in ("s3", "s3a", "gs", "gcs") and "@" in parts.netloc:
+    if scheme in ("s3", "s3a", "gs", "gcs", "memory") and "@" in parts.netloc:
         raise ConfigurationError(
             f"invalid URL {redact_url(url)!r}: credentials in the URL are not supported",
-            hint="Pass credentials through storage_options (or the usual environment)",
+            hint="memory:// needs no credentials: write memory://BUCKET/prefix"
+            if scheme == "memory"
+            else "Pass credentials through storage_options (or the usual environment)",
         )
     if parts.query or parts.fragment:
         raise ConfigurationError(
@@ -103,6 +114,43 @@ def split_url(url: str) -> tuple[str, str, str]:
 
 
 _AZURE_SCHEMES = ("az", "abfs", "abfss")
+_OWN_SCHEMES = ("s3", "s3a", "gs", "gcs", "memory", "file", *_AZURE_SCHEMES)
+
+# A scheme, then ":" or ":/" (not "://") or "//": a URL with its "://" mistyped, which
+# would otherwise become a local directory such as ./s3:/bucket/run.
+_MISTYPED_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+)(?P<sep>:/?|//)(?P<rest>.*)$")
+
+
+def _url_schemes() -> frozenset[str]:
+    """Every scheme ``open_store`` would treat as a URL: its own and fsspec's."""
+    from fsspec.registry import known_implementations, registry
+
+    return frozenset(_OWN_SCHEMES) | frozenset(known_implementations) | frozenset(registry)
+
+
+def _refuse_mistyped_url(path: str) -> None:
+    """Raise ``ConfigurationError`` if the local path ``path`` is a mistyped URL
+    (``s3:/bucket/run``, ``s3:bucket/run``, ``s3//bucket/run``, ``file:run``), naming the
+    URL it probably meant. A path that starts with ``./`` or ``/`` is always local."""
+    m = _MISTYPED_URL.match(path)
+    if m is None or m["scheme"].lower() not in _url_schemes():
+        return
+    scheme, sep, rest = m["scheme"].lower(), m["sep"], m["rest"]
+    if scheme == "file":
+        local = ("/" if sep == ":/" else "") + rest
+        meant = f"file://{os.path.abspath(os.path.expanduser(local or '.'))}"
+        intent = f"did you mean {meant}, or the local path {local or '.'!r}?"
+    else:
+        meant = redact_url(f"{scheme}://{rest}") if rest else f"{scheme}://BUCKET/prefix"
+        intent = f"did you mean {meant}?"
+    # As typed, but with any user-info masked (redact_url only touches the host part).
+    typed = m["scheme"] + sep + (redact_url(f"x://{rest}")[4:] if rest else "")
+    raise ConfigurationError(
+        f"{typed!r} looks like a mistyped URL (no '://'), not a local path ({intent})",
+        hint=f"Write URLs as {scheme}://... ; to use a local directory of that name, "
+        f"write it as ./{typed}",
+    )
+
 
 # scheme -> (the modules its adapter imports, the extra that installs them). The core
 # (fsspec + botocore) carries S3; the Google stack is opt-in (docs/install.md).

@@ -9,20 +9,27 @@ check-then-write, which is correct only while exactly one process writes the run
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import logging
+import re
+import socket
+import sys
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from cloudckpt.errors import (
     ConfigurationError,
     ObjectNotFoundError,
+    OutcomeUnknownError,
     PermissionDeniedError,
     PreconditionFailedError,
     StoreError,
     TransientStoreError,
     UnsupportedBackendError,
     redact_url,
+    scrub,
 )
 from cloudckpt.stores.base import (
     OVERWRITE,
@@ -52,6 +59,93 @@ def _to_datetime(value: Any) -> dt.datetime | None:
     return None
 
 
+#: HTTP statuses (aiohttp's ``status``, requests' ``response.status_code``) by meaning.
+_NOT_FOUND_STATUS = frozenset({404, 410})
+_DENIED_STATUS = frozenset({401, 403})
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+# Secret-looking storage option names, scrubbed from messages (fsspec backends' spellings).
+_SECRET_OPTION = re.compile(r"(?i)pass(word|wd)?$|secret|token|credential|(^|_)key$")
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from, outermost first."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or (
+            None if current.__suppress_context__ else current.__context__
+        )
+
+
+def _http_status(exc: BaseException) -> int | None:
+    status = getattr(exc, "status", None)  # aiohttp.ClientResponseError (http://)
+    if status is None:  # requests.HTTPError (webdav and other requests-based backends)
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+    return status if isinstance(status, int) and not isinstance(status, bool) else None
+
+
+def _no_connection(exc: BaseException) -> bool:
+    """Whether ``exc`` means the server could not be reached or stopped answering."""
+    if isinstance(exc, (ConnectionError, TimeoutError, socket.gaierror)):
+        return True
+    aiohttp = sys.modules.get("aiohttp")  # imported if it raised this; never import it here
+    return aiohttp is not None and isinstance(exc, aiohttp.ClientConnectionError)
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether no connection was ever made (refused, DNS): a write cannot have landed."""
+    aiohttp = sys.modules.get("aiohttp")
+    for link in _chain(exc):
+        if isinstance(link, (ConnectionRefusedError, socket.gaierror)):
+            return True
+        if aiohttp is not None and isinstance(link, aiohttp.ClientConnectorError):
+            return True
+    return False
+
+
+def _kind(exc: BaseException) -> str:
+    """What a failed fsspec call means: "missing", "denied", "unreachable", "transient"
+    or "other".
+
+    fsspec reports more than absence as ``FileNotFoundError``: HTTPFileSystem.info wraps
+    *any* failure of its last request, a refused connection included, in one (the real
+    error is its ``__cause__``). So the chain decides; a bare FileNotFoundError is absence.
+    """
+    for link in _chain(exc):
+        status = _http_status(link)
+        if status in _NOT_FOUND_STATUS:
+            return "missing"
+        if status in _DENIED_STATUS or isinstance(link, PermissionError):
+            return "denied"
+        if status in _TRANSIENT_STATUS:
+            return "transient"
+        if status is not None:
+            return "other"
+        if _no_connection(link):
+            return "unreachable"
+    return "missing" if isinstance(exc, FileNotFoundError) else "other"
+
+
+def _http_auth_out_of_url(url: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``http(s)://user:password@host/...``: send the credentials as an HTTP Basic
+    ``Authorization`` header and drop them from the URL, which fsspec's HTTP backend logs
+    (DEBUG) and puts into its errors. Other URLs are returned as they are."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in ("http", "https") or parts.username is None:
+        return url, options
+    credentials = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+    client_kwargs = dict(options.get("client_kwargs") or {})
+    headers = dict(client_kwargs.get("headers") or {})
+    headers.setdefault(
+        "Authorization", "Basic " + base64.b64encode(credentials.encode()).decode("ascii")
+    )
+    client_kwargs["headers"] = headers
+    bare = urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+    return bare, {**options, "client_kwargs": client_kwargs}
+
+
 class FsspecStore(Store):
     """A generic fsspec filesystem as a (normally read-only) store."""
 
@@ -60,16 +154,26 @@ class FsspecStore(Store):
     ) -> None:
         import fsspec
 
+        # Every credential in sight, to scrub from any message (URLs are redacted anyway).
+        password = urlsplit(url).password
+        self._secrets = [password] if password else []
+        self._secrets += [
+            v
+            for k, v in storage_options.items()
+            if isinstance(v, str) and len(v) >= 4 and _SECRET_OPTION.search(k)
+        ]
+        bare_url, storage_options = _http_auth_out_of_url(url, storage_options)
         try:
-            self._fs, path = fsspec.core.url_to_fs(url, **storage_options)
+            self._fs, path = fsspec.core.url_to_fs(bare_url, **storage_options)
         except (ImportError, ValueError) as exc:
             raise ConfigurationError(
-                f"cannot open {redact_url(url)}: {exc}",
+                f"cannot open {redact_url(url)}: {scrub(str(exc), self._secrets)}",
                 hint="Install the fsspec implementation for this scheme, or check the URL",
             ) from None
         except OSError as exc:  # some filesystems connect when opened (ftp, sftp)
+            detail = scrub(str(exc.strerror or exc), self._secrets)
             raise ConfigurationError(
-                f"cannot open {redact_url(url)}: {type(exc).__name__}: {exc.strerror or exc}",
+                f"cannot open {redact_url(url)}: {type(exc).__name__}: {detail}",
                 hint="Check the host, the path and the storage options in the URL",
             ) from None
         self._root = path.rstrip("/")
@@ -88,15 +192,32 @@ class FsspecStore(Store):
     def _path(self, key: str) -> str:
         return f"{self._root}/{validate_key(key)}"
 
-    def _error(self, exc: Exception, key: str | None) -> StoreError:
+    def _error(self, exc: Exception, key: str | None, *, write: bool = False) -> StoreError:
+        """The ``StoreError`` for a failed fsspec call (see ``_kind``): absence, denial,
+        an unreachable server (``TransientStoreError``, never "absent": a run read through
+        a dead endpoint must not look empty), a transient failure; for a write that may
+        have reached the server, ``OutcomeUnknownError``."""
         where = f"{self.url}{key or ''}"
-        if isinstance(exc, FileNotFoundError):
+        kind = _kind(exc)
+        name = type(exc).__name__
+        if kind == "missing":
             return ObjectNotFoundError(f"{where} does not exist", key=key)
-        if isinstance(exc, PermissionError):
+        if kind == "denied":
             return PermissionDeniedError(f"permission denied on {where}", key=key)
-        if isinstance(exc, (TimeoutError, ConnectionError)):
-            return TransientStoreError(f"{where}: {type(exc).__name__}", key=key)
-        return StoreError(f"{where}: {type(exc).__name__}: {exc}", key=key)
+        if kind in ("unreachable", "transient") and write and not _refused(exc):
+            return OutcomeUnknownError(f"{where}: no complete answer ({name})", key=key)
+        if kind == "unreachable":
+            cause = next(c for c in _chain(exc) if _no_connection(c))
+            return TransientStoreError(
+                f"could not reach the server of {self.url} ({type(cause).__name__}"
+                f"{': ' + scrub(str(cause), self._secrets) if str(cause) else ''})",
+                key=key,
+                hint="Check the host and port in the URL, the network, and that the server is "
+                "running; nothing was read or changed, and the command can be retried",
+            )
+        if kind == "transient":
+            return TransientStoreError(f"{where}: {scrub(str(exc), self._secrets)}", key=key)
+        return StoreError(f"{where}: {name}: {scrub(str(exc), self._secrets)}", key=key)
 
     def _info(self, key: str, info: dict[str, Any]) -> ObjectInfo:
         modified = None
@@ -134,18 +255,39 @@ class FsspecStore(Store):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         top = f"{self._root}/{base}" if base else self._root
+        # fsspec's walk drops a directory whose listing fails ("omit"); collect those
+        # errors instead: a server that is down must not read as an empty run.
+        failures: list[Exception] = []
         try:
-            found = self._fs.find(top, detail=True)
-        except FileNotFoundError:
-            return
+            found = self._fs.find(top, detail=True, on_error=failures.append)
         except Exception as exc:
-            raise self._error(exc, prefix) from None
+            error = self._error(exc, prefix)
+            if isinstance(error, ObjectNotFoundError):
+                return
+            raise error from None
+        for exc in failures:
+            error = self._error(exc, prefix)
+            if not isinstance(error, ObjectNotFoundError):  # (absent: deleted meanwhile)
+                raise error from None
         items = []
         for path, info in found.items():
             key = path[len(self._root) :].lstrip("/") if path.startswith(self._root) else path
             if key.startswith(prefix) and not key.startswith(".cloudckpt/"):
-                items.append(self._info(key, info))
+                if info.get("size") is None:  # http:// listings are links without sizes
+                    info = self._fetch_info(path, key)
+                if info is not None:
+                    items.append(self._info(key, info))
         yield from sorted(items, key=lambda o: o.key)
+
+    def _fetch_info(self, path: str, key: str) -> dict[str, Any] | None:
+        """``info`` of a listed file; None if it is gone (deleted since the listing)."""
+        try:
+            return self._fs.info(path)
+        except Exception as exc:
+            error = self._error(exc, key)
+            if isinstance(error, ObjectNotFoundError):
+                return None
+            raise error from None
 
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = OVERWRITE) -> ObjectInfo:
         if not self._unsafe:
@@ -168,7 +310,7 @@ class FsspecStore(Store):
             self._fs.pipe_file(self._path(key), bytes(data))
             self._fs.invalidate_cache()
         except Exception as exc:
-            raise self._error(exc, key) from None
+            raise self._error(exc, key, write=True) from None
         return self.head(key)
 
     def delete(self, key: str) -> None:
@@ -176,10 +318,10 @@ class FsspecStore(Store):
             raise UnsupportedBackendError(f"{self.url} is read-only", capability="delete")
         try:
             self._fs.rm_file(self._path(key))
-        except FileNotFoundError:
-            pass
         except Exception as exc:
-            raise self._error(exc, key) from None
+            error = self._error(exc, key, write=True)
+            if not isinstance(error, ObjectNotFoundError):
+                raise error from None
 
     def now(self) -> dt.datetime:
         return utcnow()

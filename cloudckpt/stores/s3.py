@@ -58,6 +58,7 @@ from cloudckpt.errors import (
     StoreError,
     TransientStoreError,
     redact_url,
+    scrub,
 )
 from cloudckpt.stores.base import (
     CREATE,
@@ -394,9 +395,7 @@ class S3Store(Store):
     # --- error mapping --------------------------------------------------------------
 
     def _scrub(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
+        return scrub(text, self._secrets)
 
     def _where(self, key: str | None) -> str:
         return f"{self.url}{key or ''}"

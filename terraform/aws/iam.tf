@@ -16,6 +16,16 @@ data "aws_iam_policy_document" "writer" {
   # "is the run empty" before a claim; S3Store.now and _check_bucket: a one-key listing of
   # the run prefix for the store clock). Every listing carries the run prefix, so the
   # statement is narrowed to it with an s3:prefix condition.
+  #
+  # The condition is StringLikeIfExists, not StringLike, because S3 also consults
+  # s3:ListBucket to answer a GetObject/HeadObject of a missing key: 404 with it, 403
+  # without (https://docs.aws.amazon.com/AmazonS3/latest/API/API_GetObject.html,
+  # "Permissions"). That request has no s3:prefix, and a plain StringLike on an absent key
+  # is false (https://docs.aws.amazon.com/IAM/latest/UserGuide/reference_policies_elements_condition_operators.html#Conditions_IfExists),
+  # so a new run's first read of LATEST would be denied (PermissionDeniedError) instead of
+  # "no LATEST yet". IfExists lets such requests count; a listing that names a prefix must
+  # still name one under the run prefix. (The price: a listing with no prefix at all is
+  # allowed too, so key names, not contents, elsewhere in the bucket become listable.)
   statement {
     sid       = "ListCheckpointBucket"
     actions   = ["s3:ListBucket"]
@@ -24,7 +34,7 @@ data "aws_iam_policy_document" "writer" {
     dynamic "condition" {
       for_each = var.run_prefix == "" ? [] : [1]
       content {
-        test     = "StringLike"
+        test     = "StringLikeIfExists" # see the writer policy above: 404, not 403
         variable = "s3:prefix"
         values   = ["${var.run_prefix}/*"]
       }
@@ -88,6 +98,8 @@ resource "aws_iam_role_policy_attachment" "writer" {
 }
 
 # --- restore: read-only (restore on a new host, ls, show, verify) ---------------------------
+# Not enough for `cloudckpt gc --dry-run`: GC lists incomplete multipart uploads
+# (s3:ListBucketMultipartUploads), which a read-only role does not need otherwise.
 
 data "aws_iam_policy_document" "restore" {
   statement {
@@ -98,7 +110,7 @@ data "aws_iam_policy_document" "restore" {
     dynamic "condition" {
       for_each = var.run_prefix == "" ? [] : [1]
       content {
-        test     = "StringLike"
+        test     = "StringLikeIfExists" # see the writer policy above: 404, not 403
         variable = "s3:prefix"
         values   = ["${var.run_prefix}/*"]
       }
