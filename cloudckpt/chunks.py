@@ -391,15 +391,16 @@ def check_chunk_objects(store: Store, manifest: Manifest, step: int) -> None:
                 )
 
 
-def _fetch_chunk(engine, store: Store, ref: ChunkRef, buf: bytearray | None = None):
-    """A chunk's bytes (read into ``buf`` where the store can), verified against its name
-    (re-read once on a mismatch: a damaged response is not a damaged object)."""
-    into = getattr(store, "get_range_into", None) if buf is not None else None
+def _fetch_chunk(engine, store: Store, ref: ChunkRef, into: memoryview | None = None):
+    """A chunk's bytes (read into ``into``, at least ``ref.size`` long, where the store
+    can), verified against its name (re-read once on a mismatch: a damaged response is not
+    a damaged object). Raises MissingChunkError."""
+    read_into = getattr(store, "get_range_into", None) if into is not None else None
     for _ in range(2):
         try:
-            if into is not None:
-                view = memoryview(buf)[: ref.size]
-                got = engine.retry(lambda v=view: into(ref.key, 0, v), f"download {ref.key}")
+            if read_into is not None:
+                view = into[: ref.size]
+                got = engine.retry(lambda v=view: read_into(ref.key, 0, v), f"download {ref.key}")
                 data = view[:got]
             else:
                 data = engine.retry(
@@ -413,7 +414,7 @@ def _fetch_chunk(engine, store: Store, ref: ChunkRef, buf: bytearray | None = No
 
 
 class _Buffers:
-    """Chunk-sized download buffers reused within one restore (fresh memory costs a page
+    """Leaf-sized download buffers reused within one restore (fresh memory costs a page
     fault per 4 KiB on first touch)."""
 
     def __init__(self) -> None:
@@ -430,42 +431,97 @@ class _Buffers:
 
 
 class _Target:
-    def __init__(self, target: Path, count: int) -> None:
-        self.target, self.missing = target, count
+    """One chunked file being downloaded: its leaf digests as leaves land; the worker that
+    adds the last one checks the file's digest and fsyncs it."""
+
+    def __init__(self, entry: FileEntry, target: Path) -> None:
+        self.entry, self.target = entry, target
+        self.leaves: list[bytes | None] = [None] * -(-entry.size // LEAF)
+        self.missing = len(self.leaves)
         self.lock = threading.Lock()
 
-    def done_one(self) -> bool:
+    def add(self, index: int, leaf: bytes) -> bool:
+        """Record leaf ``index``; True for the call that completes the file."""
         with self.lock:
+            self.leaves[index] = leaf
             self.missing -= 1
             return self.missing == 0
 
-
-def _download_chunk(
-    engine, store, ref: ChunkRef, t: _Target, offset: int, progress, buffers: _Buffers
-) -> None:
-    buf = buffers.take()
-    try:
-        data = _fetch_chunk(engine, store, ref, buf)
-        failpoint("restore.after_range")
-        fd = os.open(t.target, os.O_WRONLY)
-        try:
-            view, written = memoryview(data), 0
-            while written < len(data):
-                written += os.pwrite(fd, view[written:], offset + written)
-        finally:
-            os.close(fd)
-        if isinstance(data, memoryview):
-            data.release()
-    finally:
-        buffers.give(buf)
-    if progress is not None:
-        progress(ref.size)
-    if t.done_one():
-        fd = os.open(t.target, os.O_RDONLY)
+    def finish(self) -> None:
+        """Raises CorruptionError if the chunks, in the manifest's order, are not the file
+        the recorded digest names (valid chunks listed in the wrong order, say)."""
+        if digest.root(self.leaves, self.entry.size) != self.entry.digest:
+            raise CorruptionError(
+                f"{self.entry.path} does not match its digest: its chunks are intact but do "
+                "not make up the file the manifest records"
+            )
+        fd = os.open(self.target, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _fetch_leaf(engine, store, pieces: Sequence[ChunkRef], buf: bytearray):
+    """The bytes of one leaf made of ``pieces`` (each chunk verified against its SHA-256)
+    and the leaf's digest. A leaf of one chunk has the chunk's SHA-256 as its digest: no
+    extra hashing. A leaf cut into several chunks (tensor boundaries) is assembled in
+    ``buf`` and hashed once more as a whole. Raises MissingChunkError."""
+    view = memoryview(buf)
+    if len(pieces) == 1:
+        return _fetch_chunk(engine, store, pieces[0], view), bytes.fromhex(pieces[0].sha256)
+    filled = 0
+    for ref in pieces:
+        data = _fetch_chunk(engine, store, ref, view[filled:])
+        if not (isinstance(data, memoryview) and data.obj is buf):
+            view[filled : filled + ref.size] = data  # the store cannot read in place
+        filled += ref.size
+    return view[:filled], digest.leaf(view[:filled])
+
+
+def _download_leaf(
+    engine,
+    store,
+    t: _Target,
+    index: int,
+    pieces: Sequence[ChunkRef],
+    progress,
+    buffers: _Buffers,
+) -> None:
+    """Fetch leaf ``index`` of ``t``, write it, record its digest; the call that completes
+    the file checks the file's digest (``_Target.finish``)."""
+    buf = buffers.take()
+    try:
+        data, leaf = _fetch_leaf(engine, store, pieces, buf)
+        failpoint("restore.after_range")
+        view, offset = memoryview(data), index * LEAF
+        fd = os.open(t.target, os.O_WRONLY)
+        try:
+            written = 0
+            while written < len(view):
+                written += os.pwrite(fd, view[written:], offset + written)
+        finally:
+            os.close(fd)
+        size = len(view)
+    finally:
+        buffers.give(buf)
+    if progress is not None:
+        progress(size)
+    if t.add(index, leaf):
+        t.finish()
+
+
+def _leaves(entry: FileEntry) -> list[list[ChunkRef]]:
+    """The chunks of ``entry`` grouped by the digest leaf they lie in (a validated
+    manifest's chunks never cross a leaf)."""
+    groups: list[list[ChunkRef]] = []
+    offset = 0
+    for ref in entry.chunks or ():
+        if offset // LEAF == len(groups):
+            groups.append([])
+        groups[-1].append(ref)
+        offset += ref.size
+    return groups
 
 
 def download(
@@ -479,7 +535,8 @@ def download(
 ) -> None:
     """Download ``entries`` (validated manifest entries) into ``dest``, as
     ``TransferEngine.download_files`` does: plain files through the engine, chunked ones
-    chunk by chunk in parallel, each chunk verified against its SHA-256.
+    leaf by leaf in parallel, each chunk verified against its SHA-256 and each file against
+    its recorded digest (from the leaf digests, see ``_download_leaf``).
     Raises CorruptionError (MissingChunkError for a chunk) or StoreError."""
     plain = [f for f in entries if f.chunks is None]
     chunked = [f for f in entries if f.chunks is not None]
@@ -492,29 +549,34 @@ def download(
 
     tasks = []
     buffers = _Buffers()
-    for entry in chunked:
-        target = dest.joinpath(*entry.path.split("/"))
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.ftruncate(fd, entry.size)
-            if entry.size == 0:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        t = _Target(target, len(entry.chunks))
-        offset = 0
-        for ref in entry.chunks:
-            tasks.append(
-                engine.submit(_download_chunk, engine, store, ref, t, offset, progress, buffers)
-            )
-            offset += ref.size
     try:
+        for entry in chunked:
+            target = dest.joinpath(*entry.path.split("/"))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                os.ftruncate(fd, entry.size)
+            finally:
+                os.close(fd)
+            t = _Target(entry, target)
+            if entry.size == 0:
+                t.finish()  # no leaves: check the digest of nothing now
+                continue
+            for index, pieces in enumerate(_leaves(entry)):
+                tasks.append(
+                    engine.submit(
+                        _download_leaf, engine, store, t, index, pieces, progress, buffers
+                    )
+                )
         if plain:
             engine.download_files(store, files_prefix, plain, dest, chunk_size, progress)
-    finally:
-        if plain and tasks:
+    except BaseException as exc:
+        # As TransferEngine.wait_all: after an interrupt, do not wait for running chunks.
+        for f in tasks:
+            f.cancel()
+        if isinstance(exc, Exception):
             cf.wait(tasks)
+        raise
     engine.wait_all(tasks)
 
 

@@ -79,7 +79,6 @@ from cloudckpt.errors import (
     ConfigurationError,
     CorruptionError,
     FencedError,
-    StagingError,
     UnsafePathError,
 )
 from cloudckpt.gc import collect_garbage
@@ -91,8 +90,13 @@ from cloudckpt.restore import (
     _place,
     candidates,
     check_objects,
+    check_space,
+    dropped_reason,
     fetch_manifest,
     load_latest_for_reading,
+    nothing_restored,
+    out_of_space,
+    reread_if_dropped,
 )
 from cloudckpt.restore import _prepare_destination as check_destination
 from cloudckpt.staging import COMMITTED, DURABLE, STAGED
@@ -853,9 +857,10 @@ class DistributedCheckpointManager(CheckpointManager):
     ) -> DistributedRestoreResult | None:
         what = "resuming" if claim else "restoring"
         local_exc: BaseException | None = None
+        dest = into  # the real directory the node leader writes (``into`` may be a link)
         if self.is_node_leader:
             try:  # before claiming: a bad argument must not fence the writer
-                check_destination(into, overwrite)
+                dest = check_destination(into, overwrite)
             except Exception as exc:
                 local_exc = exc
         me = {
@@ -907,13 +912,18 @@ class DistributedCheckpointManager(CheckpointManager):
             raise
         if chosen is None:
             return None
+        todo = [CheckpointRecord.from_dict(r) for r in chosen["records"]]
+        from_records = chosen["from_records"]
         skipped: list[SkippedCheckpoint] = []
-        for raw in chosen["records"]:
-            record = CheckpointRecord.from_dict(raw)
+        tried: set[str] = set()
+        rereads = 0
+        while todo:
+            record = todo.pop(0)
+            tried.add(record.commit_id)
             saved_world = record.metadata.get(WORLD_SIZE_KEY)
             saved_world = saved_world if isinstance(saved_world, int) else None
             wants = select or self._default_select(saved_world)
-            tmp = into.with_name(f".{into.name}.cloudckpt-tmp-{secrets.token_hex(4)}")
+            tmp = dest.with_name(f".{dest.name}.cloudckpt-tmp-{secrets.token_hex(4)}")
 
             def download(record: CheckpointRecord = record, wants=wants, tmp: Path = tmp) -> None:
                 manifest = fetch_manifest(self.store, record)
@@ -922,23 +932,23 @@ class DistributedCheckpointManager(CheckpointManager):
                     e for e in manifest.files if any(wants(e.path, r) for r in self.local_ranks)
                 ]
                 need = sum(e.size for e in entries)
-                free = shutil.disk_usage(into.parent).free
-                if need > free:
-                    raise StagingError(
-                        f"restoring step {record.step} needs {need} bytes; {into.parent} has "
-                        f"{free} free",
-                        hint="Free space or restore somewhere larger",
+                check_space(record.step, need, tmp.parent)
+                try:
+                    tmp.mkdir()
+                    chunks.download(
+                        self.engine,
+                        self.store,
+                        record.ckpt + protocol.FILES_DIR,
+                        entries,
+                        tmp,
+                        manifest.chunk_size,
+                        self._progress,
                     )
-                tmp.mkdir()
-                chunks.download(
-                    self.engine,
-                    self.store,
-                    record.ckpt + protocol.FILES_DIR,
-                    entries,
-                    tmp,
-                    manifest.chunk_size,
-                    self._progress,
-                )
+                except OSError as exc:
+                    full = out_of_space(exc, record.step, need, tmp.parent)
+                    if full is None:
+                        raise
+                    raise full from exc
 
             _, failures, own = self._run_phase(
                 download if self.is_node_leader else None, f"{what} step {record.step}"
@@ -951,11 +961,22 @@ class DistributedCheckpointManager(CheckpointManager):
                         raise own
                     raise _rebuild(fatal[0])
                 reason = "; ".join(_summary(f) for f in failures.values())
-                log.warning("checkpoint of step %d is unusable: %s", record.step, reason)
-                skipped.append(SkippedCheckpoint(record.step, record.commit_id, reason))
+                fresh = self._decide(
+                    lambda r=record, n=rereads: self._reread_if_dropped(r, step, tried, n),
+                    f"{what}: reading LATEST again",
+                )
+                if fresh is None:
+                    log.warning("checkpoint of step %d is unusable: %s", record.step, reason)
+                    skipped.append(SkippedCheckpoint(record.step, record.commit_id, reason))
+                    continue
+                todo = [CheckpointRecord.from_dict(r) for r in fresh["records"]]
+                from_records, rereads = fresh["from_records"], rereads + 1
+                skipped.append(
+                    SkippedCheckpoint(record.step, record.commit_id, dropped_reason(reason), True)
+                )
                 continue
             _, failures, own = self._run_phase(
-                (lambda tmp=tmp: _place(tmp, into)) if self.is_node_leader else None,
+                (lambda tmp=tmp: _place(tmp, dest)) if self.is_node_leader else None,
                 f"{what}: placing step {record.step}",
             )
             if failures:
@@ -965,7 +986,7 @@ class DistributedCheckpointManager(CheckpointManager):
                 raise _rebuild(next(iter(failures.values())))
             if skipped:
                 log.warning(
-                    "restored step %d after skipping %d damaged checkpoint(s)",
+                    "restored step %d after skipping %d checkpoint(s)",
                     record.step,
                     len(skipped),
                 )
@@ -979,15 +1000,20 @@ class DistributedCheckpointManager(CheckpointManager):
                 num_files=record.num_files,
                 total_bytes=record.total_bytes,
                 skipped=tuple(skipped),
-                from_commit_records=chosen["from_records"],
+                from_commit_records=from_records,
                 rank_path=into / rank_dir(self.rank),
                 saved_world_size=saved_world,
             )
-        raise CorruptionError(
-            f"no intact checkpoint in {self.url}: "
-            + "; ".join(f"step {s.step}: {s.reason}" for s in skipped),
-            skipped=skipped,
-        )
+        raise nothing_restored(self.url, skipped, step)
+
+    def _reread_if_dropped(
+        self, record: CheckpointRecord, step: int | None, tried: set[str], rereads: int
+    ) -> dict[str, Any] | None:
+        """(Coordinator.) ``reread_if_dropped``, in a form that travels to every rank."""
+        fresh = reread_if_dropped(self.store, record, step, tried, rereads)
+        if fresh is None:
+            return None
+        return {"records": [r.to_dict() for r in fresh[0]], "from_records": fresh[1]}
 
     def _inconsistent_into(self, into_by_rank: Mapping[int, str]) -> str | None:
         """Ranks of one node must name the same directory: its leader downloads there."""

@@ -26,7 +26,7 @@ credentials: URLs are redacted before they reach a message (see ``redact_url``).
     │   └── MissingChunkError         a chunk a manifest names is missing or damaged
     ├── NeedsRepairError              checkpoints exist but LATEST is missing or unreadable
     ├── CheckpointNotFoundError       no committed checkpoint matches the request
-    ├── DestinationNotEmptyError      a restore target already holds files
+    ├── DestinationNotEmptyError      a restore target holds files, or cannot be one
     ├── StagingError                  local staging failed (disk full, files changed under us)
     ├── SaveDroppedError              a queued save was replaced by a newer one (backpressure)
     ├── ChunkSourceDroppedError       chunks a save reuses lost their retained source (retried)
@@ -305,7 +305,8 @@ class CheckpointNotFoundError(CloudCkptError):
 
 
 class DestinationNotEmptyError(CloudCkptError):
-    """A restore destination already contains files."""
+    """A restore destination already contains files, or cannot be a restore's destination
+    (a file, a symbolic link to a file or to nothing, a mount point)."""
 
     default_hint = "Restore into an empty or new directory, or pass overwrite=True (CLI: --force)"
 

@@ -553,3 +553,167 @@ def test_permission_denied_on_delete_stops_gc_and_loses_nothing(iam_moto, tmp_pa
     assert store.exists(tomb.record.manifest_key)
     assert store.exists(data_key(store, tomb.record, "f"))
     mgr.close()
+
+
+# --- destinations behind symbolic links; a disk that fills during the restore ----------
+
+
+def _leftovers(*dirs: Path) -> list[str]:
+    return sorted(p.name for d in dirs for p in d.iterdir() if ".cloudckpt-" in p.name)
+
+
+@pytest.mark.parametrize("through", ["restore", "resume", "cli"])
+@pytest.mark.parametrize("existing", [False, True], ids=["empty", "overwrite"])
+@pytest.mark.parametrize("link", ["destination", "parent"])
+def test_restore_into_a_symlinked_directory_writes_through_the_link(
+    memory_target, tmp_path, through, existing, link
+):
+    """``/ckpt -> /mnt/nvme/ckpt``: the files land in the link's target, the link stays
+    a link, and nothing is left beside either (with and without overwrite)."""
+    from click.testing import CliRunner
+
+    from cloudckpt.cli import cli
+
+    mgr = CheckpointManager(memory_target.url, staging_dir=tmp_path / "s")
+    _save(mgr, 1, b"one")
+    mgr.close()
+    real = tmp_path / "mnt" / "nvme" / "ckpt"
+    real.mkdir(parents=True)
+    if existing:
+        (real / "old.txt").write_bytes(b"old")
+    if link == "destination":
+        into = tmp_path / "ckpt"
+        into.symlink_to(real, target_is_directory=True)
+        links = {into: real}
+    else:  # a link higher up: /data -> /mnt/nvme, restoring into /data/ckpt
+        (tmp_path / "data").symlink_to(real.parent, target_is_directory=True)
+        into = tmp_path / "data" / "ckpt"
+        links = {tmp_path / "data": real.parent}
+
+    if through == "cli":
+        argv = ["restore", memory_target.url, str(into)] + (["--force"] if existing else [])
+        result = CliRunner().invoke(cli, argv)
+        assert result.exit_code == 0, result.output
+    else:
+        reader = CheckpointManager(memory_target.url, staging_dir=tmp_path / "r")
+        call = reader.restore if through == "restore" else reader.resume
+        res = call(into=into, overwrite=existing)
+        assert res.step == 1 and res.path == into
+        reader.close()
+    assert _tree(real) == {"f": b"one"}
+    for path, target in links.items():
+        assert path.is_symlink() and Path(os.readlink(path)) == target
+    assert _leftovers(tmp_path, real.parent) == []
+
+
+def test_restore_into_an_unusable_link_is_refused_clearly(memory_target, tmp_path):
+    """A link to nothing (an unmounted volume, say), a link to a file, a link higher up
+    to nothing: refused before anything is written (CLI: exit 7; a link to a file is
+    already refused as bad usage, exit 2, by the argument's type)."""
+    from click.testing import CliRunner
+
+    from cloudckpt.cli import cli
+
+    mgr = CheckpointManager(memory_target.url, staging_dir=tmp_path / "s")
+    _save(mgr, 1, b"one")
+    (tmp_path / "dangling").symlink_to(tmp_path / "unmounted" / "ckpt")
+    (tmp_path / "a-file").write_bytes(b"x")
+    (tmp_path / "to-a-file").symlink_to(tmp_path / "a-file")
+    (tmp_path / "gone").symlink_to(tmp_path / "unmounted")
+    cases = {
+        tmp_path / "dangling": "which does not exist",
+        tmp_path / "to-a-file": "is not a directory",
+        tmp_path / "gone" / "ckpt": "which does not exist",
+    }
+    for into, reason in cases.items():
+        for overwrite in (False, True):
+            with pytest.raises(DestinationNotEmptyError, match=reason) as err:
+                mgr.restore(into=into, overwrite=overwrite)
+            assert "--force" not in err.value.hint or "directory" in err.value.hint
+        result = CliRunner().invoke(cli, ["restore", memory_target.url, str(into), "--force"])
+        if into.name == "to-a-file":
+            assert result.exit_code == 2 and "is a file" in result.stderr, result.output
+        else:
+            assert result.exit_code == 7 and reason in result.stderr, result.output
+        assert "this is a bug" not in result.output
+    assert not (tmp_path / "unmounted").exists()
+    assert (tmp_path / "a-file").read_bytes() == b"x"
+    assert _leftovers(tmp_path) == []
+    mgr.close()
+
+
+@pytest.mark.parametrize("chunking", ["tensor", "off"])
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT], ids=["ENOSPC", "EDQUOT"])
+def test_a_disk_that_fills_during_a_restore_is_a_staging_error(
+    memory_target, tmp_path, monkeypatch, chunking, code
+):
+    """The free-space check passed, then the disk filled (another process, a quota): the
+    write fails. Injected at the write call (os.pwrite) here; for real on a tmpfs in
+    ``test_a_full_tmpfs_during_a_restore``. The destination keeps what it held."""
+    from click.testing import CliRunner
+
+    from cloudckpt.cli import cli
+
+    mgr = CheckpointManager(memory_target.url, staging_dir=tmp_path / "s", chunking=chunking)
+    _save(mgr, 1, b"x" * 300_000)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "mine.txt").write_bytes(b"precious")
+    writes = []
+
+    def full(*args, **kwargs):
+        writes.append(args[0])
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(StagingError) as err:
+        mgr.restore(into=dest, overwrite=True)
+    assert writes  # the fault fired
+    message = str(err.value)
+    assert "needs 300000 bytes in " + str(tmp_path) in message
+    assert ("filled up" if code == errno.ENOSPC else "quota") in message
+    assert "destination is as it was" in message
+    assert _tree(dest) == {"mine.txt": b"precious"} and _leftovers(tmp_path) == []
+
+    result = CliRunner().invoke(cli, ["restore", memory_target.url, str(dest), "--force"])
+    assert result.exit_code == 1, result.output
+    assert "cloudckpt: error: restoring step 1 needs 300000 bytes" in result.stderr
+    assert "this is a bug" not in result.output and "Traceback" not in result.output
+    assert _tree(dest) == {"mine.txt": b"precious"} and _leftovers(tmp_path) == []
+    mgr.close()
+
+
+def test_a_full_tmpfs_during_a_restore(tmp_path):
+    """For real: a 4 MiB tmpfs, mounted in a private mount namespace (needs root, as in
+    this project's sandbox and CI), fills up after the free-space check when another file
+    takes the space. And the mount point itself is refused as a destination: a finished
+    restore is renamed into place, which cannot replace a mount point."""
+    import subprocess
+    import sys
+
+    url = f"file://{tmp_path / 'store'}"
+    mgr = CheckpointManager(url, staging_dir=tmp_path / "s")
+    _save(mgr, 1, os.urandom(2 * 1024 * 1024))
+    mgr.close()
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    script = Path(__file__).parent / "scripts" / "restore_on_tmpfs.py"
+    shell = 'mount -t tmpfs -o size=4m tmpfs "$1" && exec "$2" "$3" "$4" "$1"'
+    namespace = ["unshare", "--mount", "--propagation", "private"]
+    proc = subprocess.run(
+        [*namespace, "sh", "-c", shell, "_", str(mount), sys.executable, str(script), url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["statvfs_blocks"] > 0  # the script ran on the tmpfs
+    assert out["mount point"]["error"] == "DestinationNotEmptyError"
+    assert "is a mount point" in out["mount point"]["message"]
+    assert out["fired"] == 1
+    assert out["disk full"]["error"] == "StagingError", out
+    assert f"needs {2 * 1024 * 1024} bytes in {mount}" in out["disk full"]["message"]
+    assert "filled up" in out["disk full"]["message"]
+    assert out["dest"] == ["mine.txt"] and out["left"] == ["dest", "filler"]
+    assert list(mount.iterdir()) == []  # the tmpfs was never visible outside

@@ -623,3 +623,65 @@ def test_an_interrupt_ends_the_process_even_when_cleanup_hangs(tmp_path, sig):
     text = err.decode()
     assert "did not finish within 1 s; exiting now" in text
     assert "in stuck" in text  # the dump shows the stuck frame
+
+
+# --- restore: a checkpoint collected under it, a linked destination, a full disk -------
+
+
+@pytest.fixture
+def slow_reader_run(tmp_path, monkeypatch):
+    """A memory:// run whose writer commits step 2 (dropping step 1) and whose GC deletes
+    step 1, past the grace period on the store's clock, just before the CLI's restore reads
+    step 1's first chunk. Yields (url, the fault rule)."""
+    import cloudckpt.stores
+    from cloudckpt import CheckpointManager
+    from cloudckpt.gc import collect_garbage
+    from cloudckpt.stores.memory import ManualClock, MemoryStore, drop_memory_bucket
+    from cloudckpt.testing.faults import Callback, FaultInjectingStore, Rule
+
+    clock, name = ManualClock(), f"cli-{random.getrandbits(32):08x}"
+    store = MemoryStore(name, "run", clock=clock)
+    mgr = CheckpointManager(
+        store, staging_dir=tmp_path / "w", keep_last=1, gc_grace=60, auto_gc=False
+    )
+    with mgr.save(1) as d:
+        (d / "w.bin").write_bytes(b"1" * 5000)
+    mgr.wait()
+
+    def train_and_collect() -> None:
+        with mgr.save(2) as d:
+            (d / "w.bin").write_bytes(b"2" * 5000)
+        mgr.wait()
+        clock.advance(120)
+        assert [s for s, _ in collect_garbage(store).deleted_checkpoints] == [1]
+
+    rule = Rule(Callback(before=train_and_collect), ops={"get_range"}, key="ckpt/*/chunks/*")
+    opened = cloudckpt.stores.open_store
+    monkeypatch.setattr(
+        cloudckpt.stores, "open_store", lambda *a, **k: FaultInjectingStore(opened(*a, **k), [rule])
+    )
+    yield f"memory://{name}/run", rule
+    mgr.close()
+    drop_memory_bucket(name)
+
+
+def test_restore_of_a_checkpoint_collected_under_it_restores_the_current_one(
+    slow_reader_run, tmp_path
+):
+    url, rule = slow_reader_run
+    result = run("restore", url, tmp_path / "out", "--json")
+    assert rule.fired == 1
+    doc = ok_json(result)  # not exit 4 ("damaged"): nothing is damaged
+    assert doc["step"] == 2 and (tmp_path / "out" / "w.bin").read_bytes() == b"2" * 5000
+    (skipped,) = doc["skipped"]
+    assert skipped["step"] == 1 and skipped["dropped"] is True
+    assert "skipped step 1" in result.stderr and "dropped by retention" in result.stderr
+
+
+def test_restore_of_a_step_collected_under_it_is_not_found(slow_reader_run, tmp_path):
+    url, rule = slow_reader_run
+    result = run("restore", url, tmp_path / "out", "--step", 1)
+    assert rule.fired == 1
+    assert result.exit_code == 3, result.output
+    assert "no longer retains step 1" in result.stderr and "this is a bug" not in result.output
+    assert not (tmp_path / "out").exists()

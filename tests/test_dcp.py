@@ -224,3 +224,43 @@ def test_refusals(mgr):
         with pytest.raises(BaseException, match=r"[Pp]lan caching"):
             dcp.save(_state(7), storage_writer=CloudStorageWriter(mgr, step=8), planner=planner)
     assert mgr.latest().step == 7
+
+
+def test_a_checkpoint_collected_while_the_reader_picks_it_gives_the_current_one(tmp_path):
+    """Retention drops the checkpoint the reader is checking and GC deletes it (past the
+    grace period on the store's clock) before the reader reads its ``.metadata``: the
+    reader reads LATEST again and loads the current checkpoint."""
+    import random
+
+    from cloudckpt.gc import collect_garbage
+    from cloudckpt.stores.memory import ManualClock, MemoryStore, drop_memory_bucket
+    from cloudckpt.testing.faults import Callback, FaultInjectingStore, Rule
+
+    clock, name = ManualClock(), f"dcp-{random.getrandbits(32):08x}"
+    store = MemoryStore(name, "run", clock=clock)
+    writer = CheckpointManager(
+        store, staging_dir=tmp_path / "w", keep_last=1, gc_grace=60, auto_gc=False
+    )
+    dcp.save(_state(1), storage_writer=CloudStorageWriter(writer, step=1))
+    collected = []
+
+    def train_and_collect() -> None:
+        dcp.save(_state(2), storage_writer=CloudStorageWriter(writer, step=2))
+        clock.advance(120)
+        collected.extend(s for s, _ in collect_garbage(store).deleted_checkpoints)
+
+    faulty = FaultInjectingStore(store)
+    rule = faulty.add(
+        Rule(Callback(before=train_and_collect), ops={"get_range"}, key=f"*/{METADATA_FILE}")
+    )
+    reader_mgr = CheckpointManager(faulty, staging_dir=tmp_path / "r", auto_gc=False)
+    reader = CloudStorageReader(reader_mgr, cache_dir=tmp_path / "cache")
+    assert rule.fired == 1 and collected == [1]
+    assert reader.step == 2
+    assert [(s.step, s.dropped) for s in reader.skipped] == [(1, True)]
+    got = _empty()
+    dcp.load(got, storage_reader=reader)
+    assert _same(got, _state(2))
+    reader_mgr.close()
+    writer.close()
+    drop_memory_bucket(name)

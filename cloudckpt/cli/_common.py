@@ -93,7 +93,7 @@ EXIT_CODE_TABLE = (
     (DAMAGED, "damaged: verification failed, or nothing intact to restore"),
     (CONFLICT, "conflict: fenced by a newer writer, or an active writer would be fenced"),
     (NEEDS_REPAIR, "needs repair: checkpoints exist but LATEST is missing or unreadable"),
-    (DEST_NOT_EMPTY, "restore destination is not empty (use --force)"),
+    (DEST_NOT_EMPTY, "restore destination is not empty (use --force), or cannot be one"),
     (ACCESS, "credentials missing or rejected, or permission denied"),
     (UNAVAILABLE, "store unreachable, or a write's outcome unknown: retry later"),
     (INTERRUPTED, "interrupted (SIGINT/SIGTERM); nothing half-done is left visible"),

@@ -350,7 +350,8 @@ def restore_cmd(
         "total_bytes": result.total_bytes,
         "metadata": dict(result.metadata),
         "skipped": [
-            {"step": s.step, "commit_id": s.commit_id, "reason": s.reason} for s in result.skipped
+            {"step": s.step, "commit_id": s.commit_id, "reason": s.reason, "dropped": s.dropped}
+            for s in result.skipped
         ],
         "from_commit_records": result.from_commit_records,
         "seconds": round(elapsed, 3),

@@ -80,8 +80,11 @@ from cloudckpt.restore import (
     SkippedCheckpoint,
     candidates,
     check_objects,
+    dropped_reason,
     fetch_manifest,
     load_latest_for_reading,
+    nothing_restored,
+    reread_if_dropped,
 )
 from cloudckpt.retry import call_with_retries
 from cloudckpt.stores import Store
@@ -569,49 +572,59 @@ class CloudStorageReader(StorageReader):
         todo = candidates(latest, step)
         if not todo:
             raise CheckpointNotFoundError(f"{mgr.url} has no retained checkpoint of step {step}")
-        skipped: list[tuple[int, str, str]] = []
-        for record in todo:
+        skipped: list[SkippedCheckpoint] = []
+        tried: set[str] = set()
+        rereads = 0
+        while todo:
+            record = todo.pop(0)
+            tried.add(record.commit_id)
             try:
-                manifest = fetch_manifest(mgr.store, record)
-                check_objects(mgr.store, record, manifest)
-                meta = next((e for e in manifest.files if e.path == METADATA_FILE), None)
-                if meta is None:
-                    raise ConfigurationError(
-                        f"the checkpoint of step {record.step} was not saved by DCP "
-                        f"(it has no {METADATA_FILE})",
-                        hint="Pass step= of a checkpoint saved with CloudStorageWriter",
-                    )
-                key = record.ckpt + protocol.FILES_DIR + METADATA_FILE
-                try:
-                    data = call_with_retries(
-                        lambda key=key, size=meta.size: mgr.store.get_range(key, 0, size + 1),
-                        what=f"read {key}",
-                    )
-                except ObjectNotFoundError:
-                    raise CorruptionError(
-                        f"{METADATA_FILE} of step {record.step} is missing"
-                    ) from None
-                if len(data) != meta.size or (
-                    digest.tree_digest(data, manifest.chunk_size) != meta.digest
-                ):
-                    raise CorruptionError(
-                        f"{METADATA_FILE} of step {record.step} does not match its digest"
-                    )
+                manifest, data = self._read_metadata(record)
             except (CorruptionError, UnsafePathError) as exc:
-                log.warning("checkpoint of step %d is unusable: %s", record.step, exc.message)
-                skipped.append((record.step, record.commit_id, exc.message))
+                fresh = None
+                if isinstance(exc, CorruptionError):
+                    fresh = reread_if_dropped(mgr.store, record, step, tried, rereads)
+                if fresh is None:
+                    log.warning("checkpoint of step %d is unusable: %s", record.step, exc.message)
+                    skipped.append(SkippedCheckpoint(record.step, record.commit_id, exc.message))
+                    continue
+                todo, rereads = fresh[0], rereads + 1
+                reason = dropped_reason(exc.message)
+                skipped.append(SkippedCheckpoint(record.step, record.commit_id, reason, True))
                 continue
             return {
                 "record": record.to_dict(),
                 "manifest": manifest,
                 "metadata": bytes(data),
-                "skipped": skipped,
+                "skipped": [dataclasses.astuple(s) for s in skipped],
             }
-        raise CorruptionError(
-            f"no intact checkpoint in {mgr.url}: "
-            + "; ".join(f"step {s}: {reason}" for s, _, reason in skipped),
-            skipped=[SkippedCheckpoint(*s) for s in skipped],
-        )
+        raise nothing_restored(mgr.url, skipped, step)
+
+    def _read_metadata(self, record: CheckpointRecord) -> tuple[Manifest, bytes]:
+        """(Coordinator.) ``record``'s manifest and DCP ``.metadata``, verified.
+        Raises CorruptionError, UnsafePathError, ConfigurationError (not saved by DCP)."""
+        mgr = self.manager
+        manifest = fetch_manifest(mgr.store, record)
+        check_objects(mgr.store, record, manifest)
+        meta = next((e for e in manifest.files if e.path == METADATA_FILE), None)
+        if meta is None:
+            raise ConfigurationError(
+                f"the checkpoint of step {record.step} was not saved by DCP "
+                f"(it has no {METADATA_FILE})",
+                hint="Pass step= of a checkpoint saved with CloudStorageWriter",
+            )
+        key = record.ckpt + protocol.FILES_DIR + METADATA_FILE
+        try:
+            data = call_with_retries(
+                lambda: mgr.store.get_range(key, 0, meta.size + 1), what=f"read {key}"
+            )
+        except ObjectNotFoundError:
+            raise CorruptionError(f"{METADATA_FILE} of step {record.step} is missing") from None
+        if len(data) != meta.size or (digest.tree_digest(data, manifest.chunk_size) != meta.digest):
+            raise CorruptionError(
+                f"{METADATA_FILE} of step {record.step} does not match its digest"
+            )
+        return manifest, data
 
     # -- StorageReader --
 
