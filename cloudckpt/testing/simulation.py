@@ -296,6 +296,7 @@ class _Actor:
         self.writer_id: str | None = None
         self.wake_at = 0  # the tick before which the scheduler leaves this actor idle
         self.asleep_s = 0.0  # store seconds this actor's host spent suspended
+        self.sleep_rate = 0.0  # while suspended: store seconds that pass per tick
         self.next_call = ""  # the store call this actor is about to make
         self.port: Store | None = None
         self.faults: FaultInjectingStore | None = None
@@ -891,6 +892,7 @@ class Simulation:
         self.clock.advance(0.5)
         if self.faults_on and self.sched_rng.random() < self.profile.p_clock_jump:
             self.clock.advance(self.profile.grace * self.sched_rng.uniform(0.2, 1.5))
+        self._pass_sleep()
         if self.faults_on and self.suspend_rng.random() < self._suspend_rate(actor):
             self._suspend(actor)
         if self.checks_on and not self.result.violations:
@@ -938,24 +940,46 @@ class Simulation:
             return self.elapsed() - actor.asleep_s
         return self.elapsed()
 
+    def _pass_sleep(self) -> None:
+        """One tick of every suspended host's sleep: the store's clock moves on, the
+        sleeper's monotonic clock does not."""
+        for a in self.actors:
+            if a.sleep_rate and a.wake_at > self.result.ticks:
+                self.clock.advance(a.sleep_rate)
+                a.asleep_s += a.sleep_rate
+            else:
+                a.sleep_rate = 0.0
+
     def _suspend_rate(self, actor: _Actor) -> float:
-        """The chance that ``actor``'s host sleeps before its next call: 20x higher right
-        before a write of LATEST or of a manifest, the windows a commit's checks guard."""
+        """The chance that ``actor``'s host sleeps before its next call: 20x higher in
+        the windows that matter most: right before a write of LATEST or of a manifest (a
+        commit's checks guard them), and before a read of checkpoint data (a restore
+        whose checkpoint may be collected under it)."""
         rate = self.profile.p_suspend
-        call = actor.next_call
-        if call.startswith("put ") and call.endswith((protocol.LATEST_KEY, protocol.MANIFEST_NAME)):
-            return min(1.0, 20 * rate)
-        return rate
+        op, _, key = actor.next_call.partition(" ")
+        writing = op == "put" and key.endswith((protocol.LATEST_KEY, protocol.MANIFEST_NAME))
+        reading = op in ("get", "get_range", "list") and ("/chunks/" in key or "/files/" in key)
+        return min(1.0, 20 * rate) if writing or reading else rate
 
     def _suspend(self, actor: _Actor) -> None:
         """Host suspend: ``actor``'s host sleeps (VM hibernate, GCE suspend, a paused VM)
         for 1.2-4 x grace of store time while the others go on; its monotonic clock does
         not move meanwhile. It may sleep anywhere: between its upload and its commit,
-        inside GC between the inventory and the deletions, in the middle of a restore."""
+        inside GC between the inventory and the deletions, in the middle of a restore.
+        Half the time (never for a restorer: its checkpoint must have time to be
+        dropped and collected under it) the store's clock jumps at once (the others were
+        quiet while it slept); otherwise the time passes over the ticks of the sleep (``_pass_sleep``),
+        so what the others do meanwhile (commits dropping a checkpoint, GC collecting it
+        once it is past grace) happens at the store times it would."""
         seconds = self.profile.grace * self.suspend_rng.uniform(1.2, 4.0)
-        self.clock.advance(seconds)
-        actor.asleep_s += seconds
-        actor.wake_at = self.result.ticks + self.suspend_rng.randint(5, 150)
+        ticks = self.suspend_rng.randint(5, 150)
+        actor.wake_at = self.result.ticks + ticks
+        reading = actor.next_call.startswith(("get", "list")) and actor.name == "restorer"
+        if not reading and self.suspend_rng.random() < 0.5:  # the world was quiet meanwhile
+            self.clock.advance(seconds)
+            actor.asleep_s += seconds
+        else:
+            actor.sleep_rate = seconds / ticks
         self.result.counters["host_suspends"] += 1
         self._trace.update(f"suspend {actor.name} {seconds:.1f}\n".encode())
 
