@@ -46,7 +46,7 @@ any directory whose name ends with a number, quiet for ``quiet_period`` (opt-in 
 Every rule also requires that no file vanished since the previous look (a directory being
 deleted by rotation is never taken half-deleted). Files in the watched tree that belong to
 no checkpoint are reported once (event ``ignored``), and a checkpoint that stays incomplete
-for ``quiet_period`` once (event ``incomplete``).
+for ``quiet_period``, or is incomplete when the watcher stops, once (event ``incomplete``).
 
 Ordering and restart safety: the watcher only moves forward. On start it reads LATEST; a
 candidate whose step is not above the committed step (or one already handed over) is never
@@ -280,6 +280,7 @@ class Watcher:
         self._ready: list[tuple[Candidate, Verdict]] = []
         self._settling: list[tuple[Candidate, Verdict]] = []
         self._writing: list[tuple[Candidate, Verdict]] = []
+        self._unfinished: list[tuple[Candidate, Verdict, _Seen]] = []  # incomplete ones
         self.committed: list[dict[str, Any]] = []
         self.failed: list[dict[str, Any]] = []
         self.not_uploaded: list[dict[str, Any]] = []
@@ -464,11 +465,11 @@ class Watcher:
         (oldest first, while fewer than ``max_pending`` are in flight and, after
         ``stop()``, before its deadline). Returns how many were handed over."""
         self._reap()
+        self._ready, self._settling, self._writing, self._unfinished = [], [], [], []
         if self.fenced is not None or not self._directory_exists():
             return 0
         now = time.monotonic()
         ready: list[tuple[Candidate, Signature, Verdict]] = []
-        self._settling, self._writing = [], []
         present = set()
         for c in self.scan():
             present.add(c.source)
@@ -525,7 +526,11 @@ class Watcher:
                 self._writing.append((c, verdict))
             elif quiet_for >= self.quiet_period and not prev.reported:
                 prev.reported = True
-                self._incomplete(c, verdict)
+                self._incomplete(
+                    c, verdict, f"unchanged for {quiet_for:.0f}s: its writer may have stopped "
+                    "half-way; not uploaded unless it completes"
+                )  # fmt: skip
+            self._unfinished.append((c, verdict, prev))
             return None
         if lost or quiet_for < verdict.settle:
             self._settling.append((c, verdict))
@@ -567,11 +572,8 @@ class Watcher:
                 }
             )
 
-    def _incomplete(self, c: Candidate, verdict: Verdict) -> None:
-        reason = (
-            f"{verdict.rule}, and unchanged for {self.quiet_period:g}s: its writer may have "
-            "stopped half-way; not uploaded unless it completes"
-        )
+    def _incomplete(self, c: Candidate, verdict: Verdict, why: str) -> None:
+        reason = f"{verdict.rule}; {why}"
         log.warning("%s is incomplete: %s", c.source, reason)
         self._emit({"event": "incomplete", "source": c.source, "step": c.step, "reason": reason})
 
@@ -737,6 +739,11 @@ class Watcher:
             log.warning("not uploaded: %s (step %s): %s; its files are in %s",
                         item["source"], item["step"], item["reason"], item["path"])  # fmt: skip
             self._emit(item)
+        left = {item["source"] for item in self.not_uploaded}
+        for c, verdict, seen in self._unfinished:
+            if c.source not in left and not seen.reported:
+                seen.reported = True
+                self._incomplete(c, verdict, "still incomplete when the watcher stopped")
 
     def outstanding(self, *, writers: bool = True) -> list[dict[str, Any]]:
         """What is not committed (yet): uploads in flight, complete checkpoints not handed

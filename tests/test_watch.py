@@ -296,22 +296,29 @@ def test_a_trainer_saving_often_gets_every_checkpoint_uploaded(area, s3_target):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_uploads_the_complete_checkpoint_before_exiting(area, s3_target, sig):
-    """The usual end of a job: the trainer wrote its last checkpoint, the orchestrator sends
-    SIGTERM (or a user Ctrl-C) before the watcher's next look. The final upload takes it:
-    committed before the exit, exit 0."""
+    """The usual end of a job: the trainer wrote its last checkpoints, the orchestrator sends
+    SIGTERM (or a user Ctrl-C) before the watcher's next look. The final upload takes them:
+    committed before the exit, exit 0. The trainer also stopped half-way through another
+    one: that is said (incomplete), and it is not uploaded."""
     out, _, _ = area
     (out / "notes.txt").write_text("not a checkpoint")
     store = open_store(s3_target.url, s3_target.storage_options)
     watch = start_watch(area, s3_target, "--poll", "1h")  # it looks once, then only at exit
+    writer = None
     try:
         first_look_done(watch, area)
-        writer = start_writer(area, "hf", [7, 8])
-        writer.wait_for(lambda e: e == {"event": "done", "step": 8}, "the writer to finish")
+        writer = start_writer(area, "hf", [7, 8, 9], hang_at=9)
+        writer.wait_for(lambda e: e == {"event": "half", "step": 9}, "the writer to stop")
         assert not [e for e in watch.lines() if e["event"] == "queued"]
     finally:
         rc = watch.stop(sig)
+        if writer is not None:
+            writer.stop(signal.SIGKILL)
     assert rc == 0, watch.log()
     events = watch.lines()
+    (partial,) = [e for e in events if e.get("source") == "checkpoint-9"]
+    assert partial["event"] == "incomplete"
+    assert partial["reason"].startswith("no trainer_state.json yet (Trainer writes it last)")
     kinds = [e["event"] for e in events]
     assert kinds.index("flushing") < kinds.index("queued") < kinds.index("committed")
     assert [e["step"] for e in events if e["event"] == "committed"] == [7, 8]
@@ -623,7 +630,11 @@ def test_watch_once_through_the_cli_on_gcs(tmp_path, gcs_target):
     assert result.exit_code == 0, result.output
     events = [json.loads(line) for line in result.stdout.splitlines()]
     kinds = [e["event"] for e in events]
-    assert kinds == ["started", "flushing", "queued", "committed", "stopped"]
+    assert kinds == ["started", "flushing", "queued", "committed", "incomplete", "stopped"]
+    assert events[4]["source"] == "checkpoint-8" and events[4]["reason"] == (
+        "no trainer_state.json yet (Trainer writes it last); still incomplete when the "
+        "watcher stopped"
+    )
     (done,) = [e for e in events if e["event"] == "committed"]
     assert done["source"] == "checkpoint-7" and events[-1]["committed_step"] == 7
     store = open_store(gcs_target.url, so)
