@@ -232,7 +232,12 @@ def watch_cmd(
                     "committed_step": watcher.committed_step,
                 }
             )
-        watcher.run(poll, once=once)
+        try:
+            watcher.run(poll, once=once)
+        except BaseException:  # an unexpected error: still leave no staging behind
+            if not watcher.in_flight:
+                _remove(own_staging)
+            raise
     if watcher.fenced is not None:
         _remove(own_staging)
         raise watcher.fenced
