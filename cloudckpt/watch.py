@@ -1,31 +1,52 @@
 """``watch``: a sidecar that uploads and commits the checkpoints a trainer writes to disk.
 
 The trainer keeps writing checkpoints to its local output directory as it always did; the
-watcher polls that directory, decides when each checkpoint is *finished*, snapshots it by
+watcher polls that directory, decides when each checkpoint is *complete*, snapshots it by
 hard links (so the trainer may rotate it away at once) and hands it to a
 ``CheckpointManager``, which uploads and commits it. No change to the training code.
 
-What counts as a checkpoint, and when it is finished (every rule also requires the files'
-names, sizes and mtimes to have stayed the same for ``settle`` seconds):
+A checkpoint is taken as soon as the framework's own last write shows it complete (read
+from the installed transformers 5, Lightning 2.6 and accelerate 1.x sources); waiting for
+files to stay unchanged is only a fallback where no such write exists:
 
-``checkpoint-N/`` (Hugging Face ``Trainer``)
+``checkpoint-N/`` (Hugging Face ``Trainer``; step N)
     ``trainer_state.json`` exists and parses. ``Trainer._save_checkpoint`` writes the model,
-    then optimizer, scheduler, scaler and RNG state, and ``trainer_state.json`` last, so a
-    directory without it (a trainer killed half-way) is never complete. The settle period
-    covers ranks that still write shards after rank 0 wrote the state.
-``*.ckpt`` files (PyTorch Lightning ``ModelCheckpoint``; the step comes from ``step=S``)
-    A regular file (not a ``last.ckpt`` link), and when it is a zip archive (what
-    ``torch.save`` writes) its central directory, written last, must be readable: a file
-    cut short by a crash has none. Names without ``step=`` (``last.ckpt``) are skipped.
-``*.ckpt/`` directories (Lightning sharded/distributed checkpoints)
-    Contain ``meta.pt`` (Lightning) or ``.metadata`` (torch.distributed.checkpoint), which
-    the coordinator writes after every shard.
+    ``training_args.bin``, optimizer, scheduler, scaler and RNG state, then
+    ``trainer_state.json``, and only then rotates *older* checkpoints
+    (``save_total_limit``). With one process (``rng_state.pth``) that is final. With
+    several, every rank writes its own ``rng_state_K.pth`` with no barrier after it, so the
+    files must also be unchanged for ``settle`` seconds (and ranks 0..K all present).
+``*.ckpt`` files (Lightning ``ModelCheckpoint``; the step comes from ``step=S``)
+    A complete zip archive. Lightning's ``_atomic_save`` serialises into memory and writes
+    through an fsspec transaction: a temporary file renamed into place on one filesystem,
+    copied into place across filesystems; ``torch.save``'s zip central directory comes
+    last, so a partial copy is never readable. A ``.ckpt`` that is not a zip archive
+    (legacy format) needs ``settle``. Names without ``step=`` (``last.ckpt``) are skipped.
+``*.ckpt/`` directories (Lightning FSDP / model-parallel sharded checkpoints)
+    ``meta.pt`` is a complete zip: rank 0 writes it after ``torch.distributed.checkpoint``
+    finished every shard and ``.metadata`` (which alone is not enough).
+``checkpoint_N/`` in the directory or in its ``checkpoints/`` (``accelerate`` with
+``automatic_checkpoint_naming``; step N)
+    accelerate writes no completion marker. Its ``save_state`` writes weights, optimizer,
+    scheduler, sampler and scaler, then every process its own ``random_states_K.pkl``,
+    then the main process any ``custom_checkpoint_K.pkl``. Complete when
+    ``checkpoint_{N+1}`` exists (accelerate creates it only after a barrier every process
+    reaches once done with N), else when ``random_states_0.pkl`` is a complete zip, ranks
+    0..K are all present and the files are unchanged for ``settle``. N is accelerate's save
+    counter (``ProjectConfiguration.iteration``), not the optimizer step: accelerate
+    records no training step (the ``step`` in ``random_states_K.pkl`` is its gradient
+    accumulation counter, reset every epoch).
 any other directory with a marker file (default ``.complete``)
     The writer's own "done" signal. The step is the marker's content (an integer, or JSON
     with ``"step"``) or else the number the directory name ends with.
-any directory whose name ends with a number, quiet for ``settle`` (opt-in only)
+any directory whose name ends with a number, quiet for ``quiet_period`` (opt-in only)
     ``accept_quiet_dirs=True``. Beware: a writer killed half-way leaves a directory that is
     quiet forever, and this rule would commit it. Prefer markers.
+
+Every rule also requires that no file vanished since the previous look (a directory being
+deleted by rotation is never taken half-deleted). Files in the watched tree that belong to
+no checkpoint are reported once (event ``ignored``), and a checkpoint that stays incomplete
+for ``quiet_period``, or is incomplete when the watcher stops, once (event ``incomplete``).
 
 Ordering and restart safety: the watcher only moves forward. On start it reads LATEST; a
 candidate whose step is not above the committed step (or one already handed over) is never
@@ -33,12 +54,16 @@ uploaded, and every commit records ``{"watch": {"source", "kind"}}`` in the chec
 metadata. A restarted watcher therefore re-uploads nothing that is committed, and an old
 checkpoint can never become "current" again.
 
-``stop()`` (the CLI calls it on SIGTERM/SIGINT) stops scanning; ``close()`` then waits for
-every checkpoint already handed over to commit (a flush) before returning.
+Stopping: ``stop()`` (the CLI calls it on SIGTERM/SIGINT) starts a final upload bounded by
+``final_upload_timeout`` seconds: ``finish()`` keeps looking, takes every checkpoint that
+is complete (or becomes complete while one is still visibly being written) and waits for
+the uploads, until nothing is left or the time is up. What did not make it is listed in
+``not_uploaded`` with where its files still are.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import dataclasses
 import errno
@@ -63,13 +88,19 @@ from cloudckpt.stores import open_store
 log = logging.getLogger("cloudckpt.watch")
 
 HF_DIR = re.compile(r"^checkpoint-(\d+)$")
-LIGHTNING_STEP = re.compile(r"(?:^|[-_])step=(\d+)")
-TRAILING_NUMBER = re.compile(r"(\d+)$")
 HF_STATE = "trainer_state.json"
-SHARDED_DONE = ("meta.pt", ".metadata")
+HF_SINGLE_RNG = "rng_state.pth"  # world_size <= 1
+HF_RANK_RNG = re.compile(r"^rng_state_(\d+)\.pth$")  # one per process otherwise
+ACCELERATE_DIR = re.compile(r"^checkpoint_(\d+)$")
+ACCELERATE_PARENT = "checkpoints"  # ProjectConfiguration(automatic_checkpoint_naming=True)
+ACCELERATE_RNG = re.compile(r"^random_states_(\d+)\.pkl$")
+LIGHTNING_STEP = re.compile(r"(?:^|[-_])step=(\d+)")
+LIGHTNING_META = "meta.pt"
+TRAILING_NUMBER = re.compile(r"(\d+)$")
 TEMP_SUFFIXES = (".tmp", ".temp", ".part", ".partial", ".incomplete", ".lock")
 MAX_DEPTH = 4  # how deep *.ckpt files are looked for (lightning_logs/version_0/checkpoints)
 MAX_TRIES = 3
+FINAL_POLL = 0.1  # seconds between looks while stopping: the budget is short
 
 Signature = tuple[tuple[str, int, int], ...]
 EventSink = Callable[[dict[str, Any]], None]
@@ -81,12 +112,28 @@ class Candidate:
 
     path: Path
     source: str  # path relative to the watched directory, '/'-separated
-    kind: str  # "hf", "lightning", "lightning-dir", "marker", "quiet"
+    kind: str  # "hf", "lightning", "lightning-dir", "accelerate", "marker", "quiet"
     step: int | None
 
     @property
     def is_file(self) -> bool:
         return self.kind == "lightning"
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """Whether a candidate is complete, and the rule that says so (shown in the output)."""
+
+    complete: bool
+    rule: str  # why it is complete, or what it still lacks
+    settle: float = 0.0  # seconds its files must still stay unchanged; 0: take it now
+
+
+@dataclasses.dataclass
+class _Seen:
+    sig: Signature
+    since: float  # monotonic time the signature was first seen
+    reported: bool = False  # "incomplete" said once
 
 
 def _signature(c: Candidate) -> Signature | None:
@@ -111,19 +158,27 @@ def _raise(exc: OSError) -> None:
     raise exc
 
 
-def _zip_complete(path: Path) -> bool:
-    """A zip archive (torch.save's format) is complete only once its central directory,
-    written last, is there. Files that are not zip archives pass (nothing to check)."""
+def _zip_state(path: Path) -> str:
+    """``"complete"``, ``"partial"`` or ``"not-zip"``. ``torch.save`` writes a zip archive
+    whose central directory comes last, so a file cut short (or still being copied) has
+    none and cannot be opened."""
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
         if magic != b"PK\x03\x04":
-            return True
+            return "not-zip" if len(magic) == 4 else "partial"
         with zipfile.ZipFile(path) as z:
             z.namelist()
-        return True
+        return "complete"
     except (OSError, zipfile.BadZipFile, EOFError, ValueError):
-        return False
+        return "partial"
+
+
+def _ranks(names: set[str], pattern: re.Pattern[str]) -> tuple[set[int], list[int]]:
+    """The rank numbers of files named by ``pattern`` and the ranks below the highest that
+    are missing (a rank still writing its file)."""
+    ranks = {int(m.group(1)) for n in names if (m := pattern.match(n))}
+    return ranks, sorted(set(range(max(ranks) + 1)) - ranks) if ranks else []
 
 
 def _marker_step(path: Path) -> int | None:
@@ -141,24 +196,37 @@ def _marker_step(path: Path) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
 
 
+def _is_temp(name: str) -> bool:
+    """Names writers use for files and directories still being written."""
+    return name.startswith(".") or name.startswith("tmp-") or name.endswith(TEMP_SUFFIXES)
+
+
 class Watcher:
-    """Watch ``directory`` and commit each finished checkpoint to ``url``.
+    """Watch ``directory`` and commit each complete checkpoint to ``url``.
 
     Args:
-        directory: the trainer's output directory.
+        directory: the trainer's output directory. It may not exist yet: the watcher
+            waits for it (event ``waiting``).
         url: the run URL (or a ``CheckpointManager`` to use; the watcher then does not
             close it).
-        settle: seconds a checkpoint's files must stay unchanged before it is taken.
+        settle: seconds a checkpoint's files must stay unchanged after it looks complete,
+            for layouts whose last write is not final (several HF ranks, accelerate, a
+            non-zip ``.ckpt``); the others are taken at once.
+        quiet_period: seconds unchanged for ``accept_quiet_dirs``; also when an
+            incomplete checkpoint is reported as abandoned.
         markers: file names that mark any directory complete.
         accept_quiet_dirs: also take directories that are merely quiet (see module doc).
-        on_event: called with a dict for every event (queued, committed, skipped, failed).
+        final_upload_timeout: seconds ``stop()`` leaves for the final upload.
+        max_pending: saves handed over and not yet committed at once (the watcher waits
+            for a slot instead of blocking in ``save()``).
+        on_event: called with a dict for every event (see ``docs/cli.md``).
         manager_options: passed to ``CheckpointManager`` (staging_dir, transfer, ...).
             Retention defaults to the run's current settings, so the watcher's claim does
             not change them.
 
-    Raises (constructor): ConfigurationError (not a directory), NeedsRepairError (the run
-    has data but no readable LATEST), NotARunError (the run location holds other data and
-    no LATEST), StoreError.
+    Raises (constructor): ConfigurationError (``directory`` is a file, a negative
+    duration), NeedsRepairError (the run has data but no readable LATEST), NotARunError
+    (the run location holds other data and no LATEST), StoreError.
     """
 
     def __init__(
@@ -166,33 +234,57 @@ class Watcher:
         directory: str | os.PathLike[str],
         url: str | CheckpointManager,
         *,
-        settle: float = 30.0,
+        settle: float = 2.0,
+        quiet_period: float = 30.0,
         markers: tuple[str, ...] = (".complete",),
         accept_quiet_dirs: bool = False,
+        final_upload_timeout: float = 20.0,
+        max_pending: int = 2,
         storage_options: Mapping[str, Any] | None = None,
         on_event: EventSink | None = None,
         **manager_options: Any,
     ) -> None:
         self.directory = Path(directory).expanduser().absolute()
-        if not self.directory.is_dir():
+        if self.directory.exists() and not self.directory.is_dir():
             raise ConfigurationError(
                 f"{self.directory} is not a directory",
-                hint="Pass the trainer's output directory (create it first if training has "
-                "not started yet)",
+                hint="Pass the trainer's output directory (it may also not exist yet)",
             )
-        if settle < 0:
-            raise ConfigurationError("settle must be >= 0 seconds")
+        for name, value in (
+            ("settle", settle),
+            ("quiet_period", quiet_period),
+            ("final_upload_timeout", final_upload_timeout),
+        ):
+            if value < 0:
+                raise ConfigurationError(f"{name} must be >= 0 seconds")
+        if max_pending < 1:
+            raise ConfigurationError("max_pending must be >= 1")
         self.settle = settle
+        self.quiet_period = quiet_period
         self.markers = tuple(markers)
         self.accept_quiet_dirs = accept_quiet_dirs
+        self.final_upload_timeout = final_upload_timeout
+        self.max_pending = max_pending
         self._emit = on_event or (lambda event: None)
         self._stop = threading.Event()
-        self._seen: dict[str, tuple[Signature, float]] = {}
+        self._deadline: float | None = None  # monotonic; set by stop()
+        self._budget: float | None = None  # seconds stop() gave
+        self._seen: dict[str, _Seen] = {}
         self._done: set[str] = set()  # sources handed over, committed, skipped or given up
         self._tries: dict[str, int] = {}
-        self._pending: list[tuple[SaveHandle, Candidate]] = []
+        self._pending: list[tuple[SaveHandle, Candidate, Path]] = []  # + staged files
+        self._reported: set[str] = set()  # directories whose loose files were reported
+        self._loose: dict[str, list[str]] = {}  # filled by scan()
+        self._waiting_announced = False
+        # What the last poll left: complete but not handed over, complete but settling,
+        # and incomplete but still being written.
+        self._ready: list[tuple[Candidate, Verdict]] = []
+        self._settling: list[tuple[Candidate, Verdict]] = []
+        self._writing: list[tuple[Candidate, Verdict]] = []
+        self._unfinished: list[tuple[Candidate, Verdict, _Seen]] = []  # incomplete ones
         self.committed: list[dict[str, Any]] = []
         self.failed: list[dict[str, Any]] = []
+        self.not_uploaded: list[dict[str, Any]] = []
         self.fenced: FencedError | None = None
 
         if isinstance(url, CheckpointManager):
@@ -205,7 +297,7 @@ class Watcher:
             finally:
                 store.close()
             # Retention and grace left unset keep the run's own (the manager inherits them).
-            manager_options.setdefault("max_pending", 2)
+            manager_options.setdefault("max_pending", max_pending)
             self.manager = CheckpointManager(
                 url, storage_options=storage_options, **manager_options
             )
@@ -234,11 +326,18 @@ class Watcher:
             return None
         return head.latest
 
+    @property
+    def in_flight(self) -> int:
+        """Saves handed over whose upload has not finished."""
+        return sum(not handle.done() for handle, _, _ in self._pending)
+
     # ---------------------------------------------------------------- discovery
 
     def scan(self) -> list[Candidate]:
-        """Every checkpoint-like entry in the directory (finished or not)."""
+        """Every checkpoint-like entry in the directory (complete or not). Also records,
+        per directory, the files that belong to no checkpoint (``_loose``)."""
         found: list[Candidate] = []
+        self._loose = {}
         self._scan_dir(self.directory, 0, found)
         return found
 
@@ -247,9 +346,10 @@ class Watcher:
             entries = sorted(os.scandir(root), key=lambda e: e.name)
         except OSError:
             return
+        loose = []
         for entry in entries:
             name = entry.name
-            if name.startswith(".") or name.startswith("tmp-") or name.endswith(TEMP_SUFFIXES):
+            if _is_temp(name):
                 continue
             path = Path(entry.path)
             source = path.relative_to(self.directory).as_posix()
@@ -261,54 +361,117 @@ class Watcher:
             if is_file and name.endswith(".ckpt"):
                 m = LIGHTNING_STEP.search(name[: -len(".ckpt")])
                 found.append(Candidate(path, source, "lightning", int(m.group(1)) if m else None))
-            if not is_dir:
-                continue
-            if depth == 0 and (m := HF_DIR.match(name)):
-                found.append(Candidate(path, source, "hf", int(m.group(1))))
-            elif name.endswith(".ckpt"):
-                m = LIGHTNING_STEP.search(name[: -len(".ckpt")])
-                found.append(
-                    Candidate(path, source, "lightning-dir", int(m.group(1)) if m else None)
-                )
-            elif marker := next((mk for mk in self.markers if (path / mk).is_file()), None):
-                step = _marker_step(path / marker)
-                if step is None and (m := TRAILING_NUMBER.search(name)):
-                    step = int(m.group(1))
-                found.append(Candidate(path, source, "marker", step))
-            elif self.accept_quiet_dirs and depth == 0 and (m := TRAILING_NUMBER.search(name)):
-                found.append(Candidate(path, source, "quiet", int(m.group(1))))
+            elif not is_dir:
+                loose.append(name)  # a plain file (or a link such as last.ckpt)
+            elif candidate := self._classify_dir(path, source, depth):
+                found.append(candidate)
             elif depth < MAX_DEPTH:
                 self._scan_dir(path, depth + 1, found)
+        if loose:
+            rel = root.relative_to(self.directory).as_posix()
+            self._loose[rel] = loose
 
-    def _finished(self, c: Candidate, sig: Signature) -> bool:
-        """The kind-specific completeness rule (the settle period is checked by the caller)."""
+    def _classify_dir(self, path: Path, source: str, depth: int) -> Candidate | None:
+        name = path.name
+        if depth == 0 and (m := HF_DIR.match(name)):
+            return Candidate(path, source, "hf", int(m.group(1)))
+        if (m := ACCELERATE_DIR.match(name)) and (
+            depth == 0 or (depth == 1 and path.parent.name == ACCELERATE_PARENT)
+        ):
+            return Candidate(path, source, "accelerate", int(m.group(1)))
+        if name.endswith(".ckpt"):
+            m = LIGHTNING_STEP.search(name[: -len(".ckpt")])
+            return Candidate(path, source, "lightning-dir", int(m.group(1)) if m else None)
+        if marker := next((mk for mk in self.markers if (path / mk).is_file()), None):
+            step = _marker_step(path / marker)
+            if step is None and (m := TRAILING_NUMBER.search(name)):
+                step = int(m.group(1))
+            return Candidate(path, source, "marker", step)
+        if self.accept_quiet_dirs and depth == 0 and (m := TRAILING_NUMBER.search(name)):
+            return Candidate(path, source, "quiet", int(m.group(1)))
+        return None
+
+    def judge(self, c: Candidate, sig: Signature) -> Verdict:
+        """The kind's completeness rule (module doc); the caller applies ``settle``."""
         names = {rel for rel, _, _ in sig}
         if c.kind == "hf":
-            if HF_STATE not in names:
-                return False
-            try:
-                json.loads((c.path / HF_STATE).read_bytes())
-            except (OSError, ValueError):
-                return False
-            return True
+            return self._judge_hf(c, names)
         if c.kind == "lightning":
-            return sig[0][1] > 0 and _zip_complete(c.path)
+            state = _zip_state(c.path) if sig[0][1] > 0 else "partial"
+            if state == "complete":
+                return Verdict(True, "a complete torch.save archive (Lightning writes by rename)")
+            if state == "not-zip":
+                return Verdict(
+                    True, f"not a zip archive: unchanged for {self.settle:g}s", self.settle
+                )
+            return Verdict(False, "its zip archive is not complete yet")
         if c.kind == "lightning-dir":
-            return any(n in names for n in SHARDED_DONE)
+            if LIGHTNING_META in names and _zip_state(c.path / LIGHTNING_META) == "complete":
+                return Verdict(True, "meta.pt written (Lightning writes it after every shard)")
+            return Verdict(False, "no complete meta.pt yet (Lightning writes it last)")
+        if c.kind == "accelerate":
+            return self._judge_accelerate(c, names)
         if c.kind == "marker":
-            return any(n in names for n in self.markers)
-        return c.kind == "quiet" and bool(sig)
+            marker = next((mk for mk in self.markers if mk in names), None)
+            if marker is None:
+                return Verdict(False, "its marker file is gone")
+            return Verdict(True, f"marker file {marker}")
+        return Verdict(
+            bool(sig),
+            f"unchanged for {self.quiet_period:g}s (--accept-quiet-dirs)",
+            self.quiet_period,
+        )
+
+    def _judge_hf(self, c: Candidate, names: set[str]) -> Verdict:
+        if HF_STATE not in names:
+            return Verdict(False, "no trainer_state.json yet (Trainer writes it last)")
+        try:
+            json.loads((c.path / HF_STATE).read_bytes())
+        except (OSError, ValueError):
+            return Verdict(False, "trainer_state.json is still being written")
+        if HF_SINGLE_RNG in names:
+            return Verdict(True, "trainer_state.json written (the Trainer's last file)")
+        ranks, missing = _ranks(names, HF_RANK_RNG)
+        if missing:
+            return Verdict(False, f"rng_state_{missing[0]}.pth of another rank not written yet")
+        who = f"{len(ranks)} ranks' rng_state files" if ranks else "no rng_state file"
+        return Verdict(
+            True,
+            f"trainer_state.json written, {who}, unchanged for {self.settle:g}s",
+            self.settle,
+        )
+
+    def _judge_accelerate(self, c: Candidate, names: set[str]) -> Verdict:
+        after = f"checkpoint_{(c.step or 0) + 1}"  # the kind always has a step (its name)
+        if (c.path.parent / after).is_dir():
+            return Verdict(
+                True, f"{after} begun (accelerate's next save starts after all finished)"
+            )
+        ranks, missing = _ranks(names, ACCELERATE_RNG)
+        if 0 not in ranks:
+            return Verdict(False, "no random_states_0.pkl yet (accelerate writes it last)")
+        if missing:
+            return Verdict(
+                False, f"random_states_{missing[0]}.pkl of another process not written yet"
+            )
+        if _zip_state(c.path / "random_states_0.pkl") != "complete":
+            return Verdict(False, "random_states_0.pkl is still being written")
+        return Verdict(
+            True, f"random_states_*.pkl written, unchanged for {self.settle:g}s", self.settle
+        )
 
     # ---------------------------------------------------------------- the loop
 
     def poll(self) -> int:
-        """One pass: reap finished uploads, then hand over every newly finished checkpoint.
-        Returns how many were handed over."""
+        """One pass: reap finished uploads, then hand over every newly complete checkpoint
+        (oldest first, while fewer than ``max_pending`` are in flight and, after
+        ``stop()``, before its deadline). Returns how many were handed over."""
         self._reap()
-        if self.fenced is not None:
+        self._ready, self._settling, self._writing, self._unfinished = [], [], [], []
+        if self.fenced is not None or not self._directory_exists():
             return 0
         now = time.monotonic()
-        ready: list[tuple[Candidate, Signature]] = []
+        ready: list[tuple[Candidate, Signature, Verdict]] = []
         present = set()
         for c in self.scan():
             present.add(c.source)
@@ -320,34 +483,101 @@ class Watcher:
             if c.source in self.committed_sources:
                 self._skip(c, "already committed (recorded in LATEST)", quiet=True)
                 continue
-            sig = _signature(c)
-            if sig is None:
-                self._seen.pop(c.source, None)
-                continue
-            prev = self._seen.get(c.source)
-            if prev is None or prev[0] != sig:
-                self._seen[c.source] = (sig, now)
-                if self.settle > 0:
-                    continue
-            elif now - prev[1] < self.settle:
-                continue
-            if self._finished(c, sig):
-                ready.append((c, sig))
+            if (looked := self._look(c, now)) is not None:
+                ready.append(looked)
         for source in list(self._seen):
             if source not in present:
                 del self._seen[source]
+        self._report_loose()
+        ready.sort(key=lambda r: (r[0].step, r[0].source))
+        self._ready = [(c, v) for c, _, v in ready]
         handed = 0
-        for c, sig in sorted(ready, key=lambda r: (r[0].step, r[0].source)):
-            if self._stop.is_set():
-                break
+        for c, sig, verdict in ready:
             if self._floor is not None and c.step <= self._floor:
+                self._ready.remove((c, verdict))
                 self._skip(
                     c, f"step {c.step} is not newer than step {self._floor}, already committed"
                 )
                 continue
-            if self._hand_over(c, sig):
+            if self._deadline_passed() or self.in_flight >= self.max_pending:
+                break  # taken at a later look (saving never blocks the loop)
+            self._ready.remove((c, verdict))
+            if self._hand_over(c, sig, verdict):
                 handed += 1
+            elif c.source not in self._done:  # it changed meanwhile: look again
+                self._settling.append((c, verdict))
         return handed
+
+    def _look(self, c: Candidate, now: float) -> tuple[Candidate, Signature, Verdict] | None:
+        """Judge ``c``; return it if it is complete and may be taken now."""
+        sig = _signature(c)
+        if sig is None:
+            self._seen.pop(c.source, None)
+            return None
+        prev = self._seen.get(c.source)
+        lost = False
+        if prev is None or prev.sig != sig:
+            # A file gone since the last look: a rotation deleting it, or a writer
+            # replacing files. Never take it from this listing.
+            lost = prev is not None and not {r for r, _, _ in prev.sig} <= {r for r, _, _ in sig}
+            prev = self._seen[c.source] = _Seen(sig, now, prev.reported if prev else False)
+        verdict = self.judge(c, sig)
+        quiet_for = now - prev.since
+        if not verdict.complete:
+            if quiet_for < max(self.settle, FINAL_POLL * 2):
+                self._writing.append((c, verdict))
+            elif quiet_for >= self.quiet_period and not prev.reported:
+                prev.reported = True
+                self._incomplete(
+                    c, verdict, f"unchanged for {quiet_for:.0f}s: its writer may have stopped "
+                    "half-way; not uploaded unless it completes"
+                )  # fmt: skip
+            self._unfinished.append((c, verdict, prev))
+            return None
+        if lost or quiet_for < verdict.settle:
+            self._settling.append((c, verdict))
+            return None
+        return c, sig, verdict
+
+    def _directory_exists(self) -> bool:
+        if self.directory.is_dir():
+            if self._waiting_announced:
+                self._waiting_announced = False
+                log.info("%s exists now; watching it", self.directory)
+                self._emit({"event": "appeared", "directory": str(self.directory)})
+            return True
+        if not self._waiting_announced:
+            self._waiting_announced = True
+            log.info("%s does not exist yet; waiting for it", self.directory)
+            self._emit({"event": "waiting", "directory": str(self.directory)})
+        return False
+
+    def _report_loose(self) -> None:
+        """Say once per directory that its files belong to no checkpoint (not uploaded)."""
+        for rel, names in self._loose.items():
+            if rel in self._reported:
+                continue
+            self._reported.add(rel)
+            reason = (
+                "they belong to no checkpoint layout watch recognises (HF checkpoint-N/, "
+                "Lightning *.ckpt, accelerate checkpoint_N/, a directory holding a "
+                f"{' or '.join(self.markers) or 'marker'} file)"
+            )
+            log.info("not uploading the files in %s (%s): %s", rel, ", ".join(names[:5]), reason)
+            self._emit(
+                {
+                    "event": "ignored",
+                    "source": rel,
+                    "files": names[:5],
+                    "count": len(names),
+                    "reason": reason,
+                }
+            )
+
+    def _incomplete(self, c: Candidate, verdict: Verdict, why: str) -> None:
+        reason = f"{verdict.rule}; {why}"
+        log.warning("%s is incomplete: %s", c.source, reason)
+        self._emit({"event": "incomplete", "source": c.source, "step": c.step, "reason": reason})
 
     def _skip(self, c: Candidate, reason: str, *, quiet: bool = False) -> None:
         self._done.add(c.source)
@@ -355,7 +585,7 @@ class Watcher:
             log.info("not uploading %s: %s", c.source, reason)
         self._emit({"event": "skipped", "source": c.source, "step": c.step, "reason": reason})
 
-    def _hand_over(self, c: Candidate, sig: Signature) -> bool:
+    def _hand_over(self, c: Candidate, sig: Signature, verdict: Verdict) -> bool:
         """Snapshot ``c`` into a save and queue it. False if it changed or vanished."""
         metadata = {"watch": {"source": c.source, "kind": c.kind}}
         try:
@@ -363,8 +593,11 @@ class Watcher:
             with handle as staging:
                 _link_snapshot(c, sig, staging)
         except _Changed as exc:
-            log.info("%s changed while being snapshotted (%s); will look again", c.source, exc)
             self._seen.pop(c.source, None)
+            if not c.path.exists():
+                self._skip(c, f"deleted by its writer (rotation?) while being copied ({exc})")
+            else:
+                log.info("%s changed while being snapshotted (%s); will look again", c.source, exc)
             return False
         except FencedError as exc:
             self.fenced = exc
@@ -375,9 +608,12 @@ class Watcher:
             return False
         self._done.add(c.source)
         self._floor = c.step
-        self._pending.append((handle, c))
+        self._pending.append((handle, c, staging))
         size = sum(s for _, s, _ in sig)
-        log.info("uploading %s as step %d (%d files, %d bytes)", c.source, c.step, len(sig), size)
+        log.info(
+            "uploading %s as step %d (%d files, %d bytes; complete: %s)",
+            c.source, c.step, len(sig), size, verdict.rule,
+        )  # fmt: skip
         self._emit(
             {
                 "event": "queued",
@@ -386,15 +622,16 @@ class Watcher:
                 "step": c.step,
                 "files": len(sig),
                 "bytes": size,
+                "rule": verdict.rule,
             }
         )
         return True
 
-    def _reap(self, wait: bool = False) -> None:
+    def _reap(self) -> None:
         still = []
-        for handle, c in self._pending:
-            if not wait and not handle.done():
-                still.append((handle, c))
+        for handle, c, staged in self._pending:
+            if not handle.done():
+                still.append((handle, c, staged))
                 continue
             exc = handle.exception()
             if exc is None:
@@ -441,39 +678,133 @@ class Watcher:
             self._seen.pop(c.source, None)
         else:
             self._done.add(c.source)
-        steps = [p.step for _, p in self._pending if p is not c]
+        steps = [p.step for _, p, _ in self._pending if p is not c]
         if self.committed_step is not None:
             steps.append(self.committed_step)
         self._floor = max(steps) if steps else None
 
-    def run(self, poll_interval: float = 5.0, *, once: bool = False) -> None:
-        """Poll until ``stop()`` (or, with ``once``, for one settle period), then flush."""
+    def run(self, poll_interval: float = 1.0, *, once: bool = False) -> None:
+        """Poll until ``stop()``, then ``finish()`` within its budget; with ``once``, take
+        what is complete now (waiting out ``settle`` where a rule needs it), then flush."""
         try:
             if once:
-                self.poll()
-                if self.settle > 0 and not self._stop.wait(self.settle):
-                    self.poll()
+                self._stop.set()  # no deadline: wait for every upload
             else:
                 while not self._stop.is_set() and self.fenced is None:
                     self.poll()
                     self._stop.wait(poll_interval)
+            self.finish(wait_for_writers=not once)
         finally:
-            self.close()
+            self.close(timeout=0 if self._deadline_passed() else None)
 
-    def stop(self) -> None:
-        """Stop scanning; ``run()`` then flushes what was handed over and returns."""
+    def stop(self, budget: float | None = None) -> None:
+        """Stop the regular looking; ``run()`` then calls ``finish()``, which has ``budget``
+        seconds from now (default ``final_upload_timeout``) to upload what is complete.
+        Safe to call from a signal handler."""
+        if not self._stop.is_set():
+            self._budget = self.final_upload_timeout if budget is None else budget
+            self._deadline = time.monotonic() + self._budget
         self._stop.set()
 
+    def _deadline_passed(self) -> bool:
+        return self._deadline is not None and time.monotonic() >= self._deadline
+
+    def finish(self, *, wait_for_writers: bool = True) -> None:
+        """The final upload: look again and again (``FINAL_POLL``) and hand over every
+        checkpoint that is complete, waiting for its upload, until nothing complete is
+        left, or the deadline ``stop()`` set passes. With ``wait_for_writers``, a
+        checkpoint still visibly being written (changed within ``settle``) is waited for
+        too. Fills ``not_uploaded``."""
+        self._emit(
+            {
+                "event": "flushing",
+                "pending": self.in_flight,
+                "budget_seconds": None
+                if self._deadline is None
+                else round(max(0.0, self._deadline - time.monotonic()), 3),
+            }
+        )
+        while True:
+            self.poll()
+            if self.fenced is not None:
+                break
+            busy = self._pending or self._ready or self._settling
+            if not busy and not (wait_for_writers and self._writing):
+                break
+            if self._deadline_passed():
+                break
+            remaining = None if self._deadline is None else self._deadline - time.monotonic()
+            time.sleep(FINAL_POLL if remaining is None else max(0.0, min(FINAL_POLL, remaining)))
+        self._reap()
+        self.not_uploaded = [] if self.fenced else self.outstanding(writers=wait_for_writers)
+        for item in self.not_uploaded:
+            log.warning("not uploaded: %s (step %s): %s; its files are in %s",
+                        item["source"], item["step"], item["reason"], item["path"])  # fmt: skip
+            self._emit(item)
+        left = {item["source"] for item in self.not_uploaded}
+        for c, verdict, seen in self._unfinished:
+            if c.source not in left and not seen.reported:
+                seen.reported = True
+                self._incomplete(c, verdict, "still incomplete when the watcher stopped")
+
+    def outstanding(self, *, writers: bool = True) -> list[dict[str, Any]]:
+        """What is not committed (yet): uploads in flight, complete checkpoints not handed
+        over or still settling and, with ``writers``, checkpoints still being written; each
+        as a ``not_uploaded`` event naming where its files are. Safe from a signal handler."""
+        budget = (
+            "the final upload budget" if self._budget is None else f"the {self._budget:g}s budget"
+        )
+        out = []
+        for handle, c, staged in self._pending:
+            if handle.done():
+                continue  # reported by the next reap
+            where = c.path if c.path.exists() else staged / c.path.name if c.is_file else staged
+            out.append(_leftover(c, where, f"its upload did not finish within {budget}"))
+        for c, v in self._ready:
+            out.append(
+                _leftover(c, c.path, f"complete ({v.rule}) but not uploaded within {budget}")
+            )
+        for c, v in self._settling:
+            out.append(
+                _leftover(
+                    c, c.path, f"complete but still changing ({v.rule}) when {budget} ran out"
+                )
+            )
+        for c, v in self._writing if writers else ():
+            out.append(
+                _leftover(c, c.path, f"still being written ({v.rule}) when {budget} ran out")
+            )
+        return out
+
     def close(self, timeout: float | None = None) -> None:
-        """Wait for every handed-over checkpoint to commit (or fail), then release."""
-        self._emit({"event": "flushing", "pending": len(self._pending)})
-        # Each failed save is reported by _reap below, not raised here.
+        """Wait up to ``timeout`` for the saves handed over (reporting each), then release
+        the manager. If some are still uploading, the manager is left running: its
+        threads cannot be interrupted, so the caller should end the process (the CLI
+        does, with ``os._exit``, so that nothing can commit after it reported)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for handle, _, _ in self._pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            with contextlib.suppress(cf.TimeoutError):
+                handle.exception(remaining)
+        self._reap()
+        if self._pending:
+            return
+        # Each failed save was reported by _reap, not raised here.
         with contextlib.suppress(CloudCkptError):
             if self._owns_manager:
-                self.manager.close(timeout)
+                self.manager.close()
             else:
-                self.manager.wait(timeout)
-        self._reap(wait=True)
+                self.manager.wait()
+
+
+def _leftover(c: Candidate, where: Path, reason: str) -> dict[str, Any]:
+    return {
+        "event": "not_uploaded",
+        "source": c.source,
+        "step": c.step,
+        "path": str(where),
+        "reason": reason,
+    }
 
 
 class _Changed(Exception):
@@ -482,7 +813,7 @@ class _Changed(Exception):
 
 def _link_snapshot(c: Candidate, sig: Signature, staging: Path) -> None:
     """Hard-link (else copy) exactly the files of ``sig`` into ``staging`` and check that
-    what was linked is what was judged finished; raise _Changed if not."""
+    what was linked is what was judged complete; raise _Changed if not."""
     for rel, size, mtime_ns in sig:
         src = c.path if c.is_file else c.path / rel
         dst = staging / rel

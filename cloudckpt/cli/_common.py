@@ -116,9 +116,10 @@ CLEANUP_GRACE = 20.0
 _CLEANUP_OVERRAN = "cloudckpt: cleanup after the interrupt did not finish"
 
 
-def _arm_exit_watchdog() -> None:
-    """After an interrupt, end the process within ``CLEANUP_GRACE`` seconds whatever the
-    cleanup is stuck on (a user's Ctrl-C must always work). Nothing half-done becomes
+def arm_exit_watchdog(seconds: float | None = None) -> None:
+    """After an interrupt, end the process within ``seconds`` (default ``CLEANUP_GRACE``)
+    whatever the cleanup is stuck on (a user's Ctrl-C must always work). `watch` arms it
+    with its final upload budget plus a margin. Nothing half-done becomes
     visible by exiting early: restores place files atomically and the next restore
     removes a leftover temporary directory; uploads are never committed. If it fires, it
     prints every thread's stack first, so the stuck place can be found and fixed."""
@@ -126,25 +127,27 @@ def _arm_exit_watchdog() -> None:
     import os
     import threading
 
+    grace = CLEANUP_GRACE if seconds is None else seconds
+
     def overran() -> None:
-        sys.stderr.write(f"{_CLEANUP_OVERRAN} within {CLEANUP_GRACE:.0f} s; exiting now\n")
+        sys.stderr.write(f"{_CLEANUP_OVERRAN} within {grace:.0f} s; exiting now\n")
         sys.stderr.flush()
         with contextlib.suppress(Exception):
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         os._exit(INTERRUPTED)
 
-    timer = threading.Timer(CLEANUP_GRACE, overran)
+    timer = threading.Timer(grace, overran)
     timer.daemon = True
     timer.start()
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
-    _arm_exit_watchdog()
+    arm_exit_watchdog()
     raise Interrupted()
 
 
 def _on_sigint(signum: int, frame: Any) -> None:
-    _arm_exit_watchdog()
+    arm_exit_watchdog()
     raise KeyboardInterrupt
 
 
@@ -206,6 +209,18 @@ json_option = click.option(
     expose_value=True,
     is_eager=True,
     help="Print one machine-readable JSON document on stdout (logs go to stderr).",
+)
+
+
+#: ``watch --json``: the same switch, for a stream of events rather than one document.
+json_lines_option = click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    callback=_set_json,
+    expose_value=True,
+    is_eager=True,
+    help="Print every event on stdout as one JSON object per line (logs go to stderr).",
 )
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -15,24 +17,32 @@ from cloudckpt.cli._common import (
     DURATION,
     ERROR,
     StoreArgs,
+    arm_exit_watchdog,
     chunking_option,
     human_bytes,
     info,
+    json_lines_option,
     json_mode,
-    json_option,
     store_options,
     two_stage_interrupts,
     warn,
 )
 from cloudckpt.cli._main import cli
+from cloudckpt.errors import ConfigurationError
+
+#: Seconds past the final upload budget after which the exit watchdog ends a watcher that
+#: is stuck (in a hung filesystem call, say); the budget itself is enforced by the watcher.
+WATCHDOG_MARGIN = 5.0
 
 
 def _describe(event: dict[str, Any]) -> str | None:
+    """One line of text for an event, or None (not worth a line; or the library's own
+    warning already says it)."""
     kind = event["event"]
     if kind == "queued":
         return (
             f"uploading {event['source']} as step {event['step']} "
-            f"({event['files']} files, {human_bytes(event['bytes'])})"
+            f"({event['files']} files, {human_bytes(event['bytes'])}; complete: {event['rule']})"
         )
     if kind == "committed":
         return (
@@ -40,46 +50,71 @@ def _describe(event: dict[str, Any]) -> str | None:
             f"({human_bytes(event['bytes'])}) in {event['commit_seconds']:.1f}s"
         )
     if kind == "skipped":
-        return (
-            None
-            if "already committed" in event["reason"]
-            else (f"not uploading {event['source']}: {event['reason']}")
-        )
+        if "already committed" in event["reason"]:
+            return None
+        return f"not uploading {event['source']}: {event['reason']}"
+    if kind == "ignored":
+        more = event["count"] - len(event["files"])
+        names = ", ".join(event["files"]) + (f" and {more} more" if more > 0 else "")
+        return f"not uploading the files in {event['source']} ({names}): {event['reason']}"
+    if kind == "waiting":
+        return f"{event['directory']} does not exist yet: waiting for the trainer to create it"
+    if kind == "appeared":
+        return f"{event['directory']} exists now: watching it"
     if kind == "failed":
         retry = "; will retry" if event["will_retry"] else "; giving up on it"
         return f"upload of {event['source']} failed: {event['error']}{retry}"
     if kind == "fenced":
         return f"stopping: {event['message']}"
-    if kind == "flushing" and event["pending"]:
-        return f"waiting for {event['pending']} upload(s) to commit"
-    return None
+    if kind == "flushing" and (event["pending"] or event["budget_seconds"] is not None):
+        budget = event["budget_seconds"]
+        within = "" if budget is None else f" (within {budget:.0f}s)"
+        return f"final upload: taking every complete checkpoint{within}"
+    return None  # started/stopped are printed by the command; incomplete/not_uploaded are warnings
 
 
 @cli.command("watch")
-@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @click.argument("url")
 @click.option(
     "--settle",
     type=DURATION,
+    default="2s",
+    show_default=True,
+    help="How long files must stay unchanged after a checkpoint looks complete, for layouts "
+    "whose last write is not final (several HF ranks, accelerate). Others are taken at once.",
+)
+@click.option(
+    "--quiet-period",
+    type=DURATION,
     default="30s",
     show_default=True,
-    help="How long a checkpoint's files must stay unchanged before it is uploaded.",
+    help="With --accept-quiet-dirs: how long a directory must stay unchanged. Also when an "
+    "incomplete checkpoint is reported as abandoned.",
 )
-@click.option("--poll", type=DURATION, default="5s", show_default=True, help="How often to look.")
+@click.option("--poll", type=DURATION, default="1s", show_default=True, help="How often to look.")
+@click.option(
+    "--final-upload-timeout",
+    type=DURATION,
+    default="20s",
+    show_default=True,
+    help="On SIGTERM/Ctrl-C: how long to keep uploading what is complete before exiting. "
+    "What does not fit stays on local disk, is listed, and the exit code is 1.",
+)
 @click.option(
     "--marker",
     multiple=True,
     default=(".complete",),
     show_default=True,
-    help="File name that marks any directory as a finished checkpoint (repeatable).",
+    help="File name that marks any directory as a complete checkpoint (repeatable).",
 )
 @click.option(
     "--accept-quiet-dirs",
     is_flag=True,
     help="Also upload any directory whose name ends with a step number once it is quiet "
-    "for --settle. Risky: a writer killed half-way leaves a quiet, partial directory.",
+    "for --quiet-period. Risky: a writer killed half-way leaves a quiet, partial directory.",
 )
-@click.option("--once", is_flag=True, help="Upload what is finished now, then exit.")
+@click.option("--once", is_flag=True, help="Upload what is complete now, then exit.")
 @click.option(
     "--staging-dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -90,12 +125,14 @@ def _describe(event: dict[str, Any]) -> str | None:
 @click.option("--keep-every", type=int, help="Also keep every K-th step (default: the run's).")
 @chunking_option
 @store_options
-@json_option
+@json_lines_option
 def watch_cmd(
     directory: Path,
     url: str,
     settle: float,
+    quiet_period: float,
     poll: float,
+    final_upload_timeout: float,
     marker: tuple[str, ...],
     accept_quiet_dirs: bool,
     once: bool,
@@ -106,17 +143,22 @@ def watch_cmd(
     store_args: StoreArgs,
     as_json: bool,
 ) -> None:
-    """Upload and commit each finished checkpoint a trainer writes into DIRECTORY.
+    """Upload and commit each complete checkpoint a trainer writes into DIRECTORY.
 
-    Recognises Hugging Face checkpoint-N directories (finished once trainer_state.json, which
-    Trainer writes last, is there), Lightning *.ckpt files (step=S in the name; a torch.save
-    zip must be complete), and directories holding a marker file. Only moves forward: a
-    checkpoint not newer than the committed step is never uploaded, so restarting the
-    watcher re-uploads nothing. SIGTERM or Ctrl-C: stop looking, finish and commit the
-    uploads in progress, exit 0. A second signal exits at once (nothing half-committed).
+    A checkpoint is taken as soon as its framework's last write shows it complete: Hugging
+    Face checkpoint-N/ once trainer_state.json (the Trainer's last file) is written;
+    Lightning *.ckpt files (step=S in the name) once the torch.save zip is complete;
+    accelerate checkpoints/checkpoint_N/ (step N: accelerate's save counter) once
+    random_states_0.pkl is written and the files settle, or checkpoint_N+1 begins;
+    directories holding a marker file. DIRECTORY may not exist yet: the watcher waits for
+    it. Only moves forward: a checkpoint not newer than the committed step is never
+    uploaded, so restarting the watcher re-uploads nothing.
 
-    The watcher claims the run on its first upload, fencing any other writer of the run.
-    With --json, every event is printed on stdout as one JSON line.
+    SIGTERM or Ctrl-C: keep uploading every complete checkpoint for up to
+    --final-upload-timeout, then exit: 0 if everything complete was committed, 1 if not
+    (each one left is listed with where its files are). A second signal exits at once
+    (nothing half-committed). The watcher claims the run on its first upload, fencing any
+    other writer of the run.
     """
     from cloudckpt.watch import Watcher
 
@@ -129,36 +171,57 @@ def watch_cmd(
             if text:
                 info(text)
 
-    options: dict[str, Any] = {"staging_dir": staging_dir, "chunking": chunking}
+    if once and not directory.is_dir():
+        raise ConfigurationError(
+            f"{directory} does not exist", hint="--once uploads what is there now; without "
+            "--once the watcher waits for the directory to appear"
+        )  # fmt: skip
+    own_staging = None
+    if staging_dir is None:  # ours, so that an abandoned upload can be cleaned up
+        own_staging = Path(tempfile.mkdtemp(prefix="cloudckpt-watch-"))
+    options: dict[str, Any] = {"staging_dir": staging_dir or own_staging, "chunking": chunking}
     if keep_last is not None:
         options["keep_last"] = keep_last
     if keep_every is not None:
         options["keep_every"] = keep_every
-    watcher = Watcher(
-        directory,
-        url,
-        settle=settle,
-        markers=marker,
-        accept_quiet_dirs=accept_quiet_dirs,
-        storage_options=store_args.storage_options(url),
-        on_event=on_event,
-        **options,
-    )
+    try:
+        watcher = Watcher(
+            directory,
+            url,
+            settle=settle,
+            quiet_period=quiet_period,
+            markers=marker,
+            accept_quiet_dirs=accept_quiet_dirs,
+            final_upload_timeout=final_upload_timeout,
+            storage_options=store_args.storage_options(url),
+            on_event=on_event,
+            **options,
+        )
+    except BaseException:
+        _remove(own_staging)
+        raise
 
     def finish_then_exit(sig: signal.Signals) -> None:
-        info(f"{sig.name}: finishing the uploads in progress, then exiting (again to abort)")
+        info(
+            f"{sig.name}: uploading what is complete (up to {final_upload_timeout:g}s), then "
+            "exiting (again to abort)"
+        )
         watcher.stop()
+        arm_exit_watchdog(final_upload_timeout + WATCHDOG_MARGIN)
 
     def exit_now(sig: signal.Signals) -> None:
+        left = watcher.outstanding()
         info(f"{sig.name} again: exiting now; uncommitted uploads are abandoned")
-        os._exit(128 + sig.value)
+        _report_left(left, on_event)
+        _exit(128 + sig.value, own_staging, left)
 
     with two_stage_interrupts(finish_then_exit, exit_now):
         if not json_mode():
             committed = watcher.committed_step
             info(
-                f"watching {directory} -> {watcher.manager.url} (settle {settle:g}s, poll "
-                f"{poll:g}s); committed step: {'none' if committed is None else committed}"
+                f"watching {directory} -> {watcher.manager.url} (poll {poll:g}s, settle "
+                f"{settle:g}s, final upload budget {final_upload_timeout:g}s); committed "
+                f"step: {'none' if committed is None else committed}"
             )
         else:
             on_event(
@@ -169,15 +232,23 @@ def watch_cmd(
                     "committed_step": watcher.committed_step,
                 }
             )
-        watcher.run(poll, once=once)
+        try:
+            watcher.run(poll, once=once)
+        except BaseException:  # an unexpected error: still leave no staging behind
+            if not watcher.in_flight:
+                _remove(own_staging)
+            raise
     if watcher.fenced is not None:
+        _remove(own_staging)
         raise watcher.fenced
     given_up = [f for f in watcher.failed if not f["will_retry"]]
+    left = watcher.not_uploaded
     on_event(
         {
             "event": "stopped",
             "committed": len(watcher.committed),
             "failed": len(given_up),
+            "not_uploaded": len(left),
             "committed_step": watcher.committed_step,
         }
     )
@@ -185,4 +256,41 @@ def watch_cmd(
         info(f"stopped: {len(watcher.committed)} checkpoint(s) committed this session")
     if given_up:
         warn(f"{len(given_up)} checkpoint(s) could not be uploaded: see the errors above")
+    if left:
+        warn(
+            f"{len(left)} checkpoint(s) not uploaded before exiting, still on local disk: "
+            + "; ".join(f"{item['source']} in {item['path']}" for item in left)
+        )
+    if watcher.in_flight:
+        # Uploads still running past the budget: end the process now, so none of them can
+        # commit after this report said it did not.
+        _exit(ERROR, own_staging, left)
+    _remove(own_staging)
+    if given_up or left:
         raise click.exceptions.Exit(ERROR)
+
+
+def _report_left(left: list[dict[str, Any]], on_event: Any) -> None:
+    for item in left:
+        if json_mode():
+            on_event(item)
+        else:
+            warn(f"not committed: {item['source']} (step {item['step']}); its files are in "
+                 f"{item['path']}")  # fmt: skip
+
+
+def _exit(code: int, own_staging: Path | None, left: list[dict[str, Any]]) -> None:
+    """End the process at once (upload threads cannot be stopped otherwise). Our staging
+    directory goes too, unless a copy listed as left behind lives only there."""
+    if own_staging is not None and not any(
+        Path(item["path"]).is_relative_to(own_staging) for item in left
+    ):
+        _remove(own_staging)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _remove(path: Path | None) -> None:
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
