@@ -141,6 +141,31 @@ def _reused_chunks_not_listed(setattr_: Callable[[Any, str, Any], None]) -> None
     setattr_(chunks, "check_uploaded", own_only)
 
 
+def _whole_file_digest_unchecked(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A whole file is accepted once every range arrived, without comparing its digest."""
+    from cloudckpt import transfer
+
+    setattr_(transfer._FileDownload, "finish", lambda self: transfer._fsync_path(self.target))
+
+
+def _chunked_file_digest_unchecked(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A chunked file is accepted once each chunk matches its name, whatever their order."""
+    import os
+
+    from cloudckpt import chunks
+
+    def fsync_only(self):
+        fd = os.open(self.target, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    setattr_(chunks._Target, "finish", fsync_only)
+
+
+_WRONG_ORDER = "tests/test_restore.py::test_valid_chunks_in_the_wrong_order_never_restore"
+
 MUTANTS = {
     m.name: m
     for m in [
@@ -208,6 +233,34 @@ MUTANTS = {
                 "in the simulation a chunk can go missing only through another broken rule; "
                 "the fast test deletes one by hand"
             ),
+        ),
+        Mutant(
+            "whole-file-digest-unchecked",
+            "a whole file is restored only if it matches its recorded digest",
+            _whole_file_digest_unchecked,
+            (
+                f"{_WRONG_ORDER}[whole files' digests swapped-memory]",
+                f"{_WRONG_ORDER}[whole files' digests swapped-s3]",
+                "tests/test_guards.py::test_a_damaged_whole_file_falls_back",
+            ),
+            range(0, 100),
+            "bytes that are not its checkpoint's",
+        ),
+        Mutant(
+            "chunked-file-digest-unchecked",
+            "a chunked file is restored only if its chunks make up its recorded digest",
+            _chunked_file_digest_unchecked,
+            tuple(
+                f"{_WRONG_ORDER}[{case}-{backend}]"
+                for case in (
+                    "chunks of two files swapped",
+                    "two chunks inside one leaf swapped",
+                    "two whole leaves swapped",
+                )
+                for backend in ("memory", "s3")
+            ),
+            range(0, 100),
+            "consistent forgery",
         ),
     ]
 }

@@ -823,6 +823,7 @@ class Simulation:
         self.crash_rng = random.Random(f"{seed}/crash")
         self.id_rng = random.Random(f"{seed}/ids")
         self.suspend_rng = random.Random(f"{seed}/suspend")
+        self.chunking_rng = random.Random(f"{seed}/chunking")
         self.result = SimResult(seed, steps)
         self.bucket = f"sim-{seed}-{os.getpid()}-{id(self):x}"
         self.clock = ManualClock(_T0)
@@ -1110,6 +1111,8 @@ class Simulation:
             gc_grace=p.grace,
             auto_gc=False,
             transfer=self.transfer_config(),
+            # Whole files too: a run may mix chunked and whole-file checkpoints.
+            chunking=self.chunking_rng.choice(("tensor", "tensor", "fixed", "off")),
             **kw,
         )
         mgr._synchronous = True
@@ -1391,6 +1394,7 @@ class Simulation:
                 c.fail(f"I9: a flip of bit {bit} of {key} went unnoticed")
             self.result.counters["bit_flips_detected"] += 1
         self._forge(rng, port, engine, current, manifest)
+        self._forge_with_latest(rng, port, engine, current, manifest)
         # LATEST deleted: readers fall back to the commit records, writers refuse.
         original, _ = raw.get(protocol.LATEST_KEY)
         raw.delete(protocol.LATEST_KEY)
@@ -1449,6 +1453,65 @@ class Simulation:
                     raw.put(k, saved[k])
                 else:
                     raw.delete(k)
+
+    def _forge_with_latest(
+        self,
+        rng: random.Random,
+        port: Store,
+        engine: TransferEngine,
+        current: CheckpointRecord,
+        manifest: protocol.Manifest,
+    ) -> None:
+        """A forgery consistent up to LATEST (I9): one file's content replaced by other
+        intact data (another chunk, or other bytes for a whole file), its size changed to
+        match, the manifest re-sealed and LATEST's record of it re-sealed too. Every chunk
+        and every seal verifies; only the file's recorded digest can tell. No restore may
+        return the forged bytes."""
+        c, raw = self.checker, self.memory
+        entry = rng.choice(manifest.files)
+        saved: dict[str, bytes | None] = {protocol.LATEST_KEY: raw.get(protocol.LATEST_KEY)[0]}
+        if entry.chunks is None:
+            key = current.ckpt + protocol.FILES_DIR + entry.path
+            other = raw.get(key)[0] + b"!"
+            saved[key] = raw.get(key)[0]
+            raw.put(key, other)
+            forged = protocol.FileEntry(entry.path, len(other), entry.digest)
+        else:
+            mine = {ch.sha256 for ch in entry.chunks}  # other bytes, not another copy
+            others = [
+                o for o in raw.list("ckpt/") if "/chunks/" in o.key and o.key[-64:] not in mine
+            ]
+            if not others:
+                return
+            pick = rng.choice(others)
+            owner, sha = pick.key.split(protocol.CHUNKS_DIR)
+            ref = protocol.ChunkRef(owner, sha, pick.size)
+            forged = protocol.FileEntry(entry.path, pick.size, entry.digest, (ref,))
+        files = tuple(forged if e is entry else e for e in manifest.files)
+        body = dataclasses.replace(manifest, files=files).to_bytes()
+        saved[current.manifest_key] = raw.get(current.manifest_key)[0]
+        raw.put(current.manifest_key, body)
+        latest = protocol.parse_latest(saved[protocol.LATEST_KEY])
+        record = dataclasses.replace(
+            current, manifest_sha256=hashlib.sha256(body).hexdigest(), manifest_size=len(body)
+        )
+        raw.put(protocol.LATEST_KEY, dataclasses.replace(latest, current=record).to_bytes())
+        self.result.counters["consistent_forgeries"] += 1
+        try:
+            into = self.new_dir("forgery")
+            try:
+                res = restore(port, into, engine, step=current.step)
+            except CorruptionError:
+                pass
+            else:
+                if res.commit_id == current.commit_id:
+                    c.fail(f"I9: a consistent forgery of {entry.path} (step {current.step}) "
+                           "was restored")  # fmt: skip
+                self.check_restore(res, 0, self.elapsed(), "restore of a forgery", damage=True)
+            self.result.counters["consistent_forgeries_detected"] += 1
+        finally:
+            for k, v in saved.items():
+                raw.put(k, v)
 
     def _detect(self, key: str, current: CheckpointRecord, port: Store, engine) -> bool:
         if key == protocol.LATEST_KEY or key.startswith(protocol.COMMITS_PREFIX):
