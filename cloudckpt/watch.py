@@ -39,7 +39,6 @@ every checkpoint already handed over to commit (a flush) before returning.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import json
@@ -193,6 +192,7 @@ class Watcher:
         self.committed: list[dict[str, Any]] = []
         self.failed: list[dict[str, Any]] = []
         self.fenced: FencedError | None = None
+        self._flushing = False  # close() has begun: no poll follows, so no retry either
 
         if isinstance(url, CheckpointManager):
             self.manager, self._owns_manager = url, False
@@ -371,6 +371,7 @@ class Watcher:
         except (OSError, CloudCkptError) as exc:  # staging disk full, unreadable file...
             self._failed(c, exc)
             return False
+        handle._reported = True  # _reap reports (and retries) it; the manager need not
         self._done.add(c.source)
         self._floor = c.step
         self._pending.append((handle, c))
@@ -423,7 +424,7 @@ class Watcher:
 
     def _failed(self, c: Candidate, exc: BaseException) -> None:
         tries = self._tries[c.source] = self._tries.get(c.source, 0) + 1
-        retry = tries < MAX_TRIES and not self._stop.is_set()
+        retry = tries < MAX_TRIES and not self._stop.is_set() and not self._flushing
         event = {
             "event": "failed",
             "source": c.source,
@@ -462,15 +463,29 @@ class Watcher:
         """Stop scanning; ``run()`` then flushes what was handed over and returns."""
         self._stop.set()
 
+    @property
+    def given_up(self) -> list[dict[str, Any]]:
+        """The last ``failed`` event of each checkpoint whose upload failed and that was
+        not committed afterwards (retries exhausted, or the watcher stopped before the
+        next try): after ``close()``, what did not reach the store."""
+        last = {event["source"]: event for event in self.failed}
+        return [e for source, e in last.items() if source not in self.committed_sources]
+
     def close(self, timeout: float | None = None) -> None:
-        """Wait for every handed-over checkpoint to commit (or fail), then release."""
+        """Wait for every handed-over checkpoint to commit (or fail), then release.
+        Failed uploads are reported as events (``failed``, ``given_up``), not raised.
+
+        Raises: TimeoutError; a failure of a save that others made through a manager
+        passed in (``manager.wait()``'s).
+        """
         self._emit({"event": "flushing", "pending": len(self._pending)})
-        # Each failed save is reported by _reap below, not raised here.
-        with contextlib.suppress(CloudCkptError):
-            if self._owns_manager:
-                self.manager.close(timeout)
-            else:
-                self.manager.wait(timeout)
+        self._flushing = True
+        # The watcher's own saves are reported by _reap below (they are marked reported
+        # when handed over), so the manager raises none of them.
+        if self._owns_manager:
+            self.manager.close(timeout)
+        else:
+            self.manager.wait(timeout)
         self._reap(wait=True)
 
 

@@ -172,7 +172,7 @@ def watch_cmd(
         watcher.run(poll, once=once)
     if watcher.fenced is not None:
         raise watcher.fenced
-    given_up = [f for f in watcher.failed if not f["will_retry"]]
+    given_up = watcher.given_up  # failed and not committed since (a retry may have)
     on_event(
         {
             "event": "stopped",
