@@ -461,6 +461,12 @@ class DistributedCheckpointManager(CheckpointManager):
         self._leftovers = []
         shutil.rmtree(self.staging.root / "dcp", ignore_errors=True)  # a crashed DCP writer's
 
+    def _raise_earlier_failure(self) -> None:
+        """Not here: a save that failed is done on each rank at a slightly different
+        moment, so the next ``save()`` would raise on some ranks and enter the collectives
+        on others, which would then time out. ``wait()`` and ``close()`` (every rank waits
+        for the same saves) and each handle report it."""
+
     def _abort_init(self, failure: BaseException | None) -> None:
         self._helper.shutdown(wait=False)
         if failure is None:
@@ -474,7 +480,9 @@ class DistributedCheckpointManager(CheckpointManager):
         ``rank-<rank>/`` (or as written, with ``per_rank_dirs=False``). The coordinator's
         ``metadata`` is recorded. ``handle.result()`` returns the same ``CommitInfo`` on
         every rank, or raises the same error (``RankFailedError``, ``FencedError``,
-        ``CollectiveError``...).
+        ``CollectiveError``...). Unlike ``CheckpointManager.save()``, it does not raise an
+        earlier save's failure (see ``_raise_earlier_failure``): ``wait()`` and ``close()``
+        do, on every rank.
         """
         if self._broken is not None:
             raise self._broken
@@ -634,6 +642,7 @@ class DistributedCheckpointManager(CheckpointManager):
         if handle._attempt is None:
             super()._abandon(handle, exc)
             return
+        handle._reported = not handle._background  # ``exc`` reaches the block's caller
         self._abandoned[handle] = CloudCkptError(
             f"its save() block raised {type(exc).__name__}: {exc}"
         )

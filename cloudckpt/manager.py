@@ -12,6 +12,24 @@ dropped save's handle raises ``SaveDroppedError``).
 
 ``close()`` waits for every pending save to commit or fail: a save that ``save()``
 accepted is never silently discarded. ``close(timeout=...)`` bounds the wait.
+
+Failures are never silent. A save that fails after ``save()`` returned (its upload or commit
+on the background thread, or a background writer such as ``save_state`` failing to write its
+files) is raised once, by whichever comes first:
+
+- the save's own ``handle.result()`` / ``handle.exception()`` (the caller then owns it);
+- the next ``save()`` / ``save_dir()`` (so a training loop learns at its next checkpoint,
+  not at the end of the run: that call raises the earlier save's exception and starts
+  nothing; the loop may catch it and save again);
+- ``wait()`` or ``close()``, which raise it after waiting (``close()`` after releasing
+  everything).
+
+An exception raised by your own ``with mgr.save(...)`` block has already reached you: it
+is not raised again. Nor is a save that ``backpressure="drop_oldest"`` dropped by design
+(its handle still raises ``SaveDroppedError``). ``DistributedCheckpointManager.save()``
+does not raise earlier failures (the ranks learn of them at slightly different moments,
+and a save refused on one rank only would misalign the collectives); its ``wait()`` and
+``close()`` do.
 """
 
 from __future__ import annotations
@@ -139,6 +157,8 @@ class SaveHandle:
 
     ``result(timeout)`` waits for the commit and returns ``CommitInfo``, or raises what the
     save raised (``FencedError``, ``StoreError``, ``StagingError``, ``SaveDroppedError``...).
+    Once ``result()`` or ``exception()`` has handed a failure to the caller, the manager's
+    ``save()``, ``wait()`` and ``close()`` do not raise it again (module docstring).
     """
 
     def __init__(self, manager: CheckpointManager, step: int, metadata: Mapping[str, Any]):
@@ -148,7 +168,12 @@ class SaveHandle:
         self._future: cf.Future[CommitInfo] = cf.Future()
         self._attempt: Attempt | None = None
         self.blocking_seconds = 0.0  # time spent in save()'s enter and exit, not the caller's
-        self.observed = False
+        # Whether a failure of this save has reached someone (result(), exception(), an
+        # exception out of the caller's own block, or a raise by save()/wait()/close()).
+        self._reported = False
+        # Set by a writer that runs the block on a thread of its own (save_state): an
+        # exception there reaches no caller, so the manager reports it instead.
+        self._background = False
         self.handed_over_at = 0.0
         # Set by save_state: the files as in-memory buffers, uploaded from memory while the
         # staged copy (crash recovery only) is written beside the upload (``_save``).
@@ -183,18 +208,58 @@ class SaveHandle:
         """Wait for the commit. Raises TimeoutError if it is not done within ``timeout``."""
         if not _wait_interruptibly([self._future], timeout):
             raise TimeoutError(f"the save of step {self.step} is not committed yet")
-        self.observed = True  # the caller has seen the outcome: wait()/close() won't re-raise it
+        self._reported = True  # the caller has the outcome: save()/wait()/close() won't raise it
         return self._future.result()
 
     def done(self) -> bool:
         return self._future.done()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        return self._future.exception(timeout)
+        """Wait for the outcome; the save's exception, or None if it committed. A failure
+        returned here is the caller's to handle: the manager does not raise it again."""
+        exc = self._future.exception(timeout)
+        if exc is not None:
+            self._reported = True
+        return exc
+
+    def _unreported_failure(self) -> BaseException | None:
+        """The save's failure if it is done, failed, and no one has been told yet; a save
+        dropped by ``backpressure="drop_oldest"`` is policy, not a failure."""
+        if self._reported or not self._future.done():
+            return None
+        exc = self._future.exception()
+        return None if isinstance(exc, SaveDroppedError) else exc
+
+    def _take_failure(self) -> BaseException | None:
+        """``_unreported_failure``, marked reported (at most one caller gets it)."""
+        with _REPORT_LOCK:
+            exc = self._unreported_failure()
+            if exc is not None:
+                self._reported = True
+            return exc
 
     def __repr__(self) -> str:
-        state = "pending" if not self.done() else ("failed" if self.exception() else "committed")
+        if not self.done():
+            state = "pending"
+        else:
+            state = "failed" if self._future.exception() else "committed"
         return f"<SaveHandle step={self.step} {state}>"
+
+
+_REPORT_LOCK = threading.Lock()  # one reporter per failure (SaveHandle._take_failure)
+
+
+def _abandoned_error(handle: SaveHandle, exc: BaseException) -> CloudCkptError:
+    """The error a save abandoned before its upload fails with (``exc`` is its cause)."""
+    where = "writing its files" if handle._background else "the block"
+    error = CloudCkptError(
+        f"the save of step {handle.step} was abandoned before its upload: {where} raised "
+        f"{type(exc).__name__}: {exc}",
+        hint="Nothing of this step was stored. Fix the cause (chained: a traceback prints "
+        "it first) and save again",
+    )
+    error.__cause__ = exc
+    return error
 
 
 def _wait_interruptibly(futures: list[cf.Future], timeout: float | None) -> bool:
@@ -394,10 +459,13 @@ class CheckpointManager:
             with mgr.save(step=100, metadata={"loss": 0.3}) as d:
                 (d / "model.safetensors").write_bytes(...)
 
-        Raises (on entering): ConfigurationError (bad step/metadata), FencedError (a newer
+        Raises (at once): the exception of an earlier save that failed in the background
+        and that no one has been told of yet (module docstring; this call then starts
+        nothing); ConfigurationError (bad step/metadata). On entering: FencedError (a newer
         writer owns the run), StagingError (staging disk).
         """
         self._check_open()
+        self._raise_earlier_failure()
         metadata = dict(metadata or {})
         protocol.ckpt_prefix(step, 0, "x-0")  # validates step early
         protocol.canonical_json(metadata)  # validates metadata early
@@ -414,7 +482,8 @@ class CheckpointManager:
         rank may legitimately contribute nothing to a distributed save, and refusing on
         one rank would leave the others waiting); ``cloudckpt push`` refuses one.
 
-        Raises: as ``save()``, plus ConfigurationError if ``src`` is not a directory.
+        Raises: as ``save()`` (including an earlier save's unreported failure), plus
+        ConfigurationError if ``src`` is not a directory.
         """
         started = time.perf_counter()
         if Path(src).is_dir() and not holds_files(src):
@@ -436,8 +505,9 @@ class CheckpointManager:
         Saves that other threads are still writing (inside ``save()``'s block, e.g. a
         background serializer) are waited for too, so ``close()`` never loses them.
 
-        Raises: the first error of a failed save whose result() the caller has not
-        already collected (others are logged); TimeoutError.
+        Raises: the exception of the earliest failed save that no one has been told of
+        (module docstring); a further such failure stays for the next ``wait()`` or
+        ``close()``. TimeoutError.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         me = threading.get_ident()
@@ -452,13 +522,34 @@ class CheckpointManager:
         if not _wait_interruptibly([h._future for h in handles], remaining):
             pending = sum(not h.done() for h in handles)
             raise TimeoutError(f"{pending} save(s) still pending after {timeout}s")
-        errors = [h for h in handles if h.exception() is not None and not h.observed]
+        failure = next((exc for h in handles if (exc := h._take_failure()) is not None), None)
+        waited = set(handles)
         with self._cv:
-            self._handles = [h for h in self._handles if h not in handles]
-        for h in errors[1:]:
-            log.error("save of step %d failed: %s", h.step, h.exception())
-        if errors:
-            raise errors[0].exception()
+            # Forget what was waited for, except failures not yet raised (the next call's).
+            self._handles = [
+                h for h in self._handles if h not in waited or h._unreported_failure() is not None
+            ]
+        if failure is not None:
+            raise failure
+
+    def _raise_earlier_failure(self) -> None:
+        """Raise the earliest save that failed in the background and that no one has been
+        told of (the next ``save()`` reports it); forget saves that are done and reported."""
+        with self._cv:
+            failure = next(
+                (exc for h in self._handles if (exc := h._take_failure()) is not None), None
+            )
+            self._handles = [
+                h for h in self._handles if not h.done() or h._unreported_failure() is not None
+            ]
+        if failure is not None:
+            raise failure
+
+    def _take_unreported(self) -> list[tuple[SaveHandle, BaseException]]:
+        with self._cv:
+            taken = [(h, exc) for h in self._handles if (exc := h._take_failure()) is not None]
+            self._handles = [h for h in self._handles if not h.done()]
+        return taken
 
     def latest(self) -> CheckpointInfo | None:
         """The current committed checkpoint (a fresh read of the store), or None."""
@@ -511,15 +602,26 @@ class CheckpointManager:
     def close(self, timeout: float | None = None) -> None:
         """Wait for pending saves (see ``wait``), then release threads, staging and store.
 
-        Raises: the first error of a failed save whose result() the caller has not
-        already collected (as ``wait``), after everything is released; TimeoutError.
+        Raises, after everything is released: the exception of the earliest failed save
+        that no one has been told of (module docstring; any further ones are logged, as
+        nothing can raise them later); TimeoutError.
         """
         if self._closed:
             return
         try:
             self.wait(timeout)
-        finally:
+        except BaseException:
             self._shutdown()
+            for h, exc in self._take_unreported():
+                log.error("the save of step %d also failed: %r", h.step, exc)
+            raise
+        self._shutdown()
+        # Saves started by other threads after wait() returned are done now too.
+        failures = self._take_unreported()
+        for h, exc in failures[1:]:
+            log.error("the save of step %d also failed: %r", h.step, exc)
+        if failures:
+            raise failures[0][1]
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -591,18 +693,20 @@ class CheckpointManager:
         )
 
     def _abandon(self, handle: SaveHandle, exc: BaseException) -> None:
+        """The save's block raised ``exc`` (or its hand-over failed): nothing of it is
+        stored. ``exc`` propagates to the caller of the block, who is thereby told; a
+        block run in the background (``save_state``) tells no one, so its failure is kept
+        for the next ``save()``, ``wait()`` or ``close()`` to raise."""
         if handle._attempt is not None:
             handle._attempt.remove()
+        handle._reported = not handle._background
+        handle._future.set_exception(_abandoned_error(handle, exc))
         with self._cv:
             self._reserved -= 1
             self._open.pop(handle, None)
+            if handle._background:
+                self._handles.append(handle)
             self._cv.notify_all()
-        handle._future.set_exception(
-            CloudCkptError(
-                f"the save of step {handle.step} was abandoned: the block raised "
-                f"{type(exc).__name__}"
-            )
-        )
 
     def _hand_over(self, handle: SaveHandle) -> None:
         try:

@@ -286,6 +286,7 @@ class Watcher:
         self.failed: list[dict[str, Any]] = []
         self.not_uploaded: list[dict[str, Any]] = []
         self.fenced: FencedError | None = None
+        self._flushing = False  # close() has begun: no poll follows, so no retry either
 
         if isinstance(url, CheckpointManager):
             self.manager, self._owns_manager = url, False
@@ -606,6 +607,7 @@ class Watcher:
         except (OSError, CloudCkptError) as exc:  # staging disk full, unreadable file...
             self._failed(c, exc)
             return False
+        handle._reported = True  # _reap reports (and retries) it; the manager need not
         self._done.add(c.source)
         self._floor = c.step
         self._pending.append((handle, c, staging))
@@ -662,7 +664,7 @@ class Watcher:
 
     def _failed(self, c: Candidate, exc: BaseException) -> None:
         tries = self._tries[c.source] = self._tries.get(c.source, 0) + 1
-        retry = tries < MAX_TRIES and not self._stop.is_set()
+        retry = tries < MAX_TRIES and not self._stop.is_set() and not self._flushing
         event = {
             "event": "failed",
             "source": c.source,
@@ -776,11 +778,25 @@ class Watcher:
             )
         return out
 
+    @property
+    def given_up(self) -> list[dict[str, Any]]:
+        """The last ``failed`` event of each checkpoint whose upload failed and that was
+        not committed afterwards (retries exhausted, or the watcher stopped before the
+        next try): after ``close()``, what did not reach the store."""
+        last = {event["source"]: event for event in self.failed}
+        return [e for source, e in last.items() if source not in self.committed_sources]
+
     def close(self, timeout: float | None = None) -> None:
         """Wait up to ``timeout`` for the saves handed over (reporting each), then release
         the manager. If some are still uploading, the manager is left running: its
         threads cannot be interrupted, so the caller should end the process (the CLI
-        does, with ``os._exit``, so that nothing can commit after it reported)."""
+        does, with ``os._exit``, so that nothing can commit after it reported).
+        Failed uploads are reported as events (``failed``; ``given_up``), not raised.
+
+        Raises: a failure of a save that others made through a manager passed in
+        (``manager.wait()``'s).
+        """
+        self._flushing = True  # no poll follows: a failure from here on is final
         deadline = None if timeout is None else time.monotonic() + timeout
         for handle, _, _ in self._pending:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -789,12 +805,12 @@ class Watcher:
         self._reap()
         if self._pending:
             return
-        # Each failed save was reported by _reap, not raised here.
-        with contextlib.suppress(CloudCkptError):
-            if self._owns_manager:
-                self.manager.close()
-            else:
-                self.manager.wait()
+        # The watcher's own saves were reported by _reap (they are marked reported when
+        # handed over), so the manager raises none of them.
+        if self._owns_manager:
+            self.manager.close()
+        else:
+            self.manager.wait()
 
 
 def _leftover(c: Candidate, where: Path, reason: str) -> dict[str, Any]:

@@ -74,9 +74,11 @@ def main() -> int:
                 break
             if step % SAVE_EVERY == SAVE_EVERY - 1:
                 # Blocks only for the copy into host buffers; uploads in the background.
+                # If the previous save failed, this raises its error: the run stops here
+                # rather than train on with nothing stored.
                 save_state(mgr, step, state_at(step), {"loss": loss.item()})
                 print(f"step {step}: loss {loss.item():.4f}, checkpoint handed over")
-    mgr.close()  # waits for every pending commit
+    mgr.close()  # waits for every pending commit; raises if a save failed (exit status 1)
     with CheckpointManager(URL) as reader:
         latest = reader.latest()
     print(f"newest committed checkpoint: step {latest.step if latest else None}", flush=True)

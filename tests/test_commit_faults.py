@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import datetime as dt
 import hashlib
 import threading
@@ -20,13 +21,20 @@ from cloudckpt import (
     failpoints,
     protocol,
 )
-from cloudckpt.errors import OutcomeUnknownError, PreconditionFailedError, SaveDroppedError
+from cloudckpt.errors import (
+    OutcomeUnknownError,
+    PermissionDeniedError,
+    PreconditionFailedError,
+    SaveDroppedError,
+)
 from cloudckpt.stores import open_store
 from cloudckpt.stores.memory import ManualClock
 from cloudckpt.testing.faults import (
+    Callback,
     Conflict,
     DeliverTwice,
     FailBefore,
+    Fault,
     FaultInjectingStore,
     Latency,
     LoseResponse,
@@ -431,6 +439,127 @@ def test_close_does_not_reraise_an_error_the_caller_already_handled(faulty, tmp_
     with pytest.raises(CommitConflictError):
         mgr.close()  # never collected: close() reports it
     assert unhandled.exception() is not None
+
+
+# -- failures are never silent: raised once, by the first waiting call (issue 21) --
+
+
+def _settled(handle) -> None:
+    """Wait for a save's outcome without collecting it: result() and exception() hand a
+    failure to the caller, and the manager then rightly does not raise it again."""
+    cf.wait([handle._future], timeout=30)
+    assert handle.done()
+
+
+class _GatedRefusal(Fault):
+    """Refuse the write (403), once ``gate`` opens: until then the save stays in flight."""
+
+    name = "gated_refusal"
+
+    def __init__(self, gate: threading.Event) -> None:
+        self.gate = gate
+
+    def run(self, call, op, key, store):
+        assert self.gate.wait(30)
+        raise PermissionDeniedError(f"injected refusal of {op} {key}", key=key)
+
+
+def _refuse_steps(faulty, gate, *steps):
+    """Refuse every write of the saves of ``steps`` (their first is ATTEMPT.json)."""
+    prefixes = tuple(f"ckpt/{step:012d}-" for step in steps)
+    return faulty.add(Rule(_GatedRefusal(gate), key=lambda k: k.startswith(prefixes), times=None))
+
+
+def test_a_background_failure_is_raised_once_by_the_next_save(faulty, manager_factory):
+    gate = threading.Event()
+    gate.set()
+    refused = _refuse_steps(faulty, gate, 1)
+    mgr = manager_factory(faulty)
+    failed = _save(mgr, 1)
+    _settled(failed)
+    with pytest.raises(PermissionDeniedError) as raised:
+        mgr.save(step=2)  # the loop learns at its next checkpoint, not at the end
+    assert raised.value is failed._future.exception()
+    assert _save(mgr, 2).result(timeout=30).step == 2  # told once: this save goes ahead
+    mgr.wait()
+    mgr.close()
+    assert refused.fired == 1
+
+
+def test_wait_raises_each_failure_once_and_a_later_commit_hides_none(faulty, manager_factory):
+    gate = threading.Event()
+    refused = _refuse_steps(faulty, gate, 1, 2)
+    mgr = manager_factory(faulty, max_pending=2)
+    first, second = _save(mgr, 1), _save(mgr, 2)  # held in flight: save() has nothing to tell
+    third = _save(mgr, 3)
+    gate.set()
+    for handle in (first, second, third):
+        _settled(handle)
+    assert mgr.latest().step == 3
+    with pytest.raises(PermissionDeniedError) as raised:
+        mgr.wait()
+    assert raised.value is first._future.exception()
+    with pytest.raises(PermissionDeniedError) as raised:
+        mgr.wait()  # the second failure was kept for the next waiting call, not logged away
+    assert raised.value is second._future.exception()
+    mgr.wait()
+    mgr.close()
+    assert refused.fired == 2
+
+
+def test_close_raises_the_first_failure_and_logs_the_others(faulty, tmp_path, caplog):
+    from cloudckpt import CheckpointManager
+
+    gate = threading.Event()
+    refused = _refuse_steps(faulty, gate, 1, 2)
+    mgr = CheckpointManager(faulty, staging_dir=tmp_path / "s", max_pending=2)
+    first, second = _save(mgr, 1), _save(mgr, 2)
+    gate.set()
+    with pytest.raises(PermissionDeniedError) as raised:
+        mgr.close()  # nothing can raise after close(): the second failure is logged
+    assert raised.value is first._future.exception()
+    assert second.done() and "the save of step 2 also failed" in caplog.text
+    assert refused.fired == 2
+
+
+def test_a_save_dropped_by_policy_is_not_a_failure_of_wait_or_close(faulty, manager_factory):
+    uploading, gate = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        uploading.set()
+        assert gate.wait(30)
+
+    held = faulty.add(Rule(Callback(before=hold), key="ckpt/000000000001-*", times=1))
+    mgr = manager_factory(faulty, max_pending=1, backpressure="drop_oldest")
+    first = _save(mgr, 1)
+    assert uploading.wait(30)  # in flight, held at its first write
+    second = _save(mgr, 2)  # queued
+    third = _save(mgr, 3)  # replaces step 2, as asked
+    gate.set()
+    mgr.wait()  # nothing failed: the drop is the policy the caller chose
+    mgr.close()
+    with pytest.raises(SaveDroppedError):
+        second.result()  # the dropped save's own handle still says so
+    assert [first.result().step, third.result().step] == [1, 3]
+    assert held.fired == 1
+
+
+def test_finish_pending_raises_an_older_failure_after_a_newer_commit(faulty, manager_factory):
+    """The HF callback's and Lightning IO's end of training: a newer commit used to
+    supersede an older failure, which was only logged, and the run exited 0."""
+    from cloudckpt.integrations._pending import finish_pending
+
+    gate = threading.Event()
+    refused = _refuse_steps(faulty, gate, 1)
+    mgr = manager_factory(faulty)
+    handles = [_save(mgr, 1), _save(mgr, 2)]
+    gate.set()
+    commits = []
+    with pytest.raises(PermissionDeniedError):
+        finish_pending(mgr, handles, None, commits.append)
+    assert [c.step for c in commits] == [2]  # every save was waited for,
+    assert mgr._closed  # and the manager closed, before raising
+    assert refused.fired == 1
 
 
 def test_a_failed_hand_over_releases_its_queue_slot(faulty, manager_factory, monkeypatch):

@@ -16,9 +16,12 @@ pytest.importorskip("safetensors")
 
 from safetensors import safe_open  # noqa: E402
 
-from cloudckpt import CloudCkptError, ConfigurationError  # noqa: E402
+from cloudckpt import CloudCkptError, ConfigurationError, MissingDependencyError  # noqa: E402
+from cloudckpt.errors import PermissionDeniedError  # noqa: E402
 from cloudckpt.integrations import torch as ct  # noqa: E402
 from cloudckpt.integrations.torch import StateSaver, load_state, save_state  # noqa: E402
+from cloudckpt.stores import open_store  # noqa: E402
+from cloudckpt.testing.faults import WRITE_OPS, FailBefore, FaultInjectingStore, Rule  # noqa: E402
 from cloudckpt.transfer import MemoryFile  # noqa: E402
 
 
@@ -317,3 +320,83 @@ def test_save_state_with_chunking_off_uploads_whole_files(s3_target, manager_fac
     assert len([k for k in keys if k.endswith("/files/tensors.safetensors")]) == 2
     state = load_state(mgr.restore(into=tmp_path / "r", step=2))
     assert torch.equal(state["base"], base) and int(state["step"]) == 2
+
+
+# -- a save that fails in the background is never silent (issue 21) --
+
+
+def _unwritable(monkeypatch) -> list[int]:
+    """Writing a state's files fails in the background, as every save_state did on a
+    torch install without numpy. Returns the list of failed writes."""
+    failed: list[int] = []
+
+    def fail(*args, **kwargs):
+        failed.append(1)
+        raise RuntimeError("Numpy is not available")
+
+    monkeypatch.setattr(ct, "_memory_files", fail)
+    return failed
+
+
+def test_a_state_that_cannot_be_written_is_raised_by_close(
+    memory_target, manager_factory, monkeypatch
+):
+    failed = _unwritable(monkeypatch)
+    mgr = manager_factory(memory_target)
+    handle = save_state(mgr, 1, {"x": torch.ones(4)})  # returns: the write is in the background
+    with pytest.raises(CloudCkptError, match="step 1 was abandoned") as raised:
+        mgr.close()
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    assert failed == [1] and handle.done()
+
+
+def test_a_state_that_cannot_be_written_fails_the_next_save_state_once(
+    memory_target, manager_factory, monkeypatch
+):
+    failed = _unwritable(monkeypatch)
+    mgr = manager_factory(memory_target)
+    save_state(mgr, 1, {"x": torch.ones(4)})
+    with pytest.raises(CloudCkptError, match="step 1 was abandoned"):
+        save_state(mgr, 2, {"x": torch.ones(4)})  # the loop learns at its next checkpoint
+    assert failed == [1]  # step 2 started nothing
+    monkeypatch.undo()
+    assert save_state(mgr, 3, {"x": torch.full((4,), 3.0)}).result(timeout=60).step == 3
+    mgr.wait()  # step 1 was reported once, by save_state
+    mgr.close()
+    assert [c.step for c in manager_factory(memory_target).list()] == [3]
+
+
+def test_a_private_saver_raises_its_last_failure_once(memory_target, manager_factory, monkeypatch):
+    failed = _unwritable(monkeypatch)
+    mgr = manager_factory(memory_target)
+    saver = StateSaver(mgr)
+    saver.save(1, {"x": torch.ones(4)})
+    with pytest.raises(CloudCkptError, match="step 1 was abandoned"):
+        saver.wait()
+    saver.close()
+    mgr.close()
+    assert failed == [1]
+
+
+def test_an_upload_the_store_refuses_fails_the_next_save_state(memory_target, manager_factory):
+    faulty = FaultInjectingStore(open_store(memory_target.url))
+    refused = faulty.add(
+        Rule(FailBefore(PermissionDeniedError), ops=WRITE_OPS, key="ckpt/*", times=1)
+    )
+    mgr = manager_factory(faulty)
+    first = save_state(mgr, 1, {"x": torch.ones(4)})
+    with pytest.raises(PermissionDeniedError) as raised:
+        save_state(mgr, 2, {"x": torch.ones(4)})  # it waits for step 1's upload: always told
+    assert raised.value is first._future.exception()
+    assert save_state(mgr, 3, {"x": torch.ones(4)}).result(timeout=60).step == 3
+    mgr.close()
+    assert refused.fired == 1
+
+
+def test_save_state_without_numpy_names_the_extra(memory_target, manager_factory, monkeypatch):
+    monkeypatch.setattr(ct, "_np_module", False)  # as if `import numpy` had failed
+    mgr = manager_factory(memory_target)
+    with pytest.raises(MissingDependencyError, match=r"cloudckpt\[torch\]"):
+        save_state(mgr, 1, {"x": torch.ones(4)})
+    mgr.close()
+    assert mgr.latest() is None

@@ -831,3 +831,37 @@ def test_a_checkpoint_losing_files_is_not_taken_from_that_listing(tmp_path, memo
         assert _flush(w) == [3]
     finally:
         w.close()
+
+
+def test_watch_once_exits_non_zero_when_an_upload_fails(tmp_path, memory_target, monkeypatch):
+    """--once has no later poll to retry in: a failed upload is final, and the exit status
+    says so (it used to be reported as "will retry" and the watcher exited 0)."""
+    from click.testing import CliRunner
+
+    from cloudckpt import manager
+    from cloudckpt.cli import cli
+    from cloudckpt.errors import PermissionDeniedError
+    from cloudckpt.testing.faults import WRITE_OPS, FailBefore, FaultInjectingStore, Rule
+
+    rules: list[Rule] = []
+    real_open = manager.open_store
+
+    def refusing(*args, **kwargs):
+        store = FaultInjectingStore(real_open(*args, **kwargs))
+        deny = Rule(FailBefore(PermissionDeniedError), ops=WRITE_OPS, key="ckpt/*", times=None)
+        rules.append(store.add(deny))
+        return store
+
+    monkeypatch.setattr(manager, "open_store", refusing)
+    out = tmp_path / "out"
+    (out / "checkpoint-7").mkdir(parents=True)
+    (out / "checkpoint-7" / "trainer_state.json").write_text('{"global_step": 7}')
+    argv = ["watch", str(out), memory_target.url, "--once", "--settle", "0.2", "--json",
+            "--staging-dir", str(tmp_path / "staging")]  # fmt: skip
+    result = CliRunner().invoke(cli, argv)
+    assert sum(r.fired for r in rules) > 0
+    assert result.exit_code == 1, result.output
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [e["source"] for e in events if e["event"] == "failed"] == ["checkpoint-7"]
+    assert events[-1]["event"] == "stopped" and events[-1]["failed"] == 1
+    assert "could not be uploaded" in result.stderr

@@ -241,7 +241,7 @@ def watch_cmd(
     if watcher.fenced is not None:
         _remove(own_staging)
         raise watcher.fenced
-    given_up = [f for f in watcher.failed if not f["will_retry"]]
+    given_up = watcher.given_up  # failed and not committed since (a retry may have)
     left = watcher.not_uploaded
     on_event(
         {

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
 
-from cloudckpt.errors import CloudCkptError
 from cloudckpt.manager import CheckpointManager, CommitInfo, SaveHandle
 
 log = logging.getLogger("cloudckpt")
@@ -24,25 +22,33 @@ def finish_pending(
     at the deadline: then the machine is going away, the staged files stay in staging_dir,
     and a restart on this host commits them.
 
-    Raises: the newest save's error (older failures were superseded and are logged).
+    Raises: the exception of the earliest save that failed (any later failures are
+    logged), else what ``mgr.close()`` raises (a failed save no handle here covered).
+    Every handle is waited for, and the manager closed, before anything is raised.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
-    newest_error: BaseException | None = None
+    failures: list[tuple[int | None, BaseException]] = []
     timed_out = False
-    for i, handle in enumerate(handles):
+    for handle in handles:
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            on_commit(handle.result(timeout=remaining))
-        except TimeoutError:
+            info = handle.result(timeout=remaining)
+        except TimeoutError as exc:
+            if handle.done():  # the save itself failed with a TimeoutError
+                failures.append((handle.step, exc))
+                continue
             log.error("step %d is still uploading at the deadline; not waiting", handle.step)
             timed_out = True
-        except CloudCkptError as exc:
-            if i == len(handles) - 1:
-                newest_error = exc
-            else:
-                log.error("upload of step %d failed (a newer one followed): %s", handle.step, exc)
+        except Exception as exc:
+            failures.append((handle.step, exc))
+        else:
+            on_commit(info)
     if not timed_out:
-        with contextlib.suppress(CloudCkptError):  # failures were handled above
+        try:
             mgr.close()
-    if newest_error is not None:
-        raise newest_error
+        except Exception as exc:
+            failures.append((None, exc))
+    for step, exc in failures[1:]:
+        log.error("the save of step %s also failed: %s", step, exc)
+    if failures:
+        raise failures[0][1]

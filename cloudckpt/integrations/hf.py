@@ -24,13 +24,18 @@ optimizer, scheduler, scaler, ``rng_state*.pth`` and ``trainer_state.json`` into
   it to the background uploader. The links pin the bytes, so a later
   ``save_total_limit`` rotation deleting ``checkpoint-N`` cannot race the upload. Only the
   coordinator claims and commits; the other ranks never touch the store.
-- ``on_step_end``: if a preemption notice arrived (``cloudckpt.preemption``; any rank's
+- ``on_step_end``: a save that failed (its upload or commit, after the store calls' own
+  retries) is raised here, which stops training at once: a run whose checkpoints do not
+  reach the store must not go on for days (a fenced writer stops the same way). Then, if
+  a preemption notice arrived (``cloudckpt.preemption``; any rank's
   notice counts, the flag is all-reduced), it sets ``control.should_save`` and
   ``control.should_training_stop``: the Trainer saves at this step boundary and stops.
   ``on_save`` then waits for that checkpoint's commit until the notice's deadline (or
   ``emergency_timeout``).
-- ``on_train_end``: waits for every pending upload; raises if the newest save failed (an
-  older failure superseded by a newer commit is only logged).
+- ``on_train_end``: waits for every pending upload; raises the earliest that failed (so
+  ``trainer.train()`` raises and the script exits non-zero), including an emergency
+  checkpoint that failed. Only a save still uploading at the preemption deadline is left
+  to the next start on this host, which commits it from ``staging_dir``.
 
 Resuming on a new host: ``resume(url, output_dir)`` (or ``callback.resume(output_dir)``)
 claims the run (fencing a zombie predecessor), restores the newest *committed* checkpoint
@@ -63,7 +68,6 @@ from cloudckpt.errors import (
     CheckpointNotFoundError,
     CloudCkptError,
     ConfigurationError,
-    FencedError,
 )
 from cloudckpt.integrations._pending import finish_pending
 from cloudckpt.manager import CheckpointManager, CommitInfo, SaveHandle
@@ -552,7 +556,8 @@ class CheckpointCallback(TrainerCallback):
         return self._mgr
 
     def _collect(self) -> None:
-        """Note finished saves; a fenced writer stops at once."""
+        """Note finished saves; a failed one (fenced, or any other failure) is raised, which
+        stops training."""
         pending = []
         for handle in self._handles:
             if not handle.done():
@@ -561,11 +566,17 @@ class CheckpointCallback(TrainerCallback):
             exc = handle.exception()
             if exc is None:
                 self.last_commit = handle.result()
-            elif isinstance(exc, FencedError):
-                self._handles = pending
-                raise exc
-            else:
-                log.error("upload of step %d failed: %s", handle.step, exc)
+                continue
+            self._handles = pending
+            committed = self.last_commit.step if self.last_commit is not None else None
+            log.error(
+                "the save of step %d failed; stopping training (newest committed "
+                "checkpoint: step %s): %s",
+                handle.step,
+                committed,
+                exc,
+            )
+            raise exc
         self._handles = pending
 
     def _wait_emergency(self, handle: SaveHandle) -> None:
@@ -592,7 +603,7 @@ class CheckpointCallback(TrainerCallback):
         )
 
     def _finish(self, timeout: float | None) -> None:
-        """Wait for pending saves; raise if the newest one failed; close the manager."""
+        """Wait for pending saves and close the manager; raise the earliest failure."""
         mgr, self._mgr = self._mgr, None
         handles, self._handles = self._handles, []
         finish_pending(mgr, handles, timeout, self._record_commit)

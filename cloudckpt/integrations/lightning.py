@@ -34,7 +34,13 @@ except ``load_checkpoint``, which every rank calls):
   committed if the machine died a second later. The store's retention (``keep_last``,
   ``keep_every``, pins) drops old checkpoints only inside a commit of a newer one, and
   garbage collection deletes them after a grace period.
-- ``teardown()``: waits for every pending commit; raises if the newest save failed.
+- ``teardown()``: waits for every pending commit; raises the earliest save that failed
+  (so ``trainer.fit()`` raises and the script exits non-zero).
+
+A save that failed (its upload or commit, after the store calls' own retries) is raised by
+the next ``save_checkpoint`` (so by ``trainer.save_checkpoint`` or ``ModelCheckpoint``),
+which stops training at once: a run whose checkpoints do not reach the store must not go on
+for days. An emergency checkpoint that fails on preemption is raised by ``teardown()``.
 
 Preemption: ``PreemptionCallback`` checks a ``PreemptionWatcher`` at every batch end and
 epoch end (any rank's notice counts); on a notice it saves ``preempted-epoch=E-step=S.ckpt``
@@ -72,7 +78,6 @@ from cloudckpt.errors import (
     CheckpointNotFoundError,
     CloudCkptError,
     ConfigurationError,
-    FencedError,
 )
 from cloudckpt.integrations._pending import finish_pending
 from cloudckpt.manager import CheckpointManager, CommitInfo, SaveHandle
@@ -214,7 +219,11 @@ class CloudCheckpointIO(CheckpointIO):
         storage_options: Any | None = None,
     ) -> None:
         """Serialise ``checkpoint`` to local staging, then upload and commit in the
-        background (see the module docstring)."""
+        background (see the module docstring).
+
+        Raises: the exception of an earlier save that failed (training stops), FencedError,
+        StagingError, ``torch.save``'s errors.
+        """
         if storage_options is not None:
             raise TypeError(
                 "Trainer.save_checkpoint(..., storage_options=...) is not supported by "
@@ -292,7 +301,7 @@ class CloudCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         """Wait for pending commits (until a preemption deadline, if one was set), then
-        release the manager. Raises the newest save's error if it failed."""
+        release the manager. Raises the earliest failed save's exception."""
         timeout, self._teardown_timeout = self._teardown_timeout, None
         try:
             self._finish(timeout)
@@ -351,7 +360,7 @@ class CloudCheckpointIO(CheckpointIO):
 
     def wait(self, timeout: float | None = None) -> CommitInfo | None:
         """Wait for the newest save to commit; return its ``CommitInfo`` (None if there
-        was no save). Raises TimeoutError or the save's error."""
+        was no save). Raises TimeoutError, the save's error, or an older save's."""
         if not self._handles:
             return self.last_commit
         info = self._handles[-1].result(timeout=timeout)
@@ -391,11 +400,17 @@ class CloudCheckpointIO(CheckpointIO):
             exc = handle.exception()
             if exc is None:
                 self.last_commit = handle.result()
-            elif isinstance(exc, FencedError):
-                self._handles = pending
-                raise exc
-            else:
-                log.error("upload of step %d failed: %s", handle.step, exc)
+                continue
+            self._handles = pending
+            committed = self.last_commit.step if self.last_commit is not None else None
+            log.error(
+                "the save of step %d failed; stopping training (newest committed "
+                "checkpoint: step %s): %s",
+                handle.step,
+                committed,
+                exc,
+            )
+            raise exc
         self._handles = pending
 
     def _finish(self, timeout: float | None) -> None:

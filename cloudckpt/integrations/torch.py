@@ -90,7 +90,12 @@ from typing import Any
 import torch
 
 from cloudckpt._version import __version__
-from cloudckpt.errors import CloudCkptError, ConfigurationError, CorruptionError
+from cloudckpt.errors import (
+    CloudCkptError,
+    ConfigurationError,
+    CorruptionError,
+    MissingDependencyError,
+)
 from cloudckpt.manager import CheckpointManager, SaveHandle
 from cloudckpt.restore import RestoreResult
 from cloudckpt.transfer import MemoryFile
@@ -366,7 +371,7 @@ def _numpy() -> Any:
             import numpy
 
             _np_module = numpy
-        except ImportError:  # pragma: no cover
+        except ImportError:  # only without the [torch] extra's numpy
             _np_module = False
     return _np_module or None
 
@@ -526,11 +531,18 @@ class StateSaver:
         self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloudckpt-state")
         self._copiers = cf.ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="cloudckpt-copy")
         self._previous: cf.Future[None] | None = None
+        self._last: SaveHandle | None = None
         self._lock = threading.Lock()  # one save_state at a time per saver
 
     def save(self, step: int, state: Any, metadata: Mapping[str, Any] | None = None) -> SaveHandle:
         """See ``save_state``."""
         started = time.perf_counter()
+        if _numpy() is None:  # checked here: the background writer would fail on every save
+            raise MissingDependencyError(
+                "save_state needs numpy (the host buffers are uploaded and written through "
+                "it), which is not installed",
+                extra="torch",
+            )
         with self._lock:
             flat = _Flattener()
             tree = flat.node(state, ())
@@ -546,12 +558,14 @@ class StateSaver:
                 buf = io.BytesIO()
                 torch.save(flat.objects, buf)
                 objects_blob = buf.getvalue()
-            handle = self.manager.save(step, metadata)  # validates step and metadata
-
-            # The previous save's write must be done before its buffers are reused.
+            # The previous save's write must be done before its buffers are reused. Its
+            # outcome is its handle's: if it failed and no one has been told, the
+            # manager's save() below raises it (and this save starts nothing).
             if self._previous is not None:
-                with contextlib.suppress(BaseException):  # its handle reports its errors
-                    self._previous.result()
+                self._previous.result()  # background() itself raises only on a bug
+            handle = self.manager.save(step, metadata)  # validates step and metadata
+            handle._background = True  # a failure in background() reaches no caller
+            self._last = handle
 
             entered = threading.Event()
             copied = threading.Event()
@@ -575,13 +589,19 @@ class StateSaver:
                         self._write(files_dir, tree, cell["buffers"], flat, objects_blob)
                     handle._memory_files = files
                 except BaseException as exc:
-                    if "copy_error" not in cell:
+                    if "copy_error" in cell:  # raised to the caller of save(): told
+                        handle._background = False
+                    else:
                         log.error("writing the state of step %d failed: %r", step, exc)
+                    # The save fails; the next save()/wait()/close() raises it.
                     handle.__exit__(type(exc), exc, exc.__traceback__)
                     return
                 caller_done.wait(60)
                 handle.blocking_seconds = cell.get("blocking", 0.0)
-                handle.__exit__(None, None, None)
+                try:
+                    handle.__exit__(None, None, None)
+                except Exception:  # the hand-over failed (staging disk): the handle has it
+                    return
                 if files is not None:
                     # The upload (and the staged copy) read the host buffers until the
                     # save is done: the next save_state waits for that before reusing them.
@@ -648,20 +668,32 @@ class StateSaver:
 
     def wait(self) -> None:
         """Wait until the last save is done with the host buffers: its files written, or
-        (when uploaded from the buffers, the usual case) its upload finished."""
-        if self._previous is not None:
-            with contextlib.suppress(BaseException):
-                self._previous.result()
+        (when uploaded from the buffers, the usual case) its upload finished.
+
+        Raises: the last save's exception if it failed and no one has been told of it yet
+        (as ``CheckpointManager.wait`` would; it is then not raised again).
+        """
+        if self._previous is None:
+            return
+        self._previous.result()  # background() itself raises only on a bug
+        failure = self._last._take_failure() if self._last is not None else None
+        if failure is not None:
+            raise failure
 
     def close(self) -> None:
-        """Wait for the last write, stop the writer thread and free the buffers."""
-        self.wait()
-        self._executor.shutdown(wait=True)
-        self._copiers.shutdown(wait=True)
-        self.pool.clear()
-        with contextlib.suppress(KeyError, TypeError):
-            if _savers.get(self.manager) is self:
-                del _savers[self.manager]
+        """Wait for the last write, stop the writer thread and free the buffers.
+
+        Raises: as ``wait()``, once everything is released.
+        """
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+            self._copiers.shutdown(wait=True)
+            self.pool.clear()
+            with contextlib.suppress(KeyError, TypeError):
+                if _savers.get(self.manager) is self:
+                    del _savers[self.manager]
 
 
 _savers: weakref.WeakKeyDictionary[CheckpointManager, StateSaver] = weakref.WeakKeyDictionary()
@@ -681,9 +713,13 @@ def save_state(
     commit; ``manager.wait()`` / ``manager.close()`` wait for every save, including one
     whose files are still being written.
 
-    Raises (at once): ConfigurationError (unsupported keys, a cycle, bad step or
-    metadata), FencedError, StagingError. Failures after the return are raised by
-    ``handle.result()`` (and logged).
+    Raises (at once): an earlier save's failure that no one has been told of (see
+    ``CheckpointManager``: a save whose files could not be written or uploaded in the
+    background is raised by the next ``save_state``, ``manager.save()``, ``wait()`` or
+    ``close()``, whichever comes first, and this call then saves nothing);
+    MissingDependencyError (numpy is not installed); ConfigurationError (unsupported
+    keys, a cycle, bad step or metadata), FencedError, StagingError. Failures after the
+    return are raised by ``handle.result()`` too.
     """
     with _savers_lock:
         saver = _savers.get(manager)
