@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from cloudckpt import failpoints, protocol
 from cloudckpt.cli import cli
-from cloudckpt.gc import collect_garbage
+from cloudckpt.gc import collect_garbage, execute_gc, plan_gc, preview_gc
 from cloudckpt.stores import OVERWRITE, open_store
 from cloudckpt.stores.memory import ManualClock
 from cloudckpt.testing.wrappers import ForwardingStore
@@ -175,6 +175,27 @@ def test_gc_interrupted_anywhere_converges_on_rerun(run, tmp_path, point):
     assert not list(store.list(orphan)) and store.list_multipart("") == []
     for step in (4, 3, 1):
         assert mgr.restore(into=tmp_path / f"r{step}", step=step).step == step
+
+
+def test_execute_drops_what_became_referenced_after_the_plan(run, tmp_path):
+    """The plan comes from one read of LATEST; a pin that brings the dropped step 2 back
+    before the plan is executed keeps it: execute deletes less than the plan, never more."""
+    store, clock, mgr, _latest, orphan = run
+    clock.advance(GRACE + 1)
+    plan = plan_gc(store)
+    assert [a.step for a in plan.checkpoints] == [2] and [a.prefix for a in plan.orphans] == [
+        orphan
+    ]
+    assert [s for s, _ in preview_gc(plan).deleted_checkpoints] == [2]
+    assert store.log == [], "planning or previewing wrote something"
+    mgr.pin(2, "back")
+
+    report = execute_gc(plan)
+    assert report.deleted_checkpoints == [] and report.deleted_orphans == [orphan]
+    assert report.latest_writes == ["gc-sweep"]  # nothing left to mark, so nothing to forget
+    after = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
+    assert after.tombstones == () and 2 in [r.step for r in after.retained()]
+    assert mgr.restore(into=tmp_path / "r2", step=2).step == 2
 
 
 # --- through the CLI ----------------------------------------------------------------------
