@@ -24,12 +24,20 @@ fall back to the commit records read-only. ``repair`` makes the run writable aga
 A LATEST that verifies is left alone ("healthy") unless ``force`` is given; with ``force``
 LATEST itself is a candidate base, so the result drops checkpoints whose manifests are gone
 and fences the current writer. Repair never deletes anything.
+
+Plan, then execute (as ``cloudckpt.gc``): ``plan_repair`` does steps 1-4 and writes nothing;
+its ``RepairPlan`` holds the LATEST it would write, the base it comes from, its seq and epoch,
+and how it would be written (``RepairReport.writes``: create-only, or compare-and-swap
+against the version of the damaged LATEST it read). A dry run stops there.
+``execute_repair`` does step 5. It needs to judge nothing again: the conditional write IS
+the check that LATEST is still what the plan read, and it refuses to write otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import json
 import logging
 import re
@@ -63,7 +71,7 @@ class RepairReport:
 
     ``action``: ``healthy`` (LATEST verifies; nothing written), ``empty`` (nothing under
     the run; nothing written), ``rebuilt`` (LATEST rewritten), or ``would-rebuild``
-    (``dry_run``).
+    (``dry_run``, or a plan not yet executed).
     """
 
     url: str
@@ -82,6 +90,9 @@ class RepairReport:
     commit_records: int = 0
     attempts: int = 0
     unreferenced_manifests: list[str] = dataclasses.field(default_factory=list)
+    # The writes the plan calls for, in order: {"key", "mode"} ("create-only" or
+    # "compare-and-swap") and, for a compare-and-swap, the "version" it must replace.
+    writes: list[dict[str, str]] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -107,6 +118,32 @@ def _loose_numbers(data: bytes) -> tuple[int, int]:
     return max(epochs, default=0), max(seqs, default=0)
 
 
+@dataclasses.dataclass
+class RepairPlan:
+    """What ``repair`` would do: ``report`` says what was found and decided; ``rebuilt`` is
+    the LATEST to write (None: nothing to write, the action is ``healthy`` or ``empty``),
+    create-only when ``latest_version`` is None, else compare-and-swap against it."""
+
+    store: Store
+    report: RepairReport
+    rebuilt: Latest | None = None
+    latest_version: str | None = None
+
+
+@dataclasses.dataclass
+class _Seen:
+    """Everything the inventory found: the candidate bases, the attempt prefixes, and the
+    highest writer epoch and seq seen anywhere (damaged bytes included)."""
+
+    candidates: list[tuple[str, Latest]] = dataclasses.field(default_factory=list)
+    attempts: dict[str, bool] = dataclasses.field(default_factory=dict)  # -> has a manifest
+    epoch: int = 0
+    seq: int = 0
+
+    def note(self, epoch: int = 0, seq: int = 0) -> None:
+        self.epoch, self.seq = max(self.epoch, epoch), max(self.seq, seq)
+
+
 def _check_record(store: Store, record: CheckpointRecord) -> str | None:
     """None if ``record``'s manifest is present and matches; else why not."""
     try:
@@ -116,57 +153,28 @@ def _check_record(store: Store, record: CheckpointRecord) -> str | None:
     return None
 
 
-def repair(
-    store: Store,
-    *,
-    force: bool = False,
-    dry_run: bool = False,
-    writer_id: str | None = None,
-    clock: Any = None,
-) -> RepairReport:
-    """Rebuild LATEST from the newest commit record that verifies (see the module doc).
-
-    Raises:
-        CorruptionError: LATEST needs repair but no commit record verifies (the message
-            says what was found).
-        CommitConflictError: LATEST changed while repairing (another writer or repair).
-        StoreError: the store failed; re-running repair is safe.
-    """
-    now = (clock or (lambda: dt.datetime.now(dt.timezone.utc)))()
-    report = RepairReport(url=store.url, action="", latest_state="ok")
-
-    # 1. LATEST as it is.
-    latest_bytes: bytes | None = None
-    latest_version: str | None = None
-    current: Latest | None = None
+def _read_latest_as_is(
+    store: Store, report: RepairReport
+) -> tuple[bytes | None, str | None, Latest | None]:
+    """Step 1: LATEST's bytes, version and parsed body, as far as each exists; the report
+    says whether it is ok, missing or damaged."""
     try:
-        latest_bytes, info = call_with_retries(
-            lambda: store.get(protocol.LATEST_KEY), what="read LATEST"
-        )
-        latest_version = info.version
+        data, info = call_with_retries(lambda: store.get(protocol.LATEST_KEY), what="read LATEST")
     except ObjectNotFoundError:
         report.latest_state = "missing"
         report.latest_problem = "LATEST does not exist"
-    if latest_bytes is not None:
-        try:
-            current = protocol.parse_latest(latest_bytes)
-        except CorruptRecordError as exc:
-            report.latest_state = "damaged"
-            report.latest_problem = exc.message
-    if current is not None and not force:
-        report.action = "healthy"
-        report.seq, report.epoch = current.seq, current.writer.epoch
-        report.current_step = current.current.step if current.current else None
-        report.retained_steps = [r.step for r in current.retained()]
-        return report
+        return None, None, None
+    try:
+        return data, info.version, protocol.parse_latest(data)
+    except CorruptRecordError as exc:
+        report.latest_state = "damaged"
+        report.latest_problem = exc.message
+        return data, info.version, None
 
-    # 2. Inventory: epochs and seqs seen anywhere, and the candidate bases.
-    max_epoch, max_seq = 0, 0
-    if latest_bytes is not None:
-        max_epoch, max_seq = _loose_numbers(latest_bytes)
-    candidates: list[tuple[str, Latest]] = []
-    if current is not None:
-        candidates.append((protocol.LATEST_KEY, current))
+
+def _scan_records(store: Store, seen: _Seen, report: RepairReport) -> None:
+    """Step 2a: every commit record is a candidate base if it parses; every number in it,
+    and in its key, counts as seen."""
     record_keys = sorted(
         (o.key for o in store.list(protocol.COMMITS_PREFIX)), reverse=True
     )  # zero-padded: lexical order is seq order
@@ -174,18 +182,21 @@ def repair(
     for key in record_keys:
         name = key[len(protocol.COMMITS_PREFIX) :].removesuffix(".json")
         if name.isdigit():
-            max_seq = max(max_seq, int(name))
+            seen.note(seq=int(name))
         try:
-            data, _ = call_with_retries(lambda k=key: store.get(k), what=f"read {key}")
+            data, _ = call_with_retries(functools.partial(store.get, key), what=f"read {key}")
         except ObjectNotFoundError:
             continue  # GC removed an old record meanwhile
-        e, s = _loose_numbers(data)
-        max_epoch, max_seq = max(max_epoch, e), max(max_seq, s)
+        seen.note(*_loose_numbers(data))
         try:
-            candidates.append((key, protocol.parse_latest(data, what=key)))
+            seen.candidates.append((key, protocol.parse_latest(data, what=key)))
         except CorruptRecordError as exc:
             report.passed_over.append({"record": key, "reason": exc.message})
-    attempts: dict[str, bool] = {}  # attempt prefix -> has a manifest
+
+
+def _scan_attempts(store: Store, seen: _Seen) -> None:
+    """Step 2b: every attempt prefix under ckpt/ (its ``-e<N>-`` epoch counts as seen),
+    and whether it holds a manifest."""
     for obj in store.list(protocol.CKPT_PREFIX):
         parts = obj.key.split("/", 2)
         if len(parts) < 3:
@@ -194,23 +205,18 @@ def repair(
         parsed = protocol.parse_ckpt_prefix(prefix)
         if parsed is None:
             continue
-        max_epoch = max(max_epoch, parsed[1])
-        has = attempts.get(prefix, False) or parts[2] == protocol.MANIFEST_NAME
-        attempts[prefix] = has
-    report.attempts = len(attempts)
-    for _, cand in candidates:
-        max_epoch = max(max_epoch, cand.writer.epoch)
-        max_seq = max(max_seq, cand.seq)
-    report.highest_epoch_seen, report.highest_seq_seen = max_epoch, max_seq
+        seen.note(epoch=parsed[1])
+        has = seen.attempts.get(prefix, False) or parts[2] == protocol.MANIFEST_NAME
+        seen.attempts[prefix] = has
 
-    if latest_bytes is None and not candidates and not attempts:
-        report.action = "empty"  # a new run: the first writer creates LATEST
-        return report
 
-    # 3. The base: the highest candidate whose current checkpoint verifies.
-    candidates.sort(key=lambda c: c[1].seq, reverse=True)
-    base_key, base = None, None
-    for key, cand in candidates:
+def _choose_base(store: Store, seen: _Seen, report: RepairReport) -> tuple[str, Latest]:
+    """Step 3: the highest-seq candidate whose current checkpoint verifies.
+
+    Raises:
+        CorruptionError: none does (nothing was changed).
+    """
+    for key, cand in sorted(seen.candidates, key=lambda c: c[1].seq, reverse=True):
         if cand.current is not None:
             why = _check_record(store, cand.current)
             if why is not None:
@@ -218,23 +224,27 @@ def repair(
                     {"record": key, "reason": f"its current step {cand.current.step}: {why}"}
                 )
                 continue
-        base_key, base = key, cand
-        break
-    if base is None:
-        raise CorruptionError(
-            f"cannot repair {store.url}: LATEST is {report.latest_state} and none of the "
-            f"{len(record_keys)} commit record(s) verifies ("
-            + (
-                "; ".join(f"{p['record']}: {p['reason']}" for p in report.passed_over[:5])
-                or "there are none"
-            )
-            + f"); ckpt/ holds {len(attempts)} attempt(s), "
-            f"{sum(attempts.values())} with a manifest",
-            hint="Nothing was changed. Attempts with a manifest hold complete files: copy "
-            "one out with your store's tools and `cloudckpt push` it into a new run",
+        return key, cand
+    raise CorruptionError(
+        f"cannot repair {store.url}: LATEST is {report.latest_state} and none of the "
+        f"{report.commit_records} commit record(s) verifies ("
+        + (
+            "; ".join(f"{p['record']}: {p['reason']}" for p in report.passed_over[:5])
+            or "there are none"
         )
+        + f"); ckpt/ holds {len(seen.attempts)} attempt(s), "
+        f"{sum(seen.attempts.values())} with a manifest",
+        hint="Nothing was changed. Attempts with a manifest hold complete files: copy "
+        "one out with your store's tools and `cloudckpt push` it into a new run",
+    )
 
-    # 4. Drop retained checkpoints whose manifests are missing or damaged.
+
+def _rebuild(
+    store: Store, base: Latest, seen: _Seen, writer: protocol.Writer, report: RepairReport
+) -> Latest:
+    """Step 4: ``base`` without the retained checkpoints whose manifests are missing or
+    damaged (they become ``deleting`` tombstones, their pins go), with a seq and writer
+    epoch above every one seen."""
     keep: list[CheckpointRecord] = []
     dropped: list[CheckpointRecord] = []
     for record in base.history:
@@ -247,14 +257,8 @@ def repair(
                 {"step": record.step, "commit_id": record.commit_id, "reason": why}
             )
     dropped_ids = {r.commit_id for r in dropped}
-    new_seq = max_seq + 1
-    new_epoch = max_epoch + 1
-    writer = protocol.Writer(
-        epoch=new_epoch,
-        id=writer_id or f"repair:{protocol.new_writer_id()}",
-        claimed_at=protocol.iso(now),
-    )
-    rebuilt = dataclasses.replace(
+    new_seq = seen.seq + 1
+    return dataclasses.replace(
         base,
         seq=new_seq,
         parent_seq=new_seq - 1,
@@ -264,24 +268,93 @@ def repair(
         tombstones=base.tombstones
         + tuple(Tombstone(r, new_seq, state="deleting") for r in dropped),
         op="repair",
-        updated_at=protocol.iso(now),
+        updated_at=writer.claimed_at,
         nonce=secrets.token_hex(8),
     )
+
+
+def _describe(report: RepairReport, latest: Latest) -> None:
+    report.seq, report.epoch = latest.seq, latest.writer.epoch
+    report.current_step = latest.current.step if latest.current else None
+    report.retained_steps = [r.step for r in latest.retained()]
+
+
+def _writes(rebuilt: Latest, latest_version: str | None) -> list[dict[str, str]]:
+    """Step 5 as the plan states it: LATEST conditionally, then its commit record."""
+    if latest_version is None:
+        first = {"key": protocol.LATEST_KEY, "mode": "create-only"}
+    else:
+        first = {"key": protocol.LATEST_KEY, "mode": "compare-and-swap", "version": latest_version}
+    return [first, {"key": protocol.commit_record_key(rebuilt.seq), "mode": "create-only"}]
+
+
+def plan_repair(
+    store: Store,
+    *,
+    force: bool = False,
+    writer_id: str | None = None,
+    clock: Any = None,
+) -> RepairPlan:
+    """Steps 1-4 of the module doc: what LATEST would be rebuilt from, with which seq and
+    epoch, and how it would be written. Reads only.
+
+    Raises:
+        CorruptionError: LATEST needs repair but no commit record verifies (the message
+            says what was found).
+        StoreError: the store failed; re-running repair is safe.
+    """
+    now = (clock or (lambda: dt.datetime.now(dt.timezone.utc)))()
+    report = RepairReport(url=store.url, action="", latest_state="ok")
+    latest_bytes, latest_version, current = _read_latest_as_is(store, report)
+    if current is not None and not force:
+        report.action = "healthy"
+        _describe(report, current)
+        return RepairPlan(store, report)
+    seen = _Seen()
+    if latest_bytes is not None:
+        seen.note(*_loose_numbers(latest_bytes))
+    if current is not None:
+        seen.candidates.append((protocol.LATEST_KEY, current))
+    _scan_records(store, seen, report)
+    _scan_attempts(store, seen)
+    for _, cand in seen.candidates:
+        seen.note(cand.writer.epoch, cand.seq)
+    report.attempts = len(seen.attempts)
+    report.highest_epoch_seen, report.highest_seq_seen = seen.epoch, seen.seq
+    if latest_bytes is None and not seen.candidates and not seen.attempts:
+        report.action = "empty"  # a new run: the first writer creates LATEST
+        return RepairPlan(store, report)
+    report.base, base = _choose_base(store, seen, report)
+    writer = protocol.Writer(
+        epoch=seen.epoch + 1,
+        id=writer_id or f"repair:{protocol.new_writer_id()}",
+        claimed_at=protocol.iso(now),
+    )
+    rebuilt = _rebuild(store, base, seen, writer, report)
     referenced = rebuilt.referenced_prefixes()
     report.unreferenced_manifests = sorted(
-        p for p, has in attempts.items() if has and p not in referenced
+        p for p, has in seen.attempts.items() if has and p not in referenced
     )
-    report.base = base_key
-    report.seq, report.epoch = new_seq, new_epoch
-    report.current_step = rebuilt.current.step if rebuilt.current else None
-    report.retained_steps = [r.step for r in rebuilt.retained()]
-    if dry_run:
-        report.action = "would-rebuild"
-        return report
+    _describe(report, rebuilt)
+    report.action = "would-rebuild"
+    report.writes = _writes(rebuilt, latest_version)
+    return RepairPlan(store, report, rebuilt, latest_version)
 
-    # 5. Write it conditionally, never over something we did not read.
+
+def execute_repair(plan: RepairPlan) -> RepairReport:
+    """Step 5: write the planned LATEST conditionally (never over something the plan did
+    not read), then its commit record. A plan with nothing to write returns its report.
+
+    Raises:
+        CommitConflictError: LATEST changed since the plan read it (another writer or
+            repair); nothing was overwritten.
+        StoreError: the store failed; re-running repair is safe.
+    """
+    store, rebuilt = plan.store, plan.rebuilt
+    if rebuilt is None:
+        return plan.report
     body = rebuilt.to_bytes()
-    mode = CREATE if latest_version is None else Update(latest_version)
+    mode = CREATE if plan.latest_version is None else Update(plan.latest_version)
     try:
         store.put(protocol.LATEST_KEY, body, mode=mode)
     except (PreconditionFailedError, StoreConflictError):
@@ -290,13 +363,33 @@ def repair(
             hint="Another writer or repair got there first. Run `cloudckpt repair URL` again: "
             "it reports 'healthy' if LATEST now verifies",
         ) from None
-    write_commit_record(store, body, new_seq)
-    report.action = "rebuilt"
+    write_commit_record(store, body, rebuilt.seq)
     log.info(
         "rebuilt LATEST of %s from %s: seq %d, writer epoch %d (fences every earlier writer)",
         store.url,
-        base_key,
-        new_seq,
-        new_epoch,
+        plan.report.base,
+        rebuilt.seq,
+        rebuilt.writer.epoch,
     )
-    return report
+    return dataclasses.replace(plan.report, action="rebuilt")
+
+
+def repair(
+    store: Store,
+    *,
+    force: bool = False,
+    dry_run: bool = False,
+    writer_id: str | None = None,
+    clock: Any = None,
+) -> RepairReport:
+    """Rebuild LATEST from the newest commit record that verifies (see the module doc):
+    ``plan_repair``, then, unless ``dry_run``, ``execute_repair``.
+
+    Raises:
+        CorruptionError: LATEST needs repair but no commit record verifies (the message
+            says what was found).
+        CommitConflictError: LATEST changed while repairing (another writer or repair).
+        StoreError: the store failed; re-running repair is safe.
+    """
+    plan = plan_repair(store, force=force, writer_id=writer_id, clock=clock)
+    return plan.report if dry_run else execute_repair(plan)

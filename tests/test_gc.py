@@ -5,13 +5,14 @@ before data, orphans and incomplete uploads go after grace, and dry runs delete 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from click.testing import CliRunner
 
 from cloudckpt import failpoints, protocol
 from cloudckpt.cli import cli
-from cloudckpt.gc import collect_garbage
+from cloudckpt.gc import collect_garbage, execute_gc, plan_gc, preview_gc
 from cloudckpt.stores import OVERWRITE, open_store
 from cloudckpt.stores.memory import ManualClock
 from cloudckpt.testing.wrappers import ForwardingStore
@@ -177,6 +178,27 @@ def test_gc_interrupted_anywhere_converges_on_rerun(run, tmp_path, point):
         assert mgr.restore(into=tmp_path / f"r{step}", step=step).step == step
 
 
+def test_execute_drops_what_became_referenced_after_the_plan(run, tmp_path):
+    """The plan comes from one read of LATEST; a pin that brings the dropped step 2 back
+    before the plan is executed keeps it: execute deletes less than the plan, never more."""
+    store, clock, mgr, _latest, orphan = run
+    clock.advance(GRACE + 1)
+    plan = plan_gc(store)
+    assert [a.step for a in plan.checkpoints] == [2] and [a.prefix for a in plan.orphans] == [
+        orphan
+    ]
+    assert [s for s, _ in preview_gc(plan).deleted_checkpoints] == [2]
+    assert store.log == [], "planning or previewing wrote something"
+    mgr.pin(2, "back")
+
+    report = execute_gc(plan)
+    assert report.deleted_checkpoints == [] and report.deleted_orphans == [orphan]
+    assert report.latest_writes == ["gc-sweep"]  # nothing left to mark, so nothing to forget
+    after = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
+    assert after.tombstones == () and 2 in [r.step for r in after.retained()]
+    assert mgr.restore(into=tmp_path / "r2", step=2).step == 2
+
+
 # --- through the CLI ----------------------------------------------------------------------
 
 
@@ -239,3 +261,93 @@ def test_gc_cli_refuses_a_run_without_latest(run):
     result = _cli("gc", store.url)
     assert result.exit_code == 6 and "cloudckpt repair" in result.stderr
     assert _snapshot(store) == before
+
+
+# --- the plan: what --dry-run prints, on a real S3 server (moto) ---------------------------
+
+
+def _s3_flags(target) -> list[str]:
+    so = target.storage_options
+    return ["--endpoint-url", so["endpoint_url"], "--region", "us-east-1",
+            "-o", f"key={so['key']}", "-o", f"secret={so['secret']}"]  # fmt: skip
+
+
+def _state(store) -> tuple[dict, list, bytes]:
+    """Everything a dry run must leave alone: every object (version and bytes), the
+    incomplete uploads, and LATEST's bytes."""
+    objects = {o.key: (o.version, o.size, store.get(o.key)[0]) for o in store.list()}
+    uploads = sorted((u.key, u.upload_id) for u in store.list_multipart(""))
+    return objects, uploads, store.get(protocol.LATEST_KEY)[0]
+
+
+def test_gc_dry_run_prints_the_plan_and_execution_follows_it(s3_target, manager_factory):
+    """Expired tombstones (one holding a chunk the current checkpoint still names), an old
+    orphan with an upload, an upload under a tombstone and one under the current checkpoint:
+    ``gc --dry-run`` prints exactly what the real run then deletes, and changes nothing."""
+    store = open_store(s3_target.url, s3_target.storage_options)
+    mgr = manager_factory(s3_target, keep_last=1, gc_grace=5, auto_gc=False)
+    shared = bytes(range(256)) * 64  # the same bytes in every step: one chunk, reused
+    for step in (1, 2, 3):
+        with mgr.save(step=step) as d:
+            (d / "shared").write_bytes(shared)
+            (d / "own").write_bytes(b"step %d " % step * 500)
+        mgr.wait()
+    latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
+    assert [t.record.step for t in latest.tombstones] == [1, 2]
+    step1, step2 = (t.record.ckpt for t in latest.tombstones)
+    orphan = _orphan(store, 9, manifest=True, upload=False)
+    uploads = [
+        store.create_multipart(step1 + "files/big").key,  # goes with its checkpoint
+        store.create_multipart(orphan + "files/big").key,  # goes with its orphan
+        store.create_multipart(latest.current.ckpt + "files/retry").key,  # old: goes alone
+    ]
+    # What the plan must count, computed from the listing: everything under the doomed
+    # prefixes except the chunks the current checkpoint's manifest names.
+    current = latest.current
+    named = {
+        c.key
+        for f in protocol.parse_manifest(store.get(current.manifest_key)[0], current).files
+        for c in f.chunks or ()
+    }
+    doomed = [o for o in store.list() if o.key.startswith((step1, step2, orphan))]
+    kept = [o.key for o in doomed if o.key in named]
+    assert kept and all(k.startswith(step1) for k in kept), "no shared chunk to protect"
+    doomed = [o for o in doomed if o.key not in named]
+    time.sleep(6.5)  # past the run's 5 s grace on the store's whole-second clock
+
+    before = _state(store)
+    url = [store.url, *_s3_flags(s3_target)]
+    text = _cli("gc", *url, "--dry-run")
+    dry = _cli("gc", *url, "--dry-run", "--json")
+    assert text.exit_code == 0 and dry.exit_code == 0, text.output + dry.output
+    assert _state(store) == before, "a dry run deleted or wrote something"
+
+    plan = json.loads(dry.stdout)
+    assert plan["dry_run"] is True
+    assert plan["deleted_checkpoints"] == [{"step": 1, "ckpt": step1}, {"step": 2, "ckpt": step2}]
+    assert plan["deleted_orphans"] == [orphan] and plan["kept_young"] == []
+    assert [u["key"] for u in plan["aborted_uploads"]] == uploads
+    assert plan["deleted_commit_records"] == []
+    assert plan["deleted_objects"] == len(doomed)
+    assert plan["freed_bytes"] == sum(o.size for o in doomed)
+    out = text.stdout
+    assert out.startswith(f"gc {store.url} (grace 5s, store clock) [dry run]\n")
+    assert f"plan from LATEST seq {latest.seq}," in out
+    assert f"would delete dropped checkpoint step 1: {step1} (dropped " in out
+    assert f"would delete dropped checkpoint step 2: {step2} (dropped " in out
+    assert f"would delete orphan attempt {orphan} (started " in out
+    assert all(f"would abort incomplete upload {k}\n" in out for k in uploads)
+    writes = [line.split(": ")[1] for line in out.splitlines() if "would write LATEST" in line]
+    assert writes == ["gc-mark", "gc-forget", "gc-sweep"]
+    assert f"would delete {len(doomed)} object(s)" in out and "nothing was deleted" in out
+
+    done = _cli("gc", *url, "--json")
+    assert done.exit_code == 0, done.output
+    report = json.loads(done.stdout)
+    assert {k: v for k, v in report.items() if k != "store_now"} == {
+        **{k: v for k, v in plan.items() if k != "store_now"},
+        "dry_run": False,
+    }
+    left = {o.key for o in store.list() if o.key.startswith((step1, step2, orphan))}
+    assert left == set(kept)
+    assert store.list_multipart("") == []

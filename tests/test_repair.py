@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
 
 import pytest
+from click.testing import CliRunner
 
 from cloudckpt import CorruptionError, FencedError, NeedsRepairError, protocol
+from cloudckpt.cli import cli
 from cloudckpt.errors import CommitConflictError
 from cloudckpt.repair import repair
 from cloudckpt.stores import OVERWRITE, open_store
@@ -219,3 +222,66 @@ def test_clock_and_writer_id_are_injectable(run):
     new = _latest(store)
     assert new.writer.id == "ops:me" and new.updated_at.startswith("2031-01-01")
     assert dataclasses.asdict(new.settings)["keep_last"] == 3
+
+
+# --- the plan: what --dry-run prints, on a real S3 server (moto) ---------------------------
+
+
+@pytest.mark.parametrize("damage", ["missing", "damaged"])
+def test_repair_dry_run_prints_the_plan_and_execution_follows_it(
+    s3_target, manager_factory, damage
+):
+    """``repair --dry-run`` prints what LATEST would be rebuilt from, its seq and epoch, and
+    each write with its conditional mode; it writes nothing, and the real run then does
+    exactly that."""
+    store = open_store(s3_target.url, s3_target.storage_options)
+    mgr = manager_factory(s3_target, auto_gc=False)
+    for step in (1, 2, 3):
+        _save(mgr, step, b"data %d" % step)
+    old = _latest(store)
+    if damage == "missing":
+        store.delete(protocol.LATEST_KEY)
+        first = {"key": protocol.LATEST_KEY, "mode": "create-only"}
+    else:
+        flip_bit(store, protocol.LATEST_KEY, seed=7)
+        version = store.head(protocol.LATEST_KEY).version
+        first = {"key": protocol.LATEST_KEY, "mode": "compare-and-swap", "version": version}
+    seq, epoch = old.seq + 1, old.writer.epoch + 1
+    record = protocol.commit_record_key(seq)
+
+    def state():
+        return {o.key: (o.version, store.get(o.key)[0]) for o in store.list()}
+
+    so = s3_target.storage_options
+    url = [store.url, "--endpoint-url", so["endpoint_url"], "--region", "us-east-1",
+           "-o", f"key={so['key']}", "-o", f"secret={so['secret']}"]  # fmt: skip
+    before = state()
+    text = CliRunner().invoke(cli, ["repair", *url, "--dry-run"])
+    dry = CliRunner().invoke(cli, ["repair", *url, "--dry-run", "--json"])
+    assert text.exit_code == 0 and dry.exit_code == 0, text.output + dry.output
+    assert state() == before, "a dry run wrote something"
+
+    plan = json.loads(dry.stdout)
+    assert plan["action"] == "would-rebuild" and plan["latest_state"] == damage
+    assert plan["base"] == protocol.commit_record_key(old.seq)
+    assert (plan["seq"], plan["epoch"]) == (seq, epoch)
+    assert plan["current_step"] == 3 and plan["retained_steps"] == [3, 2, 1]
+    assert plan["writes"] == [first, {"key": record, "mode": "create-only"}]
+    out = text.stdout
+    assert f"would rebuild LATEST from {plan['base']}: seq {seq}, writer epoch {epoch}" in out
+    if damage == "missing":
+        assert "would write LATEST create-only: stops if anything created it" in out
+    else:
+        assert (
+            f"would write LATEST by compare-and-swap against the damaged version read ({version})"
+            in out
+        )
+    assert f"would write {record} create-only" in out
+    assert out.rstrip().endswith("nothing was written (dry run)")
+
+    done = CliRunner().invoke(cli, ["repair", *url, "--json"])
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout) == {**plan, "action": "rebuilt"}
+    new = _latest(store)
+    assert (new.seq, new.writer.epoch, new.current.step) == (seq, epoch, 3)
+    assert store.get(record)[0] == store.get(protocol.LATEST_KEY)[0]

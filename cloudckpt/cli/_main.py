@@ -40,6 +40,7 @@ from cloudckpt.cli._common import (
 from cloudckpt.errors import CheckpointNotFoundError, ConfigurationError, CorruptionError
 
 if TYPE_CHECKING:
+    from cloudckpt.gc import GCReport
     from cloudckpt.manager import CommitInfo, SaveHandle
 
 _EPILOG = "Exit codes:\n\n\b\n" + "\n".join(
@@ -672,7 +673,11 @@ def unpin_cmd(url: str, step: int, store_args: StoreArgs, as_json: bool) -> None
 
 @cli.command("gc")
 @click.argument("url")
-@click.option("--dry-run", is_flag=True, help="Only report what would be deleted.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print the plan (what would be deleted); delete and write nothing.",
+)
 @click.option(
     "--grace",
     type=DURATION,
@@ -684,13 +689,26 @@ def unpin_cmd(url: str, step: int, store_args: StoreArgs, as_json: bool) -> None
 def gc_cmd(
     url: str, dry_run: bool, grace: float | None, store_args: StoreArgs, as_json: bool
 ) -> None:
-    """Delete checkpoint data nothing references, once older than the grace period."""
-    from cloudckpt.gc import collect_garbage
+    """Delete checkpoint data nothing references, once older than the grace period.
+
+    GC plans from one read of LATEST and one listing, then carries the plan out, checking
+    again after each LATEST write of its own (what became referenced stays). --dry-run
+    prints the plan and stops.
+    """
+    from cloudckpt.gc import execute_gc, plan_gc, preview_gc
 
     with _closing(store_args.open(url)) as store:
-        report = collect_garbage(store, grace_seconds=grace, dry_run=dry_run)
-    doc = {
-        "url": store.url,
+        plan = plan_gc(store, grace_seconds=grace)
+        report = preview_gc(plan) if dry_run else execute_gc(plan)
+    if as_json:
+        emit_json(_gc_doc(store.url, report))
+    else:
+        _print_gc(store.url, report, plan.ages())
+
+
+def _gc_doc(url: str, report: GCReport) -> dict[str, Any]:
+    return {
+        "url": url,
         "dry_run": report.dry_run,
         "grace_seconds": report.grace_seconds,
         "store_now": report.store_now.isoformat(),
@@ -702,33 +720,75 @@ def gc_cmd(
         "deleted_objects": report.deleted_objects,
         "freed_bytes": report.freed_bytes,
     }
-    if as_json:
-        emit_json(doc)
-        return
-    verb = "would delete" if dry_run else "deleted"
-    click.echo(
-        f"gc {store.url} (grace {report.grace_seconds}s, store clock){' [dry run]' * dry_run}"
-    )
+
+
+def _span(seconds: float) -> str:
+    """``3h05m``, ``12m30s``, ``42s``: a store-clock age, two units at most."""
+    s = int(seconds)
+    for unit, size, sub, sub_size in (("d", 86400, "h", 3600), ("h", 3600, "m", 60)):
+        if s >= size:
+            return f"{s // size}{unit}{(s % size) // sub_size:02d}{sub}"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+_GC_WRITES = {
+    "gc-mark": "gc-mark: the dropped checkpoints become 'deleting' before their objects go",
+    "gc-forget": "gc-forget: their tombstones leave LATEST once their objects are gone",
+    "gc-sweep": "gc-sweep: fences commits in flight before orphans go",
+}
+
+
+def _print_gc(url: str, report: GCReport, ages: dict[str, float]) -> None:
+    dry = report.dry_run
+    verb = "would delete" if dry else "deleted"
+    click.echo(f"gc {url} (grace {report.grace_seconds}s, store clock){' [dry run]' * dry}")
+    if report.latest_seq is not None:
+        click.echo(
+            f"  plan from LATEST seq {report.latest_seq}, store clock {report.store_now.isoformat()}"
+        )
     for s, c in report.deleted_checkpoints:
-        click.echo(f"  {verb} dropped checkpoint step {s}: {c}")
+        click.echo(f"  {verb} dropped checkpoint step {s}: {c} (dropped {_span(ages[c])} ago)")
     for p in report.deleted_orphans:
-        click.echo(f"  {verb} orphan attempt {p}")
+        click.echo(f"  {verb} orphan attempt {p} (started {_span(ages[p])} ago)")
     for k, _ in report.aborted_uploads:
-        click.echo(f"  {'would abort' if dry_run else 'aborted'} incomplete upload {k}")
+        click.echo(f"  {'would abort' if dry else 'aborted'} incomplete upload {k}")
     if report.deleted_commit_records:
         click.echo(f"  {verb} {len(report.deleted_commit_records)} old commit record(s)")
     if report.kept_young:
         click.echo(f"  kept {len(report.kept_young)} unreferenced attempt(s) younger than grace")
-    if not dry_run:
-        click.echo(f"{report.deleted_objects} object(s), {human_bytes(report.freed_bytes)} freed")
+    for op in report.latest_writes:
+        click.echo(f"  {'would write' if dry else 'wrote'} LATEST: {_GC_WRITES.get(op, op)}")
+    size = human_bytes(report.freed_bytes)
+    if dry:
+        click.echo(
+            f"would delete {report.deleted_objects} object(s), {size}; "
+            "nothing was deleted or written (dry run)"
+        )
+    else:
+        click.echo(f"{report.deleted_objects} object(s), {size} freed")
 
 
 # ---------------------------------------------------------------------------- repair
 
 
+def _describe_write(write: dict[str, str]) -> str:
+    if write["mode"] == "compare-and-swap":
+        return (
+            f"{write['key']} by compare-and-swap against the damaged version read "
+            f"({write['version']}): stops if it changed meanwhile"
+        )
+    if write["key"] == "LATEST":
+        return "LATEST create-only: stops if anything created it meanwhile"
+    return f"{write['key']} create-only"
+
+
 @cli.command("repair")
 @click.argument("url")
-@click.option("--dry-run", is_flag=True, help="Say what would be rebuilt; write nothing.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print the plan (what would be rebuilt and written); write nothing.",
+)
 @click.option(
     "--force",
     is_flag=True,
@@ -777,6 +837,10 @@ def repair_cmd(url: str, dry_run: bool, force: bool, store_args: StoreArgs, as_j
         f"{verb} LATEST from {report.base}: seq {report.seq}, writer epoch {report.epoch}, "
         f"current step {report.current_step}, retained {report.retained_steps}"
     )
+    for w in report.writes if dry_run else ():
+        click.echo(f"  would write {_describe_write(w)}")
+    if dry_run:
+        click.echo("nothing was written (dry run)")
     if report.unreferenced_manifests:
         warn(
             f"{len(report.unreferenced_manifests)} attempt(s) with a complete manifest are not "
