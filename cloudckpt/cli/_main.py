@@ -446,7 +446,7 @@ def push_cmd(
         )
     files = [p for p in src_dir.rglob("*") if p.is_file()]
     total = sum(p.stat().st_size for p in files)
-    settings = {}  # unset: the manager keeps the run's retention and grace
+    settings: dict[str, Any] = {}  # unset: the manager keeps the run's retention and grace
     if keep_last is not None:
         settings["keep_last"] = keep_last
     if keep_every is not None:

@@ -110,7 +110,7 @@ def finish_pending(
             mgr.close()
         except Exception as exc:
             failures.append((None, exc))
-    for step, exc in failures[1:]:
-        log.error("the save of step %s also failed: %s", step, exc)
+    for step, error in failures[1:]:
+        log.error("the save of step %s also failed: %s", step, error)
     if failures:
         raise failures[0][1]

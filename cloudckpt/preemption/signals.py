@@ -47,7 +47,7 @@ class SignalTrap:
         self._wake = wake
         self.seen: tuple[int, float] | None = None  # written by the handler
         self._counts: dict[int, int] = {}
-        self.previous: dict[int, Any] = {}  # the handlers we replaced
+        self.previous: dict[int, Any] = {}  # signal -> the handler we replaced
 
     def install(self) -> None:
         """Install the handlers; only from the main thread (Python's rule), else warn."""
@@ -64,6 +64,11 @@ class SignalTrap:
             self.previous[sig] = signal.getsignal(sig)
             signal.signal(sig, self.handle)
 
+    @property
+    def installed(self) -> tuple[signal.Signals, ...]:
+        """The signals whose handlers are ours now."""
+        return tuple(signal.Signals(s) for s in self.previous)
+
     def restore(self) -> None:
         """Put the previous handlers back (main thread only), unless ours was replaced."""
         if threading.current_thread() is not threading.main_thread():
@@ -72,7 +77,7 @@ class SignalTrap:
             if signal.getsignal(sig) == self.handle:
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
             else:
-                log.debug("%s handler was replaced after us; leaving it", sig.name)
+                log.debug("%s handler was replaced after us; leaving it", signal.Signals(sig).name)
         self.previous.clear()
 
     def handle(self, signum: int, frame: FrameType | None) -> None:

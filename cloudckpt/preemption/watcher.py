@@ -132,8 +132,7 @@ class PreemptionWatcher:
     @property
     def notice(self) -> PreemptionNotice | None:
         """The first notice, or None."""
-        if self._notice is None and self._trap.seen is not None:
-            self._record(self._trap.notice())
+        self._record_signal()
         return self._notice
 
     @property
@@ -197,7 +196,7 @@ class PreemptionWatcher:
         self._trap.install()
         self._thread = threading.Thread(target=self._run, name="cloudckpt-preemption", daemon=True)
         self._thread.start()
-        installed = ",".join(s.name for s in self._trap.previous)
+        installed = ",".join(s.name for s in self._trap.installed)
         names = ([f"signal:{installed}"] if installed else []) + [repr(s) for s in self.sources]
         log.info("watching for preemption: %s", ", ".join(names) or "nothing")
         return self
@@ -240,6 +239,12 @@ class PreemptionWatcher:
         if self._wfd is not None:
             with contextlib.suppress(OSError):  # full pipe: a wake-up is already pending
                 os.write(self._wfd, b"\0")
+
+    def _record_signal(self) -> None:
+        """Record the notice of a signal the trap caught, unless a notice is recorded."""
+        notice = self._trap.notice() if self._notice is None else None
+        if notice is not None:
+            self._record(notice)
 
     def _record(self, notice: PreemptionNotice) -> None:
         with self._lock:
@@ -287,8 +292,7 @@ class PreemptionWatcher:
     def _run(self) -> None:
         next_poll = time.monotonic()
         while not self._stopping:
-            if self._trap.seen is not None and self._notice is None:
-                self._record(self._trap.notice())
+            self._record_signal()
             if self._notice is None and self.sources and time.monotonic() >= next_poll:
                 self._poll_sources()
                 next_poll = time.monotonic() + self.interval
