@@ -83,7 +83,7 @@ from cloudckpt.committer import read_latest, refuse_foreign_data, run_has_data
 from cloudckpt.errors import CloudCkptError, ConfigurationError, FencedError, NeedsRepairError
 from cloudckpt.manager import CheckpointManager, SaveHandle
 from cloudckpt.protocol import CorruptRecordError, Latest
-from cloudckpt.stores import open_store
+from cloudckpt.stores import Store, open_store
 
 log = logging.getLogger("cloudckpt.watch")
 
@@ -207,8 +207,9 @@ class Watcher:
     Args:
         directory: the trainer's output directory. It may not exist yet: the watcher
             waits for it (event ``waiting``).
-        url: the run URL (or a ``CheckpointManager`` to use; the watcher then does not
-            close it).
+        url: the run URL; or a ``Store`` to save through (the watcher reads the run from
+            it and its manager saves through it; the caller closes it after the watcher);
+            or a ``CheckpointManager`` to use (the watcher then does not close it).
         settle: seconds a checkpoint's files must stay unchanged after it looks complete,
             for layouts whose last write is not final (several HF ranks, accelerate, a
             non-zip ``.ckpt``); the others are taken at once.
@@ -232,7 +233,7 @@ class Watcher:
     def __init__(
         self,
         directory: str | os.PathLike[str],
-        url: str | CheckpointManager,
+        url: str | Store | CheckpointManager,
         *,
         settle: float = 2.0,
         quiet_period: float = 30.0,
@@ -291,6 +292,11 @@ class Watcher:
         if isinstance(url, CheckpointManager):
             self.manager, self._owns_manager = url, False
             latest = self._read_run(self.manager.store)
+        elif isinstance(url, Store):
+            latest = self._read_run(url)
+            manager_options.setdefault("max_pending", max_pending)
+            self.manager = CheckpointManager(url, **manager_options)
+            self._owns_manager = True
         else:
             store = open_store(url, storage_options)
             try:

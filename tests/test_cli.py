@@ -276,6 +276,57 @@ def test_push_refuses_mistyped_urls_locations_that_are_not_runs_and_empty_dirs(
     assert fresh.exit_code == 2 and not (tmp_path / "new-run").exists()
 
 
+def test_every_command_parses_its_url_once(monkeypatch, tmp_path):
+    """The URL argument is split and checked once, when the command line is read; the
+    store is opened from that parsed URL (ls used to split it twice, watch three times)."""
+    import cloudckpt.stores
+
+    make_tree(tmp_path / "src", 3)
+    make_tree(tmp_path / "out" / "checkpoint-9", 9)
+    (tmp_path / "out" / "checkpoint-9" / ".complete").touch()
+    url = f"file://{tmp_path}/run"
+    ok_json(run("push", tmp_path / "src", url, "--step", 3, "--json"))
+    calls: list[str] = []
+    split_url = cloudckpt.stores.split_url
+
+    def counted(text: str) -> tuple[str, str, str]:
+        calls.append(text)
+        return split_url(text)
+
+    monkeypatch.setattr(cloudckpt.stores, "split_url", counted)
+    for argv in (
+        ["ls", url],
+        ["show", url],
+        ["restore", url, tmp_path / "dest"],
+        ["verify", url],
+        ["pin", url, 3],
+        ["unpin", url, 3],
+        ["gc", url, "--dry-run"],
+        ["repair", url, "--dry-run"],
+        ["push", tmp_path / "src", url, "--step", 4, "--force"],
+        ["watch", tmp_path / "out", url, "--once", "--settle", "0"],
+    ):
+        calls.clear()
+        result = run(*argv)
+        assert result.exit_code == 0, (argv, result.output)
+        assert calls == [url], argv
+    assert [c["step"] for c in ok_json(run("ls", url, "--json"))["checkpoints"]] == [9, 4, 3]
+
+
+def test_watch_opens_its_store_with_every_storage_flag(refused_url, tmp_path):
+    """watch opens its one store with every storage flag, --unsafe-single-writer included:
+    on http:// (no conditional writes) the flag gets it as far as the server (refused here:
+    exit 9). The flag used to be dropped on the way to the watcher, so the backend was
+    refused as unsafe (exit 2) whatever the flag said."""
+    (tmp_path / "out").mkdir()
+    refused = run("watch", tmp_path / "out", refused_url, "--once", "--unsafe-single-writer")
+    assert refused.exit_code == 9, refused.output
+    assert "could not reach the server" in refused.stderr
+    unsafe = run("watch", tmp_path / "out", refused_url, "--once")
+    assert unsafe.exit_code == 2 and "--unsafe-single-writer" in unsafe.stderr, unsafe.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_unreachable_server_exits_9_and_a_served_run_reads_over_http(refused_url, tmp_path):
     """ls/show/restore/verify through fsspec's HTTP backend: a refused connection is "the
     store is unreachable" (exit 9), never an empty run; a 404 is an empty run; a run served

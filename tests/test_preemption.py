@@ -323,7 +323,7 @@ def test_sigterm_sets_the_flag_chains_and_restores_the_handler():
         got: list[PreemptionNotice] = []
         watcher = PreemptionWatcher(["signal"], on_preempt=got.append, signal_grace=25)
         with watcher:
-            assert signal.getsignal(signal.SIGTERM) == watcher._on_signal
+            assert signal.getsignal(signal.SIGTERM) == watcher._trap.handle
             os.kill(os.getpid(), signal.SIGTERM)
             assert watcher.wait(5)
             assert watcher.preempted and watcher.reason == "received SIGTERM"

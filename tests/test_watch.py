@@ -334,11 +334,11 @@ def test_a_signal_uploads_the_complete_checkpoint_before_exiting(area, s3_target
 STUCK_WATCH = r"""
 import sys, threading
 from pathlib import Path
-import cloudckpt.manager
+import cloudckpt.stores
 from cloudckpt.testing.faults import Callback, FaultInjectingStore, Rule
 
 gate = Path(sys.argv.pop(1))
-real_open = cloudckpt.manager.open_store
+real_open = cloudckpt.stores.open_store
 
 def stuck_open(*args, **kwargs):  # every upload into the run hangs, forever
     store = FaultInjectingStore(real_open(*args, **kwargs))
@@ -349,7 +349,7 @@ def stuck_open(*args, **kwargs):  # every upload into the run hangs, forever
                    times=None))
     return store
 
-cloudckpt.manager.open_store = stuck_open
+cloudckpt.stores.open_store = stuck_open
 from cloudckpt.cli import main
 main()
 """
@@ -838,13 +838,13 @@ def test_watch_once_exits_non_zero_when_an_upload_fails(tmp_path, memory_target,
     says so (it used to be reported as "will retry" and the watcher exited 0)."""
     from click.testing import CliRunner
 
-    from cloudckpt import manager
+    from cloudckpt import stores
     from cloudckpt.cli import cli
     from cloudckpt.errors import PermissionDeniedError
     from cloudckpt.testing.faults import WRITE_OPS, FailBefore, FaultInjectingStore, Rule
 
     rules: list[Rule] = []
-    real_open = manager.open_store
+    real_open = stores.open_store
 
     def refusing(*args, **kwargs):
         store = FaultInjectingStore(real_open(*args, **kwargs))
@@ -852,7 +852,7 @@ def test_watch_once_exits_non_zero_when_an_upload_fails(tmp_path, memory_target,
         rules.append(store.add(deny))
         return store
 
-    monkeypatch.setattr(manager, "open_store", refusing)
+    monkeypatch.setattr(stores, "open_store", refusing)
     out = tmp_path / "out"
     (out / "checkpoint-7").mkdir(parents=True)
     (out / "checkpoint-7" / "trainer_state.json").write_text('{"global_step": 7}')

@@ -18,7 +18,7 @@ import signal
 import sys
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -43,6 +43,9 @@ from cloudckpt.errors import (
     TransientStoreError,
     UnsafePathError,
 )
+
+if TYPE_CHECKING:
+    from cloudckpt.stores import RunURL, Store
 
 # --- exit codes ------------------------------------------------------------------------
 
@@ -370,7 +373,23 @@ def parse_key_values(items: tuple[str, ...], what: str) -> dict[str, Any]:
     return out
 
 
-# --- storage options -------------------------------------------------------------------
+# --- run URLs and storage options ----------------------------------------------------
+
+
+class RunURLType(click.ParamType):
+    """A run URL argument, parsed once, as the command line is read, into the ``RunURL``
+    the command passes on (to ``StoreArgs.open``). A bad URL raises the library's
+    ``ConfigurationError`` (exit 2, with its hint), as opening it would."""
+
+    name = "url"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None):
+        from cloudckpt.stores import parse_url
+
+        return parse_url(value)
+
+
+RUN_URL = RunURLType()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,12 +400,10 @@ class StoreArgs:
     options: tuple[str, ...]
     unsafe_single_writer: bool
 
-    def storage_options(self, url: str) -> dict[str, Any]:
+    def storage_options(self, url: RunURL) -> dict[str, Any]:
         """The storage options for ``url`` from the flags (the environment is read by the
         store layer itself: AWS_*, STORAGE_EMULATOR_HOST, application default credentials)."""
-        from cloudckpt.stores import split_url
-
-        scheme = split_url(url)[0]
+        scheme = url.scheme
         opts = parse_key_values(self.options, "--storage-option")
         s3 = scheme in ("s3", "s3a")
         if (self.profile or self.region) and not s3:
@@ -402,7 +419,8 @@ class StoreArgs:
             opts["region_name"] = self.region
         return opts
 
-    def open(self, url: str, *, writable: bool = True) -> Any:
+    def open(self, url: RunURL, *, writable: bool = True) -> Store:
+        """The store at ``url``, opened with the flags (``url`` is not parsed again)."""
         from cloudckpt.stores import open_store
 
         return open_store(

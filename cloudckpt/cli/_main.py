@@ -22,6 +22,7 @@ from cloudckpt.cli._common import (
     EXIT_CODE_TABLE,
     INTERRUPTED,
     NEEDS_REPAIR,
+    RUN_URL,
     CloudCkptGroup,
     StoreArgs,
     chunking_option,
@@ -42,6 +43,7 @@ from cloudckpt.errors import CheckpointNotFoundError, ConfigurationError, Corrup
 if TYPE_CHECKING:
     from cloudckpt.gc import GCReport
     from cloudckpt.manager import CommitInfo, SaveHandle
+    from cloudckpt.stores import RunURL, Store
 
 _EPILOG = "Exit codes:\n\n\b\n" + "\n".join(
     f"  {code:>3}  {text}" for code, text in EXIT_CODE_TABLE
@@ -151,16 +153,28 @@ def _find_record(latest: Any, step: int | None, url: str) -> Any:
 
 
 @cli.command("ls")
-@click.argument("url")
+@click.argument("url", type=RUN_URL)
 @store_options
 @json_option
-def ls_cmd(url: str, store_args: StoreArgs, as_json: bool) -> None:
+def ls_cmd(url: RunURL, store_args: StoreArgs, as_json: bool) -> None:
     """List the committed checkpoints of the run at URL, newest first."""
     with _closing(store_args.open(url, writable=False)) as store:
         latest, from_records = _load_for_reading(store)
+    doc = _ls_doc(store.url, latest, from_records)
+    if as_json:
+        emit_json(doc)
+        return
     if latest is None:
-        doc: dict[str, Any] = {
-            "url": store.url,
+        info(f"{store.url}: no checkpoints (nothing was ever committed here)")
+        return
+    _print_ls(doc)
+
+
+def _ls_doc(url: str, latest: Any, from_records: bool) -> dict[str, Any]:
+    """What ``ls --json`` prints: the run's writer, settings, checkpoints and tombstones."""
+    if latest is None:
+        return {
+            "url": url,
             "seq": None,
             "writer": None,
             "settings": None,
@@ -168,44 +182,41 @@ def ls_cmd(url: str, store_args: StoreArgs, as_json: bool) -> None:
             "checkpoints": [],
             "tombstones": [],
         }
-    else:
-        doc = {
-            "url": store.url,
-            "seq": latest.seq,
-            "writer": {
-                "epoch": latest.writer.epoch,
-                "id": latest.writer.id,
-                "claimed_at": latest.writer.claimed_at,
-            },
-            "settings": {
-                "keep_last": latest.settings.keep_last,
-                "keep_every": latest.settings.keep_every,
-                "gc_grace_s": latest.settings.gc_grace_s,
-            },
-            "from_commit_records": from_records,
-            "checkpoints": [_record_dict(latest, r) for r in latest.retained()],
-            "tombstones": [
-                {
-                    "step": t.record.step,
-                    "commit_id": t.record.commit_id,
-                    "ckpt": t.record.ckpt,
-                    "state": t.state,
-                    "dropped_seq": t.dropped_seq,
-                }
-                for t in latest.tombstones
-            ],
-        }
-    if as_json:
-        emit_json(doc)
-        return
-    if latest is None:
-        info(f"{store.url}: no checkpoints (nothing was ever committed here)")
-        return
+    return {
+        "url": url,
+        "seq": latest.seq,
+        "writer": {
+            "epoch": latest.writer.epoch,
+            "id": latest.writer.id,
+            "claimed_at": latest.writer.claimed_at,
+        },
+        "settings": {
+            "keep_last": latest.settings.keep_last,
+            "keep_every": latest.settings.keep_every,
+            "gc_grace_s": latest.settings.gc_grace_s,
+        },
+        "from_commit_records": from_records,
+        "checkpoints": [_record_dict(latest, r) for r in latest.retained()],
+        "tombstones": [
+            {
+                "step": t.record.step,
+                "commit_id": t.record.commit_id,
+                "ckpt": t.record.ckpt,
+                "state": t.state,
+                "dropped_seq": t.dropped_seq,
+            }
+            for t in latest.tombstones
+        ],
+    }
+
+
+def _print_ls(doc: dict[str, Any]) -> None:
+    """``ls``'s table of checkpoints (of a run that has some)."""
     from rich.table import Table
 
     w = doc["writer"]
     table = Table(
-        title=f"{store.url}  ·  writer epoch {w['epoch']} ({w['id']})  ·  LATEST seq {doc['seq']}",
+        title=f"{doc['url']}  ·  writer epoch {w['epoch']} ({w['id']})  ·  LATEST seq {doc['seq']}",
         title_justify="left",
     )
     for name, justify in (
@@ -247,11 +258,11 @@ def ls_cmd(url: str, store_args: StoreArgs, as_json: bool) -> None:
 
 
 @cli.command("show")
-@click.argument("url")
+@click.argument("url", type=RUN_URL)
 @click.option("--step", type=int, help="Which checkpoint (default: the current one).")
 @store_options
 @json_option
-def show_cmd(url: str, step: int | None, store_args: StoreArgs, as_json: bool) -> None:
+def show_cmd(url: RunURL, step: int | None, store_args: StoreArgs, as_json: bool) -> None:
     """Show one checkpoint's record and manifest (its files, sizes and digests)."""
     from cloudckpt.restore import fetch_manifest
 
@@ -314,14 +325,14 @@ def show_cmd(url: str, step: int | None, store_args: StoreArgs, as_json: bool) -
 
 
 @cli.command("restore")
-@click.argument("url")
+@click.argument("url", type=RUN_URL)
 @click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--step", type=int, help="Restore this step (default: the newest intact one).")
 @click.option("--force", is_flag=True, help="Replace DEST's contents if it is not empty.")
 @store_options
 @json_option
 def restore_cmd(
-    url: str, dest: Path, step: int | None, force: bool, store_args: StoreArgs, as_json: bool
+    url: RunURL, dest: Path, step: int | None, force: bool, store_args: StoreArgs, as_json: bool
 ) -> None:
     """Download and verify a checkpoint into DEST, atomically.
 
@@ -371,11 +382,13 @@ def restore_cmd(
 # ---------------------------------------------------------------------------- push
 
 
+# push_cmd runs past 60 lines only by its options (one parameter each) and its --help
+# text (the docstring); what it does is in its body and helpers.
 @cli.command("push")
 @click.argument(
     "src_dir", type=click.Path(exists=True, file_okay=False, readable=True, path_type=Path)
 )
-@click.argument("url")
+@click.argument("url", type=RUN_URL)
 @click.option("--step", type=int, required=True, help="The training step of this checkpoint.")
 @click.option(
     "--metadata",
@@ -404,7 +417,7 @@ def restore_cmd(
 @json_option
 def push_cmd(
     src_dir: Path,
-    url: str,
+    url: RunURL,
     step: int,
     metadata: tuple[str, ...],
     force: bool,
@@ -423,8 +436,6 @@ def push_cmd(
     unless --force is given.
     """
     from cloudckpt import CheckpointManager
-    from cloudckpt.admin import check_takeover
-    from cloudckpt.committer import read_latest
     from cloudckpt.staging import holds_files
 
     user_metadata = parse_key_values(metadata, "--metadata")
@@ -436,26 +447,13 @@ def push_cmd(
         )
     files = [p for p in src_dir.rglob("*") if p.is_file()]
     total = sum(p.stat().st_size for p in files)
+    settings: dict[str, Any] = {}  # unset: the manager keeps the run's retention and grace
+    if keep_last is not None:
+        settings["keep_last"] = keep_last
+    if keep_every is not None:
+        settings["keep_every"] = keep_every
     with _closing(store_args.open(url)) as store:
-        previous = check_takeover(store, force=force)
-        settings = {}  # unset: the manager keeps the run's retention and grace
-        head = read_latest(store) if previous is not None else None
-        if head is not None:
-            current = head.latest.current
-            if current is not None and step <= current.step:
-                warn(
-                    f"step {step} is not newer than the current step {current.step}; once "
-                    "committed it becomes the current checkpoint that restores pick"
-                )
-        if keep_last is not None:
-            settings["keep_last"] = keep_last
-        if keep_every is not None:
-            settings["keep_every"] = keep_every
-        if previous is not None:
-            warn(
-                f"push claims {store.url}: writer {previous.id} (epoch {previous.epoch}) is "
-                "fenced from now on; its next commit will fail"
-            )
+        previous = _check_push_takeover(store, step, force)
         started = time.perf_counter()
         own_staging = None
         if staging_dir is None:  # ours, so an abandoned push leaves no copy behind
@@ -502,6 +500,33 @@ def push_cmd(
     )
 
 
+def _check_push_takeover(store: Store, step: int, force: bool) -> Any:
+    """The writer ``push`` is about to fence (None for a new run), after warning about it
+    and about a step not newer than the current one.
+
+    Raises: ``ActiveWriterError`` if that writer wrote LATEST within the last hour and
+    not ``force`` (``admin.check_takeover``).
+    """
+    from cloudckpt.admin import check_takeover
+    from cloudckpt.committer import read_latest
+
+    previous = check_takeover(store, force=force)
+    head = read_latest(store) if previous is not None else None
+    if head is not None:
+        current = head.latest.current
+        if current is not None and step <= current.step:
+            warn(
+                f"step {step} is not newer than the current step {current.step}; once "
+                "committed it becomes the current checkpoint that restores pick"
+            )
+    if previous is not None:
+        warn(
+            f"push claims {store.url}: writer {previous.id} (epoch {previous.epoch}) is "
+            "fenced from now on; its next commit will fail"
+        )
+    return previous
+
+
 def _wait_for_push(start: Callable[[], SaveHandle], own_staging: Path | None) -> CommitInfo:
     """Start the save (``start()`` hands it over and returns its handle) and wait for
     its commit.
@@ -538,12 +563,14 @@ def _wait_for_push(start: Callable[[], SaveHandle], own_staging: Path | None) ->
 
 
 @cli.command("verify")
-@click.argument("url")
+@click.argument("url", type=RUN_URL)
 @click.option("--all", "all_", is_flag=True, help="Every retained checkpoint (default: current).")
 @click.option("--read-data", is_flag=True, help="Read back and hash every byte.")
 @store_options
 @json_option
-def verify_cmd(url: str, all_: bool, read_data: bool, store_args: StoreArgs, as_json: bool) -> None:
+def verify_cmd(
+    url: RunURL, all_: bool, read_data: bool, store_args: StoreArgs, as_json: bool
+) -> None:
     """Check LATEST, manifests and objects; with --read-data every byte.
 
     Exit 0 if everything checked is intact, 4 if anything is damaged, 6 if LATEST is missing
@@ -631,12 +658,12 @@ def _pins_doc(store: Any, latest: Any, step: int) -> dict[str, Any]:
 
 
 @cli.command("pin")
-@click.argument("url")
+@click.argument("url", type=RUN_URL)
 @click.argument("step", type=int)
 @click.option("--label", default="pinned", show_default=True, help="A name for the pin.")
 @store_options
 @json_option
-def pin_cmd(url: str, step: int, label: str, store_args: StoreArgs, as_json: bool) -> None:
+def pin_cmd(url: RunURL, step: int, label: str, store_args: StoreArgs, as_json: bool) -> None:
     """Keep checkpoint STEP regardless of retention (safe while a trainer runs)."""
     from cloudckpt.admin import pin
 
@@ -651,11 +678,11 @@ def pin_cmd(url: str, step: int, label: str, store_args: StoreArgs, as_json: boo
 
 
 @cli.command("unpin")
-@click.argument("url")
+@click.argument("url", type=RUN_URL)
 @click.argument("step", type=int)
 @store_options
 @json_option
-def unpin_cmd(url: str, step: int, store_args: StoreArgs, as_json: bool) -> None:
+def unpin_cmd(url: RunURL, step: int, store_args: StoreArgs, as_json: bool) -> None:
     """Remove the pins of STEP; retention then decides whether it stays."""
     from cloudckpt.admin import unpin
 
@@ -672,7 +699,7 @@ def unpin_cmd(url: str, step: int, store_args: StoreArgs, as_json: bool) -> None
 
 
 @cli.command("gc")
-@click.argument("url")
+@click.argument("url", type=RUN_URL)
 @click.option(
     "--dry-run",
     is_flag=True,
@@ -687,7 +714,7 @@ def unpin_cmd(url: str, step: int, store_args: StoreArgs, as_json: bool) -> None
 @store_options
 @json_option
 def gc_cmd(
-    url: str, dry_run: bool, grace: float | None, store_args: StoreArgs, as_json: bool
+    url: RunURL, dry_run: bool, grace: float | None, store_args: StoreArgs, as_json: bool
 ) -> None:
     """Delete checkpoint data nothing references, once older than the grace period.
 
@@ -783,7 +810,7 @@ def _describe_write(write: dict[str, str]) -> str:
 
 
 @cli.command("repair")
-@click.argument("url")
+@click.argument("url", type=RUN_URL)
 @click.option(
     "--dry-run",
     is_flag=True,
@@ -797,7 +824,9 @@ def _describe_write(write: dict[str, str]) -> str:
 )
 @store_options
 @json_option
-def repair_cmd(url: str, dry_run: bool, force: bool, store_args: StoreArgs, as_json: bool) -> None:
+def repair_cmd(
+    url: RunURL, dry_run: bool, force: bool, store_args: StoreArgs, as_json: bool
+) -> None:
     """Rebuild a missing or damaged LATEST from the commit records.
 
     The new LATEST comes from the newest commit record whose current checkpoint verifies,

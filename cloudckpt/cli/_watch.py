@@ -9,13 +9,14 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from cloudckpt.cli._common import (
     DURATION,
     ERROR,
+    RUN_URL,
     StoreArgs,
     arm_exit_watchdog,
     chunking_option,
@@ -29,6 +30,9 @@ from cloudckpt.cli._common import (
 )
 from cloudckpt.cli._main import cli
 from cloudckpt.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from cloudckpt.stores import RunURL, Store
 
 #: Seconds past the final upload budget after which the exit watchdog ends a watcher that
 #: is stuck (in a hung filesystem call, say); the budget itself is enforced by the watcher.
@@ -73,9 +77,11 @@ def _describe(event: dict[str, Any]) -> str | None:
     return None  # started/stopped are printed by the command; incomplete/not_uploaded are warnings
 
 
+# watch_cmd runs past 60 lines only by its options (one parameter each) and its --help
+# text (the docstring); what it does is in its body and helpers.
 @cli.command("watch")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
-@click.argument("url")
+@click.argument("url", type=RUN_URL)
 @click.option(
     "--settle",
     type=DURATION,
@@ -128,7 +134,7 @@ def _describe(event: dict[str, Any]) -> str | None:
 @json_lines_option
 def watch_cmd(
     directory: Path,
-    url: str,
+    url: RunURL,
     settle: float,
     quiet_period: float,
     poll: float,
@@ -162,20 +168,14 @@ def watch_cmd(
     """
     from cloudckpt.watch import Watcher
 
-    def on_event(event: dict[str, Any]) -> None:
-        if json_mode():
-            click.echo(json.dumps(event, sort_keys=True))
-            sys.stdout.flush()
-        else:
-            text = _describe(event)
-            if text:
-                info(text)
-
     if once and not directory.is_dir():
         raise ConfigurationError(
             f"{directory} does not exist", hint="--once uploads what is there now; without "
             "--once the watcher waits for the directory to appear"
         )  # fmt: skip
+    # One store, opened with every storage flag: the watcher reads the run from it and
+    # saves through it.
+    store = store_args.open(url)
     own_staging = None
     if staging_dir is None:  # ours, so that an abandoned upload can be cleaned up
         own_staging = Path(tempfile.mkdtemp(prefix="cloudckpt-watch-"))
@@ -187,18 +187,18 @@ def watch_cmd(
     try:
         watcher = Watcher(
             directory,
-            url,
+            store,
             settle=settle,
             quiet_period=quiet_period,
             markers=marker,
             accept_quiet_dirs=accept_quiet_dirs,
             final_upload_timeout=final_upload_timeout,
-            storage_options=store_args.storage_options(url),
-            on_event=on_event,
+            on_event=_print_event,
             **options,
         )
     except BaseException:
         _remove(own_staging)
+        store.close()
         raise
 
     def finish_then_exit(sig: signal.Signals) -> None:
@@ -212,38 +212,69 @@ def watch_cmd(
     def exit_now(sig: signal.Signals) -> None:
         left = watcher.outstanding()
         info(f"{sig.name} again: exiting now; uncommitted uploads are abandoned")
-        _report_left(left, on_event)
+        _report_left(left, _print_event)
         _exit(128 + sig.value, own_staging, left)
 
     with two_stage_interrupts(finish_then_exit, exit_now):
-        if not json_mode():
-            committed = watcher.committed_step
-            info(
-                f"watching {directory} -> {watcher.manager.url} (poll {poll:g}s, settle "
-                f"{settle:g}s, final upload budget {final_upload_timeout:g}s); committed "
-                f"step: {'none' if committed is None else committed}"
-            )
-        else:
-            on_event(
-                {
-                    "event": "started",
-                    "directory": str(directory),
-                    "url": watcher.manager.url,
-                    "committed_step": watcher.committed_step,
-                }
-            )
+        _announce(watcher, directory, poll, settle, final_upload_timeout)
         try:
             watcher.run(poll, once=once)
         except BaseException:  # an unexpected error: still leave no staging behind
             if not watcher.in_flight:
                 _remove(own_staging)
+                store.close()
             raise
+    _conclude(watcher, store, own_staging)
+
+
+def _print_event(event: dict[str, Any]) -> None:
+    """An event on stdout as a JSON line (--json), or as a line of text on stderr."""
+    if json_mode():
+        click.echo(json.dumps(event, sort_keys=True))
+        sys.stdout.flush()
+    else:
+        text = _describe(event)
+        if text:
+            info(text)
+
+
+def _announce(
+    watcher: Any, directory: Path, poll: float, settle: float, final_upload_timeout: float
+) -> None:
+    """Say what is watched, where to, and the committed step the watcher starts from."""
+    if not json_mode():
+        committed = watcher.committed_step
+        info(
+            f"watching {directory} -> {watcher.manager.url} (poll {poll:g}s, settle "
+            f"{settle:g}s, final upload budget {final_upload_timeout:g}s); committed "
+            f"step: {'none' if committed is None else committed}"
+        )
+    else:
+        _print_event(
+            {
+                "event": "started",
+                "directory": str(directory),
+                "url": watcher.manager.url,
+                "committed_step": watcher.committed_step,
+            }
+        )
+
+
+def _conclude(watcher: Any, store: Store, own_staging: Path | None) -> None:
+    """Report how the watcher ended and release what it used.
+
+    Raises: the watcher's ``FencedError`` (another writer claimed the run); exit 1 if a
+    checkpoint could not be uploaded or was left on local disk. Ends the process at once
+    if uploads are still running past the budget (``_exit``).
+    """
     if watcher.fenced is not None:
         _remove(own_staging)
+        if not watcher.in_flight:
+            store.close()
         raise watcher.fenced
     given_up = watcher.given_up  # failed and not committed since (a retry may have)
     left = watcher.not_uploaded
-    on_event(
+    _print_event(
         {
             "event": "stopped",
             "committed": len(watcher.committed),
@@ -266,6 +297,7 @@ def watch_cmd(
         # commit after this report said it did not.
         _exit(ERROR, own_staging, left)
     _remove(own_staging)
+    store.close()
     if given_up or left:
         raise click.exceptions.Exit(ERROR)
 

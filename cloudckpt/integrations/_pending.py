@@ -1,4 +1,6 @@
-"""Waiting for an integration's pending saves at the end of training (HF and Lightning)."""
+"""Waiting for an integration's saves (HF and Lightning): the emergency checkpoint on a
+preemption notice, until the notice's deadline, and the pending saves at the end of
+training."""
 
 from __future__ import annotations
 
@@ -6,9 +8,69 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from cloudckpt.errors import CloudCkptError
 from cloudckpt.manager import CheckpointManager, CommitInfo, SaveHandle
+from cloudckpt.preemption import PreemptionNotice
 
 log = logging.getLogger("cloudckpt")
+
+DEFAULT_EMERGENCY_TIMEOUT = 120.0  # when neither the user nor the notice says
+
+
+def emergency_timeout(
+    notice: PreemptionNotice | None, override: float | None, *, now: float | None = None
+) -> float:
+    """Seconds still left to wait for the emergency checkpoint's commit (never negative).
+
+    The wait ends ``override`` seconds after the notice was received if given, else at the
+    notice's deadline (AWS, Azure, GCE, a signal with ``signal_grace``), else
+    ``DEFAULT_EMERGENCY_TIMEOUT`` seconds after the notice. Every call counts from the
+    notice, so the wait for the commit and the wait at teardown end at the same moment.
+    Without a notice (another rank's), the whole ``override`` or default.
+    """
+    now = time.time() if now is None else now
+    if notice is None:
+        return override if override is not None else DEFAULT_EMERGENCY_TIMEOUT
+    if override is not None:
+        return max(0.0, notice.received_at + override - now)
+    left = notice.seconds_left(now)
+    if left is not None:
+        return left
+    return max(0.0, notice.received_at + DEFAULT_EMERGENCY_TIMEOUT - now)
+
+
+def wait_for_emergency(
+    wait: Callable[[float], CommitInfo | None],
+    step: int,
+    timeout: float,
+    logger: logging.Logger,
+) -> CommitInfo | None:
+    """``wait(timeout)`` for the emergency checkpoint of ``step``; its ``CommitInfo``.
+
+    A save that did not commit in time, or failed with a ``CloudCkptError``, is logged as
+    an error on ``logger`` and gives None: training stops either way, and the newest
+    committed checkpoint is an older one. Anything else ``wait`` raises propagates.
+    """
+    try:
+        info = wait(timeout)
+    except TimeoutError:
+        logger.error(
+            "the emergency checkpoint of step %d did not commit within %.0fs; the "
+            "newest committed checkpoint is older",
+            step,
+            timeout,
+        )
+        return None
+    except CloudCkptError as exc:
+        logger.error("the emergency checkpoint of step %d failed: %s", step, exc)
+        return None
+    if info is not None:
+        logger.warning(
+            "emergency checkpoint of step %d committed (%.1fs after hand-over)",
+            info.step,
+            info.commit_seconds,
+        )
+    return info
 
 
 def finish_pending(
@@ -48,7 +110,7 @@ def finish_pending(
             mgr.close()
         except Exception as exc:
             failures.append((None, exc))
-    for step, exc in failures[1:]:
-        log.error("the save of step %s also failed: %s", step, exc)
+    for step, error in failures[1:]:
+        log.error("the save of step %s also failed: %s", step, error)
     if failures:
         raise failures[0][1]

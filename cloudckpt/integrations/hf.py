@@ -69,9 +69,14 @@ from cloudckpt.errors import (
     CloudCkptError,
     ConfigurationError,
 )
-from cloudckpt.integrations._pending import finish_pending
+from cloudckpt.integrations._pending import DEFAULT_EMERGENCY_TIMEOUT as DEFAULT_EMERGENCY_TIMEOUT
+from cloudckpt.integrations._pending import (
+    emergency_timeout,
+    finish_pending,
+    wait_for_emergency,
+)
 from cloudckpt.manager import CheckpointManager, CommitInfo, SaveHandle
-from cloudckpt.preemption import PreemptionNotice, PreemptionWatcher
+from cloudckpt.preemption import PreemptionWatcher
 from cloudckpt.stores import Store
 
 try:
@@ -88,7 +93,6 @@ log = logging.getLogger("cloudckpt.hf")
 PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
 TRAINER_STATE_NAME = "trainer_state.json"
 STAGING_SUBDIR = ".cloudckpt-staging"
-DEFAULT_EMERGENCY_TIMEOUT = 120.0
 _CKPT_NAME = re.compile(rf"^{PREFIX}-(\d+)$")
 
 
@@ -127,19 +131,6 @@ def _any_rank(flag: bool, device: Any) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
-
-
-def _emergency_timeout(notice: PreemptionNotice | None, override: float | None) -> float:
-    """Seconds left to wait for an emergency commit."""
-    now = time.time()
-    if notice is None:
-        return override if override is not None else DEFAULT_EMERGENCY_TIMEOUT
-    if override is not None:
-        return max(0.0, notice.received_at + override - now)
-    left = notice.seconds_left(now)
-    if left is not None:
-        return left
-    return max(0.0, notice.received_at + DEFAULT_EMERGENCY_TIMEOUT - now)
 
 
 # ------------------------------------------------------------------------------ trainer_state.json
@@ -531,7 +522,7 @@ class CheckpointCallback(TrainerCallback):
             if self._mgr is not None:
                 timeout = None
                 if self._emergency_step is not None and self.watcher is not None:
-                    timeout = _emergency_timeout(self.watcher.notice, self.emergency_timeout)
+                    timeout = emergency_timeout(self.watcher.notice, self.emergency_timeout)
                 self._finish(timeout)
         finally:
             if self.watcher is not None and self._started_watcher:
@@ -581,26 +572,10 @@ class CheckpointCallback(TrainerCallback):
 
     def _wait_emergency(self, handle: SaveHandle) -> None:
         notice = self.watcher.notice if self.watcher is not None else None
-        timeout = _emergency_timeout(notice, self.emergency_timeout)
-        try:
-            info = handle.result(timeout=timeout)
-        except TimeoutError:
-            log.error(
-                "the emergency checkpoint of step %d did not commit within %.0fs; the "
-                "newest committed checkpoint is older",
-                handle.step,
-                timeout,
-            )
-            return
-        except CloudCkptError as exc:
-            log.error("the emergency checkpoint of step %d failed: %s", handle.step, exc)
-            return
-        self.last_commit = info
-        log.warning(
-            "emergency checkpoint of step %d committed (%.1fs after hand-over)",
-            info.step,
-            info.commit_seconds,
-        )
+        timeout = emergency_timeout(notice, self.emergency_timeout)
+        info = wait_for_emergency(lambda t: handle.result(timeout=t), handle.step, timeout, log)
+        if info is not None:
+            self.last_commit = info
 
     def _finish(self, timeout: float | None) -> None:
         """Wait for pending saves and close the manager; raise the earliest failure."""

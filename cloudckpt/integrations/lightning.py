@@ -67,7 +67,6 @@ import random
 import secrets
 import shutil
 import tempfile
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -79,9 +78,14 @@ from cloudckpt.errors import (
     CloudCkptError,
     ConfigurationError,
 )
-from cloudckpt.integrations._pending import finish_pending
+from cloudckpt.integrations._pending import DEFAULT_EMERGENCY_TIMEOUT as DEFAULT_EMERGENCY_TIMEOUT
+from cloudckpt.integrations._pending import (
+    emergency_timeout,
+    finish_pending,
+    wait_for_emergency,
+)
 from cloudckpt.manager import CheckpointManager, CommitInfo, SaveHandle
-from cloudckpt.preemption import PreemptionNotice, PreemptionWatcher
+from cloudckpt.preemption import PreemptionWatcher
 from cloudckpt.stores import Store
 
 try:
@@ -113,7 +117,6 @@ __all__ = ["CloudCheckpointIO", "PreemptionCallback", "RNGStateCallback", "resum
 log = logging.getLogger("cloudckpt.lightning")
 
 STAGING_SUBDIR = ".cloudckpt-staging"
-DEFAULT_EMERGENCY_TIMEOUT = 120.0
 
 
 def _is_local(path: str | os.PathLike[str]) -> bool:
@@ -157,18 +160,6 @@ def _link_or_copy(src: Path, dst: Path) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-
-
-def _emergency_timeout(notice: PreemptionNotice | None, override: float | None) -> float:
-    now = time.time()
-    if notice is None:
-        return override if override is not None else DEFAULT_EMERGENCY_TIMEOUT
-    if override is not None:
-        return max(0.0, notice.received_at + override - now)
-    left = notice.seconds_left(now)
-    if left is not None:
-        return left
-    return max(0.0, notice.received_at + DEFAULT_EMERGENCY_TIMEOUT - now)
 
 
 class CloudCheckpointIO(CheckpointIO):
@@ -530,16 +521,14 @@ class PreemptionCallback(Callback):
         trainer.should_stop = True
         io = trainer.strategy.checkpoint_io
         if trainer.is_global_zero and isinstance(io, CloudCheckpointIO):
-            timeout = _emergency_timeout(self.watcher.notice, self.emergency_timeout)
-            try:
-                self.last_commit = io.wait(timeout=timeout)
-                log.warning("emergency checkpoint of step %d committed", trainer.global_step)
-            except TimeoutError:
-                log.error("the emergency checkpoint did not commit within %.0fs", timeout)
-            except CloudCkptError as exc:
-                log.error("the emergency checkpoint failed: %s", exc)
+            timeout = emergency_timeout(self.watcher.notice, self.emergency_timeout)
+            info = wait_for_emergency(
+                lambda t: io.wait(timeout=t), trainer.global_step, timeout, log
+            )
+            if info is not None:
+                self.last_commit = info
             # teardown must not wait past the deadline either
-            io._teardown_timeout = _emergency_timeout(self.watcher.notice, self.emergency_timeout)
+            io._teardown_timeout = emergency_timeout(self.watcher.notice, self.emergency_timeout)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self.watcher is not None and self._started:

@@ -15,6 +15,8 @@ anything else fsspec    ``FsspecStore``: read-only unless ``unsafe_single_writer
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.util
 import os
 import re
@@ -55,10 +57,12 @@ __all__ = [
     "PartInfo",
     "PendingUpload",
     "PutMode",
+    "RunURL",
     "Store",
     "Update",
     "crc32c_b64",
     "open_store",
+    "parse_url",
     "split_url",
 ]
 
@@ -113,6 +117,42 @@ def split_url(url: str) -> tuple[str, str, str]:
     return scheme, parts.netloc, parts.path.strip("/")
 
 
+@dataclasses.dataclass(frozen=True, repr=False)
+class RunURL:
+    """A run URL split and checked once (``parse_url``), to hand to ``open_store`` as is.
+
+    ``text`` is the URL as given, which may carry user-info: show ``redacted`` (also what
+    ``str()`` and ``repr()`` give). ``scheme``, ``netloc`` (bucket, container or host) and
+    ``prefix`` are ``split_url``'s parts.
+    """
+
+    text: str
+    scheme: str
+    netloc: str
+    prefix: str
+
+    @functools.cached_property
+    def redacted(self) -> str:
+        return redact_url(self.text)
+
+    def __str__(self) -> str:
+        return self.redacted
+
+    def __repr__(self) -> str:
+        return f"RunURL({self.redacted!r})"
+
+
+def parse_url(url: str | RunURL) -> RunURL:
+    """``url`` split and checked once; a ``RunURL`` is returned as it is.
+
+    Raises:
+        ConfigurationError: what ``split_url`` raises.
+    """
+    if isinstance(url, RunURL):
+        return url
+    return RunURL(url, *split_url(url))
+
+
 _AZURE_SCHEMES = ("az", "abfs", "abfss")
 _OWN_SCHEMES = ("s3", "s3a", "gs", "gcs", "memory", "file", *_AZURE_SCHEMES)
 
@@ -161,8 +201,10 @@ _BACKEND_EXTRAS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
-def _require_backend(scheme: str, url: str) -> None:
-    """Raise ``MissingDependencyError`` naming the extra if ``scheme``'s library is absent."""
+def _require_backend(run: RunURL) -> None:
+    """Raise ``MissingDependencyError`` naming the extra if the library of ``run``'s
+    scheme is absent."""
+    scheme = run.scheme
     modules, extra = _BACKEND_EXTRAS.get(scheme, ((), ""))
     for module in modules:
         try:
@@ -171,14 +213,14 @@ def _require_backend(scheme: str, url: str) -> None:
             found = False
         if not found:
             raise MissingDependencyError(
-                f"cannot open {redact_url(url)}: the {scheme}:// backend needs the "
+                f"cannot open {run.redacted}: the {scheme}:// backend needs the "
                 f"'{module.split('.')[0]}' package, which is not installed",
                 extra=extra,
             )
 
 
 def open_store(
-    url: str,
+    url: str | RunURL,
     storage_options: Mapping[str, Any] | None = None,
     *,
     writable: bool = True,
@@ -195,13 +237,16 @@ def open_store(
     With ``writable=True`` (the default) a backend that cannot do create-only and
     compare-and-swap writes is refused, unless ``unsafe_single_writer=True``.
 
+    ``url`` may be a ``RunURL`` (``parse_url``): it is not split again.
+
     Raises:
         ConfigurationError: malformed URL or options.
         MissingDependencyError: the backend's library is not installed (names the extra).
         UnsupportedBackendError: writing was asked of a backend that cannot do it safely.
     """
-    scheme, netloc, prefix = split_url(url)
-    _require_backend(scheme, url)
+    run = parse_url(url)
+    scheme, netloc, prefix = run.scheme, run.netloc, run.prefix
+    _require_backend(run)
     options = dict(storage_options or {})
     if scheme == "memory":
         from cloudckpt.stores.memory import MemoryStore
@@ -227,20 +272,30 @@ def open_store(
     from cloudckpt.stores.fsspec_store import FsspecStore
 
     if writable and not unsafe_single_writer:
-        # Refuse before opening the filesystem: some (ftp, sftp) connect when opened.
-        import fsspec
+        _refuse_writing(run)
+    return FsspecStore(run.text, options, unsafe_single_writer=unsafe_single_writer)
 
-        try:
-            fsspec.get_filesystem_class(scheme)
-        except (ImportError, ValueError) as exc:
-            raise ConfigurationError(
-                f"cannot open {redact_url(url)}: {exc}",
-                hint="Install the fsspec implementation for this scheme, or check the URL",
-            ) from None
-        missing = Capabilities(create=False, update=False).missing_for_writing()
-        raise UnsupportedBackendError(
-            f"cannot write checkpoints to {redact_url(url)}: the {scheme}:// backend lacks "
-            + " and ".join(missing),
-            capability=", ".join(missing),
-        )
-    return FsspecStore(url, options, unsafe_single_writer=unsafe_single_writer)
+
+def _refuse_writing(run: RunURL) -> None:
+    """Refuse to write through fsspec's backend for ``run`` (no conditional writes), before
+    the filesystem is opened: some (ftp, sftp) connect when opened.
+
+    Raises:
+        ConfigurationError: fsspec has no implementation for the scheme.
+        UnsupportedBackendError: otherwise (it names the missing capabilities).
+    """
+    import fsspec
+
+    try:
+        fsspec.get_filesystem_class(run.scheme)
+    except (ImportError, ValueError) as exc:
+        raise ConfigurationError(
+            f"cannot open {run.redacted}: {exc}",
+            hint="Install the fsspec implementation for this scheme, or check the URL",
+        ) from None
+    missing = Capabilities(create=False, update=False).missing_for_writing()
+    raise UnsupportedBackendError(
+        f"cannot write checkpoints to {run.redacted}: the {run.scheme}:// backend lacks "
+        + " and ".join(missing),
+        capability=", ".join(missing),
+    )

@@ -1,0 +1,131 @@
+"""What a seed decides up front (``Profile``): settings, fault rates, scheduling weights,
+and the content of every save."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+from cloudckpt import digest
+from cloudckpt.errors import OutcomeUnknownError, PreconditionFailedError
+from cloudckpt.testing.faults import (
+    Conflict,
+    DeliverTwice,
+    FailBefore,
+    Latency,
+    LoseResponse,
+    Rule,
+    Truncate,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """Everything a seed decides up front: settings, fault rates, scheduling weights."""
+
+    keep_last: int | None
+    keep_every: int | None
+    grace: int
+    p_fail_before: float
+    p_unknown_before: float
+    p_lose_write: float
+    p_lose_read: float
+    p_twice: float
+    p_conflict: float
+    p_lie_412: float
+    p_latency: float
+    p_truncate: float
+    p_crash_call: float
+    p_crash_failpoint: float
+    p_clock_jump: float
+    big_files: bool
+    weights: dict[str, float]
+    # A host suspended (VM hibernated or paused): the store's clock jumps, the host's
+    # monotonic clock does not, and the host makes no call while it sleeps.
+    p_suspend: float = 0.0
+
+    @classmethod
+    def draw(cls, rng: random.Random) -> Profile:
+        def rate(*choices: float) -> float:
+            return rng.choice(choices)
+
+        return cls(
+            keep_last=rng.choice([1, 2, 3, None]),
+            keep_every=rng.choice([None, None, 2, 3]),
+            grace=rng.choice([60, 600, 7200]),
+            p_fail_before=rate(0, 0.01, 0.05),
+            p_unknown_before=rate(0, 0.01, 0.04),
+            p_lose_write=rate(0, 0.02, 0.08),
+            p_lose_read=rate(0, 0.01, 0.04),
+            p_twice=rate(0, 0.02, 0.08),
+            p_conflict=rate(0, 0.05, 0.2),
+            p_lie_412=rate(0, 0, 0.05),
+            p_latency=rate(0, 0.02, 0.05),
+            p_truncate=rate(0, 0, 0.01, 0.03),
+            p_crash_call=rate(0, 0.002, 0.005),
+            p_crash_failpoint=rate(0, 0.01, 0.03, 0.08),
+            p_clock_jump=rate(0.005, 0.02, 0.05),
+            big_files=rng.random() < 0.03,
+            weights={n: rng.uniform(0.2, 1.0) for n in ("A", "B", "gc", "restorer", "pinner")},
+            p_suspend=rate(0, 0.002, 0.005, 0.01),
+        )
+
+    def rules(self, rng: random.Random) -> list[Rule]:
+        """Fault rules for one actor's store (probabilities from the seed)."""
+        writes = {"put", "delete", "upload_part", "complete_multipart", "create_multipart"}
+        reads = {"get", "get_range", "head", "list", "list_multipart"}
+        rules = [
+            Rule(FailBefore(), ops=writes | reads, times=None, probability=self.p_fail_before),
+            Rule(
+                FailBefore(OutcomeUnknownError),
+                ops=writes,
+                times=None,
+                probability=self.p_unknown_before,
+            ),
+            Rule(LoseResponse(), ops=writes, times=None, probability=self.p_lose_write),
+            Rule(LoseResponse(), ops=reads, times=None, probability=self.p_lose_read),
+            Rule(DeliverTwice(), ops=writes, times=None, probability=self.p_twice),
+            Rule(Conflict(), ops={"put"}, key="LATEST", times=None, probability=self.p_conflict),
+            Rule(
+                FailBefore(PreconditionFailedError),
+                ops={"put"},
+                key="LATEST",
+                modes={"update"},
+                times=None,
+                probability=self.p_lie_412,
+            ),
+            Rule(
+                Latency(rng.uniform(1, self.grace * 0.7)),
+                ops=writes | reads,
+                times=None,
+                probability=self.p_latency,
+            ),
+            Rule(
+                Truncate(rng.randrange(0, 64)),
+                ops={"put", "upload_part"},
+                key=lambda k: "/files/" in k or "/chunks/" in k,
+                times=None,
+                probability=self.p_truncate,
+            ),
+        ]
+        return [r for r in rules if r.probability > 0]
+
+    def content(self, key: str) -> dict[str, bytes]:
+        """The files of save ``key`` (derived from the key, so any copy can be checked)."""
+        rng = random.Random(key)
+        names = rng.sample(["model.bin", "optim/state.bin", "rng.pt", "meta/trainer.json"], rng.randint(1, 3))  # fmt: skip
+        files = {}
+        for name in sorted(names):
+            size = rng.choice([0, rng.randint(1, 300), rng.randint(300, 6000)])
+            files[name] = rng.randbytes(size)
+        if self.big_files and rng.random() < 0.3:
+            files["big.bin"] = rng.randbytes(digest.CHUNK_SIZE + rng.randint(1, 5000))
+        if rng.random() < 0.8:
+            # Frozen weights shared by most saves: chunks that later checkpoints reuse. The
+            # base changes every few steps (a new stage of training), so a chunk can end up
+            # named by dropped checkpoints only, which GC must keep while a pin could still
+            # bring one of them back.
+            parts = key.split(".")
+            stage = int(parts[2]) // 4 if len(parts) > 2 and parts[2].isdigit() else 0
+            files["base/frozen.bin"] = random.Random(f"base{stage % 3}").randbytes(3000)
+        return files
