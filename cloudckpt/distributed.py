@@ -73,16 +73,16 @@ from pathlib import Path
 from typing import Any
 
 from cloudckpt import chunks, errors, protocol
+from cloudckpt.attempts import BegunAttempt, CommitInfo
 from cloudckpt.errors import (
     CheckpointNotFoundError,
     CloudCkptError,
     ConfigurationError,
     CorruptionError,
-    FencedError,
     UnsafePathError,
 )
 from cloudckpt.gc import collect_garbage
-from cloudckpt.manager import CheckpointManager, CommitInfo, SaveHandle, _BegunAttempt, _Job
+from cloudckpt.manager import CheckpointManager, SaveHandle, _Job
 from cloudckpt.protocol import CheckpointRecord, FileEntry, Latest, Manifest
 from cloudckpt.restore import (
     RestoreResult,
@@ -407,7 +407,6 @@ class DistributedCheckpointManager(CheckpointManager):
         self.process_group = group
         self._comm = _Comm(dist, group, rank, world, self.timeout)
         self._broken: CollectiveError | None = None
-        self._dist_fenced: FencedError | None = None
         self._begin_exc: BaseException | None = None
         self._gc_thread: threading.Thread | None = None
         self._abandoned: dict[SaveHandle, BaseException] = {}
@@ -466,6 +465,11 @@ class DistributedCheckpointManager(CheckpointManager):
         moment, so the next ``save()`` would raise on some ranks and enter the collectives
         on others, which would then time out. ``wait()`` and ``close()`` (every rank waits
         for the same saves) and each handle report it."""
+
+    def _check_not_fenced(self) -> None:
+        """Not here: a fenced coordinator refusing to enter a save would leave the other
+        ranks waiting in its collectives. The coordinator's ``attempts.begin()`` raises
+        the ``FencedError`` inside the save, and every rank raises it."""
 
     def _abort_init(self, failure: BaseException | None) -> None:
         self._helper.shutdown(wait=False)
@@ -535,7 +539,7 @@ class DistributedCheckpointManager(CheckpointManager):
         finally:
             self._helper.shutdown(wait=True)
 
-    def _maybe_gc(self) -> None:
+    def gc_if_due(self) -> None:
         """Auto-GC on its own thread: run on the worker, a long collection would hold the
         coordinator back from the next save's collectives while the others time out."""
         if not self._auto_gc or time.monotonic() - self._last_gc < self._gc_interval:
@@ -554,7 +558,7 @@ class DistributedCheckpointManager(CheckpointManager):
         self._gc_thread.start()
 
     def _check_usable(self) -> None:
-        self._check_open()
+        self.check_open()
         if self._broken is not None:
             raise self._broken
 
@@ -687,7 +691,7 @@ class DistributedCheckpointManager(CheckpointManager):
         }
         plans = self._comm.gather(plan, f"starting the save of step {step}")
         decision = None
-        begun: _BegunAttempt | None = None
+        begun: BegunAttempt | None = None
         if self.is_coordinator:
             decision, begun = self._coordinate_begin(plans, step)
         decision = self._comm.broadcast(decision, f"starting the save of step {step}")
@@ -699,14 +703,12 @@ class DistributedCheckpointManager(CheckpointManager):
 
         def upload() -> list[FileEntry]:
             def progress(n: int) -> None:
-                if self._progress is not None:
-                    self._progress(n)
+                if self.progress is not None:
+                    self.progress(n)
                 if cancel.is_set():
                     raise _Cancelled("another rank failed")
 
-            return self.engine.upload_files(
-                self.store, prefix + protocol.FILES_DIR, files, progress
-            )
+            return self.attempts.upload_files(prefix, files, progress)
 
         entries, failures, own = self._run_phase(upload, f"uploading step {step}", cancel)
         if failures:
@@ -727,15 +729,13 @@ class DistributedCheckpointManager(CheckpointManager):
             try:
                 all_entries = [FileEntry(*e) for report in reports for e in report]
                 metadata = {**handle.metadata, WORLD_SIZE_KEY: self.world_size}
-                latest, manifest = self._finish_attempt(begun, all_entries, metadata)
+                latest, manifest = self.attempts.finish(begun, all_entries, metadata)
                 outcome = {
                     "seq": latest.seq,
                     "num_files": len(manifest.files),
                     "total_bytes": manifest.total_bytes,
                 }
             except Exception as exc:
-                if isinstance(exc, FencedError):
-                    self._dist_fenced = exc
                 commit_exc = exc
                 outcome = {"error": _error_info(exc, self.rank)}
         try:
@@ -778,7 +778,7 @@ class DistributedCheckpointManager(CheckpointManager):
 
     def _coordinate_begin(
         self, plans: list[dict[str, Any]] | None, step: int
-    ) -> tuple[dict[str, Any], _BegunAttempt | None]:
+    ) -> tuple[dict[str, Any], BegunAttempt | None]:
         """Coordinator: check every rank's plan, claim if needed, open the attempt."""
         assert plans is not None
         failed = [p["error"] for p in plans if p["error"] is not None]
@@ -800,12 +800,8 @@ class DistributedCheckpointManager(CheckpointManager):
                 "hint": "Give every rank distinct file names, or use per_rank_dirs=True",
             }, None
         try:
-            if self._dist_fenced is not None:
-                raise self._dist_fenced
-            begun = self._begin_attempt(step)
+            begun = self.attempts.begin(step)
         except Exception as exc:
-            if isinstance(exc, FencedError):
-                self._dist_fenced = exc
             self._begin_exc = exc
             return {"error": "coordinator", "info": _error_info(exc, self.rank)}, None
         return {"prefix": begun.prefix, "epoch": begun.epoch, "commit_id": begun.commit_id}, begun
@@ -890,8 +886,7 @@ class DistributedCheckpointManager(CheckpointManager):
                     bad, hint="Pass the same node-local directory on every rank of a node"
                 )
             if claim:
-                with self._commit_lock:
-                    latest: Latest | None = self.committer.claim()
+                latest: Latest | None = self.attempts.claim()
                 from_records = False
                 if latest is None or latest.current is None:
                     return None
@@ -951,7 +946,7 @@ class DistributedCheckpointManager(CheckpointManager):
                         entries,
                         tmp,
                         manifest.chunk_size,
-                        self._progress,
+                        self.progress,
                     )
                 except OSError as exc:
                     full = out_of_space(exc, record.step, need, tmp.parent)
@@ -1097,7 +1092,7 @@ class DistributedCheckpointManager(CheckpointManager):
                     [by_path[p] for p in sorted(wanted)],
                     node_dir,
                     manifest.chunk_size,
-                    self._progress,
+                    self.progress,
                 )
 
             _, failures, own = self._run_phase(download if self.is_node_leader else None, what)

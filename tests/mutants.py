@@ -110,7 +110,7 @@ def _gc_does_not_sweep(setattr_: Callable[[Any, str, Any], None]) -> None:
 
 def _age_on_the_hosts_clock(setattr_: Callable[[Any, str, Any], None]) -> None:
     """An attempt's age measured on the host's monotonic clock (stops while suspended)."""
-    from cloudckpt import committer, manager
+    from cloudckpt import attempts, committer
     from cloudckpt.errors import StaleAttemptError
 
     @dataclasses.dataclass(frozen=True)
@@ -121,7 +121,7 @@ def _age_on_the_hosts_clock(setattr_: Callable[[Any, str, Any], None]) -> None:
             if time.monotonic() - self.started > self.max_age_s:
                 raise StaleAttemptError(f"step {step} is stale")
 
-    setattr_(manager, "AttemptAge", HostClockAge)
+    setattr_(attempts, "AttemptAge", HostClockAge)
 
 
 def _reused_chunks_not_listed(setattr_: Callable[[Any, str, Any], None]) -> None:

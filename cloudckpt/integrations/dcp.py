@@ -65,16 +65,16 @@ from pathlib import Path
 from typing import Any
 
 from cloudckpt import chunks, digest, protocol
+from cloudckpt.attempts import CommitInfo
 from cloudckpt.distributed import WORLD_SIZE_KEY, DistributedCheckpointManager
 from cloudckpt.errors import (
     CheckpointNotFoundError,
     ConfigurationError,
     CorruptionError,
-    FencedError,
     ObjectNotFoundError,
     UnsafePathError,
 )
-from cloudckpt.manager import CheckpointManager, CommitInfo
+from cloudckpt.manager import CheckpointManager
 from cloudckpt.protocol import CheckpointRecord, FileEntry, Manifest
 from cloudckpt.restore import (
     SkippedCheckpoint,
@@ -156,13 +156,6 @@ def _open_manager(
             hint="Build cloudckpt.distributed.DistributedCheckpointManager on every rank",
         )
     return manager, owned
-
-
-def _note_fenced(manager: CheckpointManager, exc: FencedError) -> None:
-    if isinstance(manager, DistributedCheckpointManager):
-        manager._dist_fenced = exc
-    else:
-        manager._fenced = exc
 
 
 # Objects that travel inside DCP's plans and write results (pickled by DCP's collectives;
@@ -308,7 +301,7 @@ class CloudStorageWriter(StorageWriter):
                 hint="The checkpoint commits once, on the coordinator, after every rank's "
                 "upload; that needs the ranks to report to it",
             )
-        self.manager._check_open()
+        self.manager.check_open()
         self._cleanup()
         self.commit_info = None
         self._begun = None
@@ -360,16 +353,11 @@ class CloudStorageWriter(StorageWriter):
                     hint="Give dcp.save a process group over the manager's ranks, in the "
                     "same order (rank 0 commits)",
                 )
-            if mgr._dist_fenced is not None:
-                raise mgr._dist_fenced
+            mgr.attempts.check_fenced()
         plans = self._inner.prepare_global_plan(
             [dataclasses.replace(p, storage_data=None) for p in plans]
         )
-        try:
-            self._begun = mgr._begin_attempt(steps[0])
-        except FencedError as exc:
-            _note_fenced(mgr, exc)
-            raise
+        self._begun = mgr.attempts.begin(steps[0])
         return [
             dataclasses.replace(
                 p, storage_data=_CloudPlan(i.token, self._begun.prefix, p.storage_data)
@@ -393,12 +381,7 @@ class CloudStorageWriter(StorageWriter):
             fut.wait()
             written: list[WriteResult] = fut.value()
             files = sorted({wr.storage_data.relative_path for wr in written})
-            entries = mgr.engine.upload_files(
-                mgr.store,
-                cloud.prefix + protocol.FILES_DIR,
-                [(f, self._local / f) for f in files],
-                mgr._progress,
-            )
+            entries = mgr.attempts.upload_files(cloud.prefix, [(f, self._local / f) for f in files])
         finally:
             if not self._is_coordinator:
                 self._cleanup()
@@ -432,31 +415,20 @@ class CloudStorageWriter(StorageWriter):
                 if wr.storage_data.entry is not None
             ]
             self._inner.finish(metadata, plain)  # writes .metadata locally, DCP's way
-            entries += mgr.engine.upload_files(
-                mgr.store,
-                begun.prefix + protocol.FILES_DIR,
-                [(METADATA_FILE, self._local / METADATA_FILE)],
-                mgr._progress,
+            entries += mgr.attempts.upload_files(
+                begun.prefix, [(METADATA_FILE, self._local / METADATA_FILE)]
             )
             recorded = {
                 **self.metadata,
                 WORLD_SIZE_KEY: len(results),
                 DCP_KEY: str(metadata.version),
             }
-            try:
-                latest, manifest = mgr._finish_attempt(begun, entries, recorded)
-            except FencedError as exc:
-                _note_fenced(mgr, exc)
-                raise
+            latest, manifest = mgr.attempts.finish(begun, entries, recorded)
             elapsed = time.perf_counter() - self._started
-            self.commit_info = CommitInfo(
-                step=begun.step,
-                commit_id=begun.commit_id,
-                ckpt=begun.prefix,
-                epoch=begun.epoch,
-                seq=latest.seq,
-                num_files=len(manifest.files),
-                total_bytes=manifest.total_bytes,
+            self.commit_info = CommitInfo.of(
+                begun,
+                latest,
+                manifest,
                 blocking_seconds=0.0,
                 commit_seconds=elapsed,
                 metadata=dict(self.metadata),
@@ -470,7 +442,7 @@ class CloudStorageWriter(StorageWriter):
                 elapsed,
             )
             if isinstance(mgr, DistributedCheckpointManager):
-                mgr._maybe_gc()  # on its own thread, as after the manager's own saves
+                mgr.gc_if_due()  # on its own thread, as after the manager's own saves
         finally:
             self._cleanup()
 
@@ -554,15 +526,14 @@ class CloudStorageReader(StorageReader):
             return mgr._collective(
                 lambda: mgr._decide(lambda: self._pick(step, claim), "choosing a checkpoint")
             )
-        mgr._check_open()
+        mgr.check_open()
         return self._pick(step, claim)
 
     def _pick(self, step: int | None, claim: bool) -> dict[str, Any] | None:
         """(Coordinator.) The newest intact DCP checkpoint (or ``step``), verified."""
         mgr = self.manager
         if claim:
-            with mgr._commit_lock:
-                latest = mgr.committer.claim()
+            latest = mgr.attempts.claim()
         else:
             latest, _ = load_latest_for_reading(mgr.store)
         if latest is None or latest.current is None:
@@ -714,7 +685,7 @@ class CloudStorageReader(StorageReader):
                 [by_path[p] for p in needed],
                 local,
                 manifest.chunk_size,
-                mgr._progress,
+                mgr.progress,
             )
         except BaseException:
             shutil.rmtree(local, ignore_errors=True)
