@@ -253,7 +253,9 @@ def _wait_interruptibly(futures: list[cf.Future], timeout: float | None) -> bool
 
 
 @dataclasses.dataclass
-class _Job:
+class QueuedSave:
+    """A save handed over to the queue: what the worker gives ``_save``."""
+
     handle: SaveHandle
     attempt: Attempt
     recovered: bool = False
@@ -386,10 +388,10 @@ class CheckpointManager:
         self._max_pending = max_pending
         self._backpressure = backpressure
         self._cv = threading.Condition()
-        self._queue: collections.deque[_Job] = collections.deque()
+        self._queue: collections.deque[QueuedSave] = collections.deque()
         self._reserved = 0  # saves inside their with-block, holding a queue slot
         self._open: dict[SaveHandle, int] = {}  # those saves -> the thread that entered them
-        self._inflight: _Job | None = None
+        self._inflight: QueuedSave | None = None
         self._handles: list[SaveHandle] = []
         self._worker: threading.Thread | None = None
         self._closing = False
@@ -690,7 +692,7 @@ class CheckpointManager:
                 self._cv.notify_all()
             raise
 
-    def _drop(self, job: _Job) -> None:
+    def _drop(self, job: QueuedSave) -> None:
         log.warning(
             "dropping queued save of step %d: a newer save arrived (drop_oldest)", job.handle.step
         )
@@ -729,11 +731,17 @@ class CheckpointManager:
         with self._cv:
             self._reserved -= 1
             self._open.pop(handle, None)
-            self._queue.append(_Job(handle, handle._attempt))
+            self._queue.append(QueuedSave(handle, handle._attempt))
             self._handles.append(handle)
             self._ensure_worker()
             self._cv.notify_all()
         self._drain()
+
+    def _wait_idle(self) -> None:
+        """Wait until no save is queued or in flight (without raising their failures)."""
+        with self._cv:
+            while self._queue or self._inflight is not None:
+                self._cv.wait(0.2)
 
     def _ensure_worker(self) -> None:
         if self._worker is None and not self._synchronous:
@@ -803,13 +811,13 @@ class CheckpointManager:
                 earlier.handle._future.set_exception(exc)
                 log.warning("could not commit recovered step %d: %s", earlier.handle.step, exc)
 
-    def _claim_if_needed(self) -> list[_Job]:
+    def _claim_if_needed(self) -> list[QueuedSave]:
         """Claim on the first save if resume() did not; return recovered jobs to run."""
         if self.committer.latest is not None:
             return []
         return self._recover(self.committer.claim())
 
-    def _recover(self, latest: Latest) -> list[_Job]:
+    def _recover(self, latest: Latest) -> list[QueuedSave]:
         """Decide about attempts a crashed process left in staging (module doc of staging)."""
         committed_step = latest.current.step if latest.current else -1
         jobs = []
@@ -818,7 +826,7 @@ class CheckpointManager:
                 log.warning("recovering step %d staged by a crashed process", attempt.step)
                 handle = SaveHandle(self, attempt.step, attempt.metadata)
                 handle.handed_over_at = time.perf_counter()
-                job = _Job(handle, attempt, recovered=True)
+                job = QueuedSave(handle, attempt, recovered=True)
                 jobs.append(job)
             else:
                 if attempt.state != COMMITTED:
@@ -834,7 +842,7 @@ class CheckpointManager:
                 self._cv.notify_all()
         return jobs
 
-    def _save(self, job: _Job) -> CommitInfo:
+    def _save(self, job: QueuedSave) -> CommitInfo:
         """Upload, write the manifest, commit (runs on the worker thread)."""
         if job.handle._memory_files is not None and not job.recovered:
             return self._save_from_memory(job, job.handle._memory_files)
@@ -863,7 +871,7 @@ class CheckpointManager:
         attempt.remove()
         return self._committed(handle, begun, latest, manifest)
 
-    def _save_from_memory(self, job: _Job, files: list[tuple[str, MemoryFile]]) -> CommitInfo:
+    def _save_from_memory(self, job: QueuedSave, files: list[tuple[str, MemoryFile]]) -> CommitInfo:
         """``_save`` for files held in memory (``save_state``'s host buffers): upload them
         straight from memory, no round trip through the staging file system. The staged
         copy, which only a crash before the commit would need, is written and fsynced on a

@@ -521,11 +521,7 @@ class CloudStorageReader(StorageReader):
     def _choose(self, step: int | None, claim: bool) -> dict[str, Any] | None:
         mgr = self.manager
         if isinstance(mgr, DistributedCheckpointManager):
-            mgr._check_usable()
-            mgr._wait_idle()  # queued saves use the same collectives: let them finish
-            return mgr._collective(
-                lambda: mgr._decide(lambda: self._pick(step, claim), "choosing a checkpoint")
-            )
+            return mgr.run_on_coordinator(lambda: self._pick(step, claim), "choosing a checkpoint")
         mgr.check_open()
         return self._pick(step, claim)
 
@@ -645,7 +641,7 @@ class CloudStorageReader(StorageReader):
         needed = sorted({storage[item.storage_index].relative_path for item in plan.items})
         what = f"loading step {record.step}"
         if isinstance(mgr, DistributedCheckpointManager):
-            local = mgr._fetch_for_node(record, manifest, needed, self.cache_dir, what)
+            local = mgr.fetch_for_node(record, manifest, needed, self.cache_dir, what)
         else:
             local = self._fetch_here(needed)
         failure: BaseException | None = None
@@ -657,7 +653,7 @@ class CloudStorageReader(StorageReader):
         except BaseException as exc:
             failure = exc
         if isinstance(mgr, DistributedCheckpointManager):
-            mgr._node_done(local, f"{what}: finishing")  # every rank, even after a failure
+            mgr.node_done(local, f"{what}: finishing")  # every rank, even after a failure
         else:
             shutil.rmtree(local, ignore_errors=True)
         if failure is not None:
