@@ -40,7 +40,8 @@ from cloudckpt.errors import (
     UnsupportedBackendError,
 )
 from cloudckpt.manager import CheckpointInfo, CheckpointManager, SaveHandle
-from cloudckpt.restore import RestoreResult, SkippedCheckpoint
+from cloudckpt.reader import SkippedCheckpoint
+from cloudckpt.restore import RestoreResult
 from cloudckpt.stores import open_store
 from cloudckpt.transfer import TransferConfig
 

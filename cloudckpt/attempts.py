@@ -53,6 +53,7 @@ from cloudckpt.errors import (
 )
 from cloudckpt.failpoints import hit as failpoint
 from cloudckpt.protocol import FileEntry, Latest, Manifest
+from cloudckpt.reader import fetch_manifest
 from cloudckpt.retry import IDEMPOTENT_RETRY, call_with_retries
 from cloudckpt.stores import CREATE, OVERWRITE, Store
 from cloudckpt.transfer import MemoryFile, ProgressCallback, TransferEngine
@@ -357,8 +358,6 @@ class AttemptWriter:
             latest = self.committer.latest
             self._chunk_index = chunks.ChunkIndex()
             if latest is not None and latest.current is not None:
-                from cloudckpt.restore import fetch_manifest
-
                 try:
                     self._chunk_index = chunks.ChunkIndex.of(
                         fetch_manifest(self.store, latest.current)

@@ -61,8 +61,8 @@ from cloudckpt.errors import (
 )
 from cloudckpt.gc import GCReport, collect_garbage
 from cloudckpt.protocol import INHERIT, CheckpointRecord, Latest, Manifest, Settings
-from cloudckpt.restore import RestoreResult, load_latest_for_reading, restore
-from cloudckpt.restore import _prepare_destination as check_destination
+from cloudckpt.reader import load_latest_for_reading
+from cloudckpt.restore import RestoreResult, prepare_destination, restore
 from cloudckpt.staging import (
     COMMITTED,
     DURABLE,
@@ -438,7 +438,7 @@ class CheckpointManager:
         """
         self.check_open()
         # Check the destination before claiming: a bad argument must not fence the writer.
-        check_destination(Path(into).expanduser().absolute(), overwrite)
+        prepare_destination(Path(into).expanduser().absolute(), overwrite)
         with self.attempts.commit_lock:
             latest = self.committer.claim()
             recovered = self._recover(latest)

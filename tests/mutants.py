@@ -34,9 +34,9 @@ class Mutant:
 def _restore_scans_the_bucket(setattr_: Callable[[Any, str, Any], None]) -> None:
     """A restore that, like tools that trust "the newest complete directory", also offers
     every attempt whose manifest is complete, committed or not, newest first."""
-    from cloudckpt import protocol, restore
+    from cloudckpt import protocol, reader
 
-    original = restore.load_latest_for_reading
+    original = reader.load_latest_for_reading
 
     def scanning(store):
         latest, from_records = original(store)
@@ -59,7 +59,7 @@ def _restore_scans_the_bucket(setattr_: Callable[[Any, str, Any], None]) -> None
             from_records
         )
 
-    setattr_(restore, "load_latest_for_reading", scanning)
+    setattr_(reader, "load_latest_for_reading", scanning)
 
 
 def _gc_forgets_pending_tombstones(setattr_: Callable[[Any, str, Any], None]) -> None:

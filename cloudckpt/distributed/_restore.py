@@ -27,23 +27,25 @@ from typing import Any
 from cloudckpt import chunks, protocol
 from cloudckpt.distributed._comm import Comm, RankError, Ranks
 from cloudckpt.distributed._save import WORLD_SIZE_KEY
-from cloudckpt.errors import CheckpointNotFoundError, ConfigurationError, CorruptionError
+from cloudckpt.errors import ConfigurationError, CorruptionError
 from cloudckpt.protocol import CheckpointRecord, Latest, Manifest
+from cloudckpt.reader import (
+    Damaged,
+    Intact,
+    check_objects,
+    fetch_manifest,
+    first_intact,
+    readable,
+    reread_if_dropped,
+    to_try,
+)
 from cloudckpt.restore import (
     RestoreResult,
-    SkippedCheckpoint,
-    _place,
-    candidates,
-    check_objects,
     check_space,
-    dropped_reason,
-    fetch_manifest,
-    load_latest_for_reading,
-    nothing_restored,
     out_of_space,
-    reread_if_dropped,
+    place,
+    prepare_destination,
 )
-from cloudckpt.restore import _prepare_destination as check_destination
 from cloudckpt.stores import Store
 from cloudckpt.transfer import ProgressCallback, TransferEngine
 
@@ -150,38 +152,37 @@ class NodeReader:
         chosen, dest = self._start(into, step, overwrite, claim, what)
         if chosen is None:
             return None
-        todo = chosen.todo()
-        from_records = chosen.from_records
-        skipped: list[SkippedCheckpoint] = []
-        tried: set[str] = set()
-        rereads = 0
-        while todo:
-            record = todo.pop(0)
-            tried.add(record.commit_id)
+
+        def try_one(record: CheckpointRecord) -> int | Damaged | None:
             saved_world = _saved_world(record)
             wants = select or self._default_select(saved_world)
             reason = self._fetch(record, dest, wants, what)
-            if reason is None:
-                if skipped:
-                    log.warning(
-                        "restored step %d after skipping %d checkpoint(s)",
-                        record.step,
-                        len(skipped),
-                    )
-                return self._result(record, into, skipped, from_records, saved_world)
+            return saved_world if reason is None else Damaged(reason)
+
+        def reread(
+            record: CheckpointRecord, tried: set[str], rereads: int
+        ) -> tuple[list[CheckpointRecord], bool] | None:
             fresh = self.comm.decide(
-                lambda r=record, n=rereads: self._reread_if_dropped(r, step, tried, n),
+                lambda: self._reread_if_dropped(record, step, tried, rereads),
                 f"{what}: reading LATEST again",
             )
-            if fresh is None:
-                log.warning("checkpoint of step %d is unusable: %s", record.step, reason)
-                skipped.append(SkippedCheckpoint(record.step, record.commit_id, reason))
-                continue
-            todo, from_records, rereads = fresh.todo(), fresh.from_records, rereads + 1
-            skipped.append(
-                SkippedCheckpoint(record.step, record.commit_id, dropped_reason(reason), True)
+            return None if fresh is None else (fresh.todo(), fresh.from_records)
+
+        found = first_intact(
+            self.store,
+            chosen.todo(),
+            step,
+            try_one,
+            from_records=chosen.from_records,
+            reread=reread,
+        )
+        if found.skipped:
+            log.warning(
+                "restored step %d after skipping %d checkpoint(s)",
+                found.record.step,
+                len(found.skipped),
             )
-        raise nothing_restored(self.store.url, skipped, step)
+        return self._result(found, into)
 
     def _start(
         self,
@@ -198,7 +199,7 @@ class NodeReader:
         dest = into
         if self.ranks.is_node_leader:
             try:  # before claiming: a bad argument must not fence the writer
-                dest = check_destination(into, overwrite)
+                dest = prepare_destination(into, overwrite)
             except Exception as exc:
                 local_exc = exc
         error = None if local_exc is None else RankError.of(local_exc, self.comm.rank)
@@ -227,29 +228,13 @@ class NodeReader:
             raise ConfigurationError(
                 bad, hint="Pass the same node-local directory on every rank of a node"
             )
-        url = self.store.url
-        if claim is not None:
-            latest: Latest | None = claim()
-            from_records = False
-            if latest is None or latest.current is None:
-                return None
-        else:
-            latest, from_records = load_latest_for_reading(self.store)
-            if latest is None:
-                if from_records:
-                    raise CorruptionError(
-                        f"LATEST of {url} is unreadable and no commit record verifies"
-                    )
-                raise CheckpointNotFoundError(f"{url} has no committed checkpoint")
-        todo = candidates(latest, step)
-        if not todo:
-            missing = (
-                "no committed checkpoint"
-                if step is None
-                else f"no retained checkpoint of step {step}"
-            )
-            raise CheckpointNotFoundError(f"{url} has {missing}")
-        return Candidates.of(todo, from_records)
+        if claim is None:
+            return Candidates.of(*readable(self.store, step))
+        latest = claim()
+        if latest.current is None:
+            return None  # a new run
+        todo = to_try(self.store.url, latest, step)
+        return Candidates.of(todo, False)
 
     def _fetch(self, record: CheckpointRecord, dest: Path, wants: Select, what: str) -> str | None:
         """Every node's leader downloads ``record`` (what its ranks want) and moves it
@@ -271,7 +256,7 @@ class NodeReader:
                 raise fatal[0].rebuild()
             return "; ".join(f.summary for f in phase.failures.values())
         phase = self.comm.run_phase(
-            (lambda: _place(tmp, dest)) if leader else None, f"{what}: placing step {record.step}"
+            (lambda: place(tmp, dest)) if leader else None, f"{what}: placing step {record.step}"
         )
         if phase.failures:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -307,14 +292,8 @@ class NodeReader:
                 raise
             raise full from exc
 
-    def _result(
-        self,
-        record: CheckpointRecord,
-        into: Path,
-        skipped: list[SkippedCheckpoint],
-        from_records: bool,
-        saved_world: int | None,
-    ) -> DistributedRestoreResult:
+    def _result(self, found: Intact[int | None], into: Path) -> DistributedRestoreResult:
+        record = found.record
         return DistributedRestoreResult(
             step=record.step,
             path=into,
@@ -324,10 +303,10 @@ class NodeReader:
             epoch=record.epoch,
             num_files=record.num_files,
             total_bytes=record.total_bytes,
-            skipped=tuple(skipped),
-            from_commit_records=from_records,
+            skipped=found.skipped,
+            from_commit_records=found.from_records,
             rank_path=into / rank_dir(self.comm.rank),
-            saved_world_size=saved_world,
+            saved_world_size=found.value,
         )
 
     def _reread_if_dropped(

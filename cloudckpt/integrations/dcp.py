@@ -64,7 +64,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cloudckpt import chunks, digest, protocol
+from cloudckpt import chunks, digest, protocol, reader
 from cloudckpt.attempts import CommitInfo
 from cloudckpt.distributed import WORLD_SIZE_KEY, DistributedCheckpointManager
 from cloudckpt.errors import (
@@ -76,16 +76,7 @@ from cloudckpt.errors import (
 )
 from cloudckpt.manager import CheckpointManager
 from cloudckpt.protocol import CheckpointRecord, FileEntry, Manifest
-from cloudckpt.restore import (
-    SkippedCheckpoint,
-    candidates,
-    check_objects,
-    dropped_reason,
-    fetch_manifest,
-    load_latest_for_reading,
-    nothing_restored,
-    reread_if_dropped,
-)
+from cloudckpt.reader import SkippedCheckpoint, check_objects, fetch_manifest
 from cloudckpt.retry import call_with_retries
 from cloudckpt.stores import Store
 
@@ -197,6 +188,18 @@ class _LocalWriter(FileSystemWriter):
 
     def storage_meta(self) -> StorageMeta | None:
         return self._meta
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chosen:
+    """The checkpoint the coordinator picked for a load, as every rank receives it: its
+    record (``CheckpointRecord.to_dict``), verified manifest and DCP ``.metadata``, and the
+    checkpoints skipped before it."""
+
+    record: dict[str, Any]
+    manifest: Manifest
+    metadata: bytes
+    skipped: tuple[SkippedCheckpoint, ...]
 
 
 def _done(value: Any) -> Future:
@@ -494,10 +497,10 @@ class CloudStorageReader(StorageReader):
         self.skipped: tuple[SkippedCheckpoint, ...] = ()
         self._metadata_bytes = b""
         if chosen is not None:
-            self.record = CheckpointRecord.from_dict(chosen["record"])
-            self.manifest = chosen["manifest"]
-            self._metadata_bytes = chosen["metadata"]
-            self.skipped = tuple(SkippedCheckpoint(*s) for s in chosen["skipped"])
+            self.record = CheckpointRecord.from_dict(chosen.record)
+            self.manifest = chosen.manifest
+            self._metadata_bytes = chosen.metadata
+            self.skipped = chosen.skipped
 
     @property
     def step(self) -> int | None:
@@ -518,54 +521,35 @@ class CloudStorageReader(StorageReader):
 
     # -- choosing the checkpoint --
 
-    def _choose(self, step: int | None, claim: bool) -> dict[str, Any] | None:
+    def _choose(self, step: int | None, claim: bool) -> _Chosen | None:
         mgr = self.manager
         if isinstance(mgr, DistributedCheckpointManager):
             return mgr.run_on_coordinator(lambda: self._pick(step, claim), "choosing a checkpoint")
         mgr.check_open()
         return self._pick(step, claim)
 
-    def _pick(self, step: int | None, claim: bool) -> dict[str, Any] | None:
+    def _pick(self, step: int | None, claim: bool) -> _Chosen | None:
         """(Coordinator.) The newest intact DCP checkpoint (or ``step``), verified."""
         mgr = self.manager
         if claim:
             latest = mgr.attempts.claim()
         else:
-            latest, _ = load_latest_for_reading(mgr.store)
+            latest, _ = reader.load_latest_for_reading(mgr.store)
         if latest is None or latest.current is None:
             if step is not None:
                 raise CheckpointNotFoundError(f"{mgr.url} has no committed checkpoint")
             return None
-        todo = candidates(latest, step)
-        if not todo:
-            raise CheckpointNotFoundError(f"{mgr.url} has no retained checkpoint of step {step}")
-        skipped: list[SkippedCheckpoint] = []
-        tried: set[str] = set()
-        rereads = 0
-        while todo:
-            record = todo.pop(0)
-            tried.add(record.commit_id)
+
+        def try_one(record: CheckpointRecord) -> tuple[Manifest, bytes] | reader.Damaged:
             try:
-                manifest, data = self._read_metadata(record)
+                return self._read_metadata(record)
             except (CorruptionError, UnsafePathError) as exc:
-                fresh = None
-                if isinstance(exc, CorruptionError):
-                    fresh = reread_if_dropped(mgr.store, record, step, tried, rereads)
-                if fresh is None:
-                    log.warning("checkpoint of step %d is unusable: %s", record.step, exc.message)
-                    skipped.append(SkippedCheckpoint(record.step, record.commit_id, exc.message))
-                    continue
-                todo, rereads = fresh[0], rereads + 1
-                reason = dropped_reason(exc.message)
-                skipped.append(SkippedCheckpoint(record.step, record.commit_id, reason, True))
-                continue
-            return {
-                "record": record.to_dict(),
-                "manifest": manifest,
-                "metadata": bytes(data),
-                "skipped": [dataclasses.astuple(s) for s in skipped],
-            }
-        raise nothing_restored(mgr.url, skipped, step)
+                return reader.Damaged.of(exc)
+
+        todo = reader.to_try(mgr.url, latest, step)
+        found = reader.first_intact(mgr.store, todo, step, try_one)
+        manifest, data = found.value
+        return _Chosen(found.record.to_dict(), manifest, bytes(data), found.skipped)
 
     def _read_metadata(self, record: CheckpointRecord) -> tuple[Manifest, bytes]:
         """(Coordinator.) ``record``'s manifest and DCP ``.metadata``, verified.
