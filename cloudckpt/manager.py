@@ -644,6 +644,10 @@ class CheckpointManager:
             log.error("while closing after an error: %s", close_exc)
 
     # ---------------------------------------------------------------- internals
+    # DistributedCheckpointManager (cloudckpt.distributed) is the one subclass. It
+    # overrides _save (what a queued save does), _hand_over and _abandon (a failed rank
+    # still takes part), _raise_earlier_failure and _check_not_fenced (no refusal on one
+    # rank only), gc_if_due and _shutdown; it calls _enqueue, _fail and _wait_idle.
 
     def check_open(self) -> None:
         """Raises ConfigurationError once ``close()`` has begun (for integrations that
