@@ -9,6 +9,7 @@ Public API (everything else is private and may change):
 """
 
 from cloudckpt._version import __version__
+from cloudckpt.attempts import CommitInfo
 from cloudckpt.errors import (
     BucketNotFoundError,
     CheckpointNotFoundError,
@@ -38,8 +39,9 @@ from cloudckpt.errors import (
     UnsafePathError,
     UnsupportedBackendError,
 )
-from cloudckpt.manager import CheckpointInfo, CheckpointManager, CommitInfo, SaveHandle
-from cloudckpt.restore import RestoreResult, SkippedCheckpoint
+from cloudckpt.manager import CheckpointInfo, CheckpointManager, SaveHandle
+from cloudckpt.reader import SkippedCheckpoint
+from cloudckpt.restore import RestoreResult
 from cloudckpt.stores import open_store
 from cloudckpt.transfer import TransferConfig
 

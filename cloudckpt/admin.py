@@ -14,7 +14,7 @@ import os
 
 from cloudckpt import protocol
 from cloudckpt.committer import edit_latest, read_latest
-from cloudckpt.errors import CheckpointNotFoundError, CloudCkptError, NeedsRepairError
+from cloudckpt.errors import ActiveWriterError, CheckpointNotFoundError, NeedsRepairError
 from cloudckpt.protocol import CorruptRecordError, Latest
 from cloudckpt.stores import Store
 
@@ -71,15 +71,6 @@ def unpin(store: Store, step: int) -> Latest | None:
 
 #: A writer that wrote LATEST less than this long ago (store clock) counts as active.
 ACTIVE_WINDOW_S = 3600
-
-
-class ActiveWriterError(CloudCkptError):
-    """Taking over the run would fence a writer that is probably still running."""
-
-    default_hint = (
-        "If that writer is gone, or you mean to take the run over from it, re-run with "
-        "--force; otherwise stop it first"
-    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,6 +66,11 @@ from cloudckpt.errors import (
 )
 from cloudckpt.failpoints import hit as failpoint
 from cloudckpt.protocol import ChunkRef, FileEntry, Latest, Manifest
+
+# The listing a reader checks a chunked checkpoint with lives in ``cloudckpt.reader`` (it
+# was defined here first and is still imported from here).
+from cloudckpt.reader import check_chunk_objects as check_chunk_objects
+from cloudckpt.reader import fetch_manifest
 from cloudckpt.retry import call_with_retries
 from cloudckpt.stores import CREATE, Store
 from cloudckpt.transfer import MemoryFile, read_at
@@ -368,29 +373,6 @@ def check_uploaded(store: Store, prefix: str, entries: Sequence[FileEntry]) -> N
 # --------------------------------------------------------------------------- restore
 
 
-def owners(manifest: Manifest) -> set[str]:
-    return {c.owner for f in manifest.files for c in f.chunks or ()}
-
-
-def check_chunk_objects(store: Store, manifest: Manifest, step: int) -> None:
-    """One listing per owner prefix: every chunk exists with its size.
-    Raises MissingChunkError."""
-    sizes: dict[str, int] = {}
-    for owner in sorted(owners(manifest)):
-        where = owner + protocol.CHUNKS_DIR
-        for o in store.list(where):
-            sizes[o.key] = o.size
-    for f in manifest.files:
-        for c in f.chunks or ():
-            got = sizes.get(c.key)
-            if got is None:
-                raise MissingChunkError(f"chunk {c.key} of {f.path} (step {step}) is missing")
-            if got != c.size:
-                raise MissingChunkError(
-                    f"chunk {c.key} of {f.path} (step {step}) is {got} bytes, expected {c.size}"
-                )
-
-
 def _fetch_chunk(engine, store: Store, ref: ChunkRef, into: memoryview | None = None):
     """A chunk's bytes (read into ``into``, at least ``ref.size`` long, where the store
     can), verified against its name (re-read once on a mismatch: a damaged response is not
@@ -618,8 +600,6 @@ def protected_chunk_keys(
     """Keys of every chunk named by a manifest of a checkpoint in ``latest`` (retained or
     tombstoned), except the checkpoints in ``deleting`` (commit ids). None if a manifest
     could not be read: then no chunk may be deleted."""
-    from cloudckpt.restore import fetch_manifest
-
     skip = set(deleting)
     records = [*latest.retained(), *(t.record for t in latest.tombstones)]
     keys: set[str] = set()

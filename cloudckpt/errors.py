@@ -23,7 +23,8 @@ credentials: URLs are redacted before they reach a message (see ``redact_url``).
     ├── CommitStateUnknownError       cannot tell whether the commit landed
     ├── StaleAttemptError             an attempt is too old to commit safely (GC may own it)
     ├── CorruptionError               data does not match its recorded digest; nothing usable
-    │   └── MissingChunkError         a chunk a manifest names is missing or damaged
+    │   ├── MissingChunkError         a chunk a manifest names is missing or damaged
+    │   └── CorruptRecordError        a LATEST, commit record or manifest does not parse or verify
     ├── NeedsRepairError              checkpoints exist but LATEST is missing or unreadable
     ├── CheckpointNotFoundError       no committed checkpoint matches the request
     ├── DestinationNotEmptyError      a restore target holds files, or cannot be one
@@ -31,24 +32,33 @@ credentials: URLs are redacted before they reach a message (see ``redact_url``).
     ├── SaveDroppedError              a queued save was replaced by a newer one (backpressure)
     ├── ChunkSourceDroppedError       chunks a save reuses lost their retained source (retried)
     │   └── ReusedChunkMissingError   chunks a save reuses are not in the store (re-uploaded)
-    └── UnsafePathError               a manifest path would escape the destination
+    ├── UnsafePathError               a manifest path would escape the destination
+    ├── ActiveWriterError             taking over the run would fence a writer still running
+    ├── RankFailedError               ranks of a multi-rank save failed; nothing was committed
+    └── CollectiveError               a multi-rank collective failed or timed out (a rank died)
+
+Every class is defined here, so that one rank of a multi-rank job can rebuild by name the
+error another rank raised (``cloudckpt.distributed``).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 __all__ = [
+    "ActiveWriterError",
     "BucketNotFoundError",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
     "ChunkSourceDroppedError",
     "CloudCkptError",
+    "CollectiveError",
     "CommitConflictError",
     "CommitStateUnknownError",
     "ConfigurationError",
+    "CorruptRecordError",
     "CorruptionError",
     "CredentialsError",
     "DestinationNotEmptyError",
@@ -61,6 +71,7 @@ __all__ = [
     "OutcomeUnknownError",
     "PermissionDeniedError",
     "PreconditionFailedError",
+    "RankFailedError",
     "ReusedChunkMissingError",
     "SaveDroppedError",
     "StagingError",
@@ -339,6 +350,10 @@ class UnsafePathError(CloudCkptError):
     )
 
 
+class CorruptRecordError(CorruptionError):
+    """A LATEST, commit record or manifest does not parse or verify."""
+
+
 class MissingChunkError(CorruptionError):
     """A chunk a checkpoint's manifest names is missing or does not match its digest.
     A restore skips the checkpoint and falls back to an older one."""
@@ -366,4 +381,57 @@ class ReusedChunkMissingError(ChunkSourceDroppedError):
         self, message: str, *, missing: frozenset[str] = frozenset(), hint: str | None = None
     ) -> None:
         self.missing = missing
+        super().__init__(message, hint=hint)
+
+
+class ActiveWriterError(CloudCkptError):
+    """Taking over the run would fence a writer that is probably still running."""
+
+    default_hint = (
+        "If that writer is gone, or you mean to take the run over from it, re-run with "
+        "--force; otherwise stop it first"
+    )
+
+
+class RankFailedError(CloudCkptError):
+    """One or more ranks failed before the commit; nothing was committed.
+
+    ``failures`` maps each failed rank to its error (type and message). Every rank raises
+    this error for the same save; on a failed rank its own exception is the ``__cause__``.
+    """
+
+    default_hint = (
+        "Nothing was committed; the previous checkpoint is still current. Fix the failed "
+        "rank's problem and save again"
+    )
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        failures: Mapping[int, str] | None = None,
+        hint: str | None = None,
+    ) -> None:
+        self.failures = dict(failures or {})
+        super().__init__(message, hint=hint)
+
+
+class CollectiveError(CloudCkptError):
+    """A collective of the manager's process group failed or timed out: a rank died, hung,
+    or became unreachable. The group is unusable afterwards.
+
+    ``outcome_unknown`` is True when the coordinator went silent while committing: the
+    checkpoint may or may not be committed (``cloudckpt ls`` tells).
+    """
+
+    default_hint = (
+        "Restart the job (torchrun --max-restarts does it for you) and resume; the last "
+        "committed checkpoint is intact. Raise timeout= if ranks legitimately wait longer "
+        "for each other (e.g. one rank stages much more data than the others)"
+    )
+
+    def __init__(
+        self, message: str, *, outcome_unknown: bool = False, hint: str | None = None
+    ) -> None:
+        self.outcome_unknown = outcome_unknown
         super().__init__(message, hint=hint)

@@ -1,9 +1,11 @@
 """``CheckpointManager``: stage locally, upload in the background, commit through LATEST.
 
-One background thread takes staged saves in order, uploads each through the shared transfer
-engine, writes its manifest and commits it with a fenced compare-and-swap of LATEST. The
-training loop blocks only to create the staging directory (``save()``) or to hard-link a
-directory (``save_dir()``).
+One background thread takes staged saves in order and runs each through the save pipeline
+(``cloudckpt.attempts``: upload, write its manifest, commit it with a fenced
+compare-and-swap of LATEST). This module is the queue in front of it: handles,
+backpressure, crash recovery of staged saves, and reporting failures. The training loop
+blocks only to create the staging directory (``save()``) or to hard-link a directory
+(``save_dir()``).
 
 Backpressure: at most ``max_pending`` saves wait behind the one uploading. A further save
 either blocks until a slot frees (``backpressure="block"``, the default: nothing is lost)
@@ -44,29 +46,23 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
 from cloudckpt import chunks, protocol
-from cloudckpt.committer import AttemptAge, Committer, max_attempt_age
+from cloudckpt.attempts import AttemptWriter, BegunAttempt, CommitInfo
+from cloudckpt.committer import Committer
 from cloudckpt.errors import (
-    ChunkSourceDroppedError,
     CloudCkptError,
     ConfigurationError,
-    FencedError,
-    PreconditionFailedError,
-    ReusedChunkMissingError,
     SaveDroppedError,
-    StoreError,
 )
-from cloudckpt.failpoints import hit as failpoint
 from cloudckpt.gc import GCReport, collect_garbage
 from cloudckpt.protocol import INHERIT, CheckpointRecord, Latest, Manifest, Settings
-from cloudckpt.restore import RestoreResult, load_latest_for_reading, restore
-from cloudckpt.restore import _prepare_destination as check_destination
-from cloudckpt.retry import IDEMPOTENT_RETRY, call_with_retries
+from cloudckpt.reader import load_latest_for_reading
+from cloudckpt.restore import RestoreResult, prepare_destination, restore
 from cloudckpt.staging import (
     COMMITTED,
     DURABLE,
@@ -76,7 +72,7 @@ from cloudckpt.staging import (
     StagingArea,
     holds_files,
 )
-from cloudckpt.stores import CREATE, OVERWRITE, Store, open_store
+from cloudckpt.stores import Store, open_store
 from cloudckpt.transfer import MemoryFile, ProgressCallback, TransferConfig, TransferEngine
 
 log = logging.getLogger("cloudckpt")
@@ -98,26 +94,6 @@ def _run_in_thread(fn: Callable[[], None], name: str) -> cf.Future[None]:
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return future
-
-
-@dataclasses.dataclass(frozen=True)
-class CommitInfo:
-    """A committed save: what landed and what it cost.
-
-    ``blocking_seconds``: how long ``save()``/``save_dir()`` held the caller.
-    ``commit_seconds``: from the save being handed over to LATEST naming it.
-    """
-
-    step: int
-    commit_id: str
-    ckpt: str
-    epoch: int
-    seq: int
-    num_files: int
-    total_bytes: int
-    blocking_seconds: float
-    commit_seconds: float
-    metadata: Mapping[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,22 +252,49 @@ def _wait_interruptibly(futures: list[cf.Future], timeout: float | None) -> bool
             return True
 
 
-@dataclasses.dataclass(frozen=True)
-class _BegunAttempt:
-    """An attempt whose prefix is chosen and whose ``ATTEMPT.json`` is written."""
-
-    step: int
-    epoch: int
-    commit_id: str  # the attempt id; also the save's commit_id
-    prefix: str  # ckpt/<step>-e<epoch>-<commit_id>/
-    age: AttemptAge  # born on the store's clock; past max age, GC may own it
-
-
 @dataclasses.dataclass
-class _Job:
+class QueuedSave:
+    """A save handed over to the queue: what the worker gives ``_save``."""
+
     handle: SaveHandle
     attempt: Attempt
     recovered: bool = False
+
+
+def _check_options(
+    chunking: chunks.ChunkingMode | bool, backpressure: str, max_pending: int, gc_grace: float
+) -> chunks.ChunkingMode:
+    """The chunking mode ``chunking`` names (True: "tensor", False: "off").
+    Raises ConfigurationError for an option out of range."""
+    if chunking is False or chunking is True:
+        chunking = "tensor" if chunking else "off"
+    if chunking not in chunks.MODES:
+        raise ConfigurationError(f"chunking must be one of {chunks.MODES}, not {chunking!r}")
+    if backpressure not in ("block", "drop_oldest"):
+        raise ConfigurationError(
+            f"backpressure must be 'block' or 'drop_oldest', not {backpressure!r}"
+        )
+    if max_pending < 0:
+        raise ConfigurationError("max_pending must be >= 0")
+    if gc_grace is not INHERIT and gc_grace < 1:
+        raise ConfigurationError("gc_grace must be at least 1 second")
+    return chunking
+
+
+def _run_settings(
+    keep_last: int | None, keep_every: int | None, gc_grace: float
+) -> tuple[Settings, set[str]]:
+    """The run settings a writer commits with, and the names of those left unset (which
+    keep the run's current values). Raises ConfigurationError (a bad retention policy)."""
+    given = {
+        "keep_last": keep_last,
+        "keep_every": keep_every,
+        "gc_grace_s": gc_grace if gc_grace is INHERIT else int(gc_grace),
+    }
+    explicit = {k: v for k, v in given.items() if v is not INHERIT}
+    settings = dataclasses.replace(Settings(), **explicit)
+    protocol.RetentionPolicy(settings.keep_last, settings.keep_every)  # validates
+    return settings, set(given) - set(explicit)
 
 
 class CheckpointManager:
@@ -347,22 +350,7 @@ class CheckpointManager:
         unsafe_single_writer: bool = False,
         chunking: chunks.ChunkingMode | bool = "tensor",
     ) -> None:
-        if chunking is False or chunking is True:
-            chunking = "tensor" if chunking else "off"
-        if chunking not in chunks.MODES:
-            raise ConfigurationError(f"chunking must be one of {chunks.MODES}, not {chunking!r}")
-        self._chunking: chunks.ChunkingMode = chunking
-        self._chunk_index: chunks.ChunkIndex | None = None
-        #: What the last chunked upload sent and reused (``chunks.UploadStats``).
-        self.last_upload: chunks.UploadStats | None = None
-        if backpressure not in ("block", "drop_oldest"):
-            raise ConfigurationError(
-                f"backpressure must be 'block' or 'drop_oldest', not {backpressure!r}"
-            )
-        if max_pending < 0:
-            raise ConfigurationError("max_pending must be >= 0")
-        if gc_grace is not INHERIT and gc_grace < 1:
-            raise ConfigurationError("gc_grace must be at least 1 second")
+        chunking = _check_options(chunking, backpressure, max_pending, gc_grace)
         self._owns_store = not isinstance(url, Store)
         self.store: Store = (
             open_store(url, storage_options, unsafe_single_writer=unsafe_single_writer)
@@ -370,47 +358,62 @@ class CheckpointManager:
             else url
         )
         self.url = self.store.url
-        given = {
-            "keep_last": keep_last,
-            "keep_every": keep_every,
-            "gc_grace_s": gc_grace if gc_grace is INHERIT else int(gc_grace),
-        }
-        explicit = {k: v for k, v in given.items() if v is not INHERIT}
-        settings = dataclasses.replace(Settings(), **explicit)
-        protocol.RetentionPolicy(settings.keep_last, settings.keep_every)  # validates
+        settings, inherit = _run_settings(keep_last, keep_every, gc_grace)
         self._tmp_staging = None
         if staging_dir is None:
             self._tmp_staging = tempfile.TemporaryDirectory(prefix="cloudckpt-staging-")
             staging_dir = self._tmp_staging.name
         self.staging = StagingArea(staging_dir)
         self._leftovers = list(self.staging.journaled())
-        self.engine = TransferEngine(transfer)
         self.writer_id = protocol.new_writer_id()
-        self.committer = Committer(
-            self.store, self.writer_id, settings, inherit=set(given) - set(explicit)
+        self.committer = Committer(self.store, self.writer_id, settings, inherit=inherit)
+        #: Called with byte counts as uploads and downloads advance (the argument).
+        self.progress = progress
+        #: The save pipeline (``cloudckpt.attempts``); the DCP writer drives it directly.
+        self.attempts = AttemptWriter(
+            self.store,
+            TransferEngine(transfer),
+            self.committer,
+            chunking=chunking,
+            progress=progress,
+            prepare=self._claim_for_save,
         )
-        self._progress = progress
         self._auto_gc = auto_gc
         self._gc_interval = gc_interval
         self._last_gc = time.monotonic()
+        self._init_queue(max_pending, backpressure)
+
+    def _init_queue(self, max_pending: int, backpressure: Backpressure) -> None:
+        """The save queue in front of the pipeline; ``_cv`` guards all of it."""
         self._max_pending = max_pending
         self._backpressure = backpressure
-
         self._cv = threading.Condition()
-        self._queue: collections.deque[_Job] = collections.deque()
+        self._queue: collections.deque[QueuedSave] = collections.deque()
         self._reserved = 0  # saves inside their with-block, holding a queue slot
         self._open: dict[SaveHandle, int] = {}  # those saves -> the thread that entered them
-        self._inflight: _Job | None = None
+        self._inflight: QueuedSave | None = None
         self._handles: list[SaveHandle] = []
         self._worker: threading.Thread | None = None
         self._closing = False
         self._closed = False
-        self._fenced: FencedError | None = None
-        self._commit_lock = threading.Lock()  # the committer is single-threaded
         # Test hook (cloudckpt.testing.simulation): run each save in the thread that hands
         # it over instead of on the background thread, so a seeded scheduler can
         # interleave managers deterministically.
         self._synchronous = False
+
+    @property
+    def engine(self) -> TransferEngine:
+        """The transfer engine of uploads and restores (the save pipeline's own)."""
+        return self.attempts.engine
+
+    @engine.setter
+    def engine(self, engine: TransferEngine) -> None:
+        self.attempts.engine = engine
+
+    @property
+    def last_upload(self) -> chunks.UploadStats | None:
+        """What the last chunked upload sent and reused (``chunks.UploadStats``)."""
+        return self.attempts.last_upload
 
     @property
     def settings(self) -> Settings:
@@ -433,10 +436,10 @@ class CheckpointManager:
             CorruptionError: no retained checkpoint verifies (``exc.skipped`` says why).
             DestinationNotEmptyError, StoreError, CommitConflictError.
         """
-        self._check_open()
+        self.check_open()
         # Check the destination before claiming: a bad argument must not fence the writer.
-        check_destination(Path(into).expanduser().absolute(), overwrite)
-        with self._commit_lock:
+        prepare_destination(Path(into).expanduser().absolute(), overwrite)
+        with self.attempts.commit_lock:
             latest = self.committer.claim()
             recovered = self._recover(latest)
         self._drain()
@@ -449,7 +452,7 @@ class CheckpointManager:
         if latest is None or latest.current is None:
             return None
         return restore(
-            self.store, into, self.engine, step=step, overwrite=overwrite, progress=self._progress
+            self.store, into, self.engine, step=step, overwrite=overwrite, progress=self.progress
         )
 
     def save(self, step: int, metadata: Mapping[str, Any] | None = None) -> SaveHandle:
@@ -464,7 +467,7 @@ class CheckpointManager:
         nothing); ConfigurationError (bad step/metadata). On entering: FencedError (a newer
         writer owns the run), StagingError (staging disk).
         """
-        self._check_open()
+        self.check_open()
         self._raise_earlier_failure()
         metadata = dict(metadata or {})
         protocol.ckpt_prefix(step, 0, "x-0")  # validates step early
@@ -575,9 +578,9 @@ class CheckpointManager:
         Raises: CheckpointNotFoundError, CorruptionError, DestinationNotEmptyError,
         StagingError, StoreError (see ``cloudckpt.restore.restore``).
         """
-        self._check_open()
+        self.check_open()
         return restore(
-            self.store, into, self.engine, step=step, overwrite=overwrite, progress=self._progress
+            self.store, into, self.engine, step=step, overwrite=overwrite, progress=self.progress
         )
 
     def pin(self, step: int, label: str = "pinned") -> None:
@@ -641,10 +644,21 @@ class CheckpointManager:
             log.error("while closing after an error: %s", close_exc)
 
     # ---------------------------------------------------------------- internals
+    # DistributedCheckpointManager (cloudckpt.distributed) is the one subclass. It
+    # overrides _save (what a queued save does), _hand_over and _abandon (a failed rank
+    # still takes part), _raise_earlier_failure and _check_not_fenced (no refusal on one
+    # rank only), gc_if_due and _shutdown; it calls _enqueue, _fail and _wait_idle.
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raises ConfigurationError once ``close()`` has begun (for integrations that
+        drive the manager's parts themselves, like the DCP writer)."""
         if self._closing or self._closed:
             raise ConfigurationError("this CheckpointManager is closed")
+
+    def _check_not_fenced(self) -> None:
+        """Before a save's block is entered: a writer fenced by a newer one refuses at
+        once (its commit could never land)."""
+        self.attempts.check_fenced()
 
     def _shutdown(self) -> None:
         with self._cv:
@@ -662,8 +676,7 @@ class CheckpointManager:
 
     def _open_attempt(self, handle: SaveHandle) -> Attempt:
         with self._cv:
-            if self._fenced is not None:
-                raise self._fenced
+            self._check_not_fenced()
             while len(self._queue) + self._reserved >= self._max_pending and (
                 self._inflight is not None or self._queue
             ):
@@ -683,7 +696,7 @@ class CheckpointManager:
                 self._cv.notify_all()
             raise
 
-    def _drop(self, job: _Job) -> None:
+    def _drop(self, job: QueuedSave) -> None:
         log.warning(
             "dropping queued save of step %d: a newer save arrived (drop_oldest)", job.handle.step
         )
@@ -722,11 +735,17 @@ class CheckpointManager:
         with self._cv:
             self._reserved -= 1
             self._open.pop(handle, None)
-            self._queue.append(_Job(handle, handle._attempt))
+            self._queue.append(QueuedSave(handle, handle._attempt))
             self._handles.append(handle)
             self._ensure_worker()
             self._cv.notify_all()
         self._drain()
+
+    def _wait_idle(self) -> None:
+        """Wait until no save is queued or in flight (without raising their failures)."""
+        with self._cv:
+            while self._queue or self._inflight is not None:
+                self._cv.wait(0.2)
 
     def _ensure_worker(self) -> None:
         if self._worker is None and not self._synchronous:
@@ -769,9 +788,12 @@ class CheckpointManager:
                 with self._cv:
                     self._inflight = None
                     self._cv.notify_all()
-            self._maybe_gc()
+            self.gc_if_due()
 
-    def _maybe_gc(self) -> None:
+    def gc_if_due(self) -> None:
+        """Collect garbage now if ``auto_gc`` is on and ``gc_interval`` has passed since
+        the last collection (after each save; the DCP writer after each commit). A
+        failure is logged, not raised."""
         if not self._auto_gc or time.monotonic() - self._last_gc < self._gc_interval:
             return
         self._last_gc = time.monotonic()
@@ -780,13 +802,26 @@ class CheckpointManager:
         except CloudCkptError as exc:
             log.warning("background garbage collection failed: %s", exc)
 
-    def _claim_if_needed(self) -> list[_Job]:
+    def _claim_for_save(self) -> None:
+        """The save pipeline's ``prepare`` hook, before every attempt: claim the run if
+        ``resume()`` did not, and commit the saves a crashed process staged first (they
+        are older). Each recovered save reports to its own handle."""
+        with self.attempts.commit_lock:
+            recovered = self._claim_if_needed()
+        for earlier in recovered:  # staged by a crashed process; older, so first
+            try:
+                earlier.handle._future.set_result(self._save(earlier))
+            except Exception as exc:
+                earlier.handle._future.set_exception(exc)
+                log.warning("could not commit recovered step %d: %s", earlier.handle.step, exc)
+
+    def _claim_if_needed(self) -> list[QueuedSave]:
         """Claim on the first save if resume() did not; return recovered jobs to run."""
         if self.committer.latest is not None:
             return []
         return self._recover(self.committer.claim())
 
-    def _recover(self, latest: Latest) -> list[_Job]:
+    def _recover(self, latest: Latest) -> list[QueuedSave]:
         """Decide about attempts a crashed process left in staging (module doc of staging)."""
         committed_step = latest.current.step if latest.current else -1
         jobs = []
@@ -795,7 +830,7 @@ class CheckpointManager:
                 log.warning("recovering step %d staged by a crashed process", attempt.step)
                 handle = SaveHandle(self, attempt.step, attempt.metadata)
                 handle.handed_over_at = time.perf_counter()
-                job = _Job(handle, attempt, recovered=True)
+                job = QueuedSave(handle, attempt, recovered=True)
                 jobs.append(job)
             else:
                 if attempt.state != COMMITTED:
@@ -811,7 +846,7 @@ class CheckpointManager:
                 self._cv.notify_all()
         return jobs
 
-    def _save(self, job: _Job) -> CommitInfo:
+    def _save(self, job: QueuedSave) -> CommitInfo:
         """Upload, write the manifest, commit (runs on the worker thread)."""
         if job.handle._memory_files is not None and not job.recovered:
             return self._save_from_memory(job, job.handle._memory_files)
@@ -827,98 +862,20 @@ class CheckpointManager:
         flushed = _run_in_thread(make_durable, f"cloudckpt-fsync-{handle.step}")
         try:
             try:
-                begun, latest, manifest = self._upload_and_commit(
-                    handle, attempt.list_files(), before_commit=flushed.result
+                begun, latest, manifest = self.attempts.save(
+                    handle.step, attempt.list_files(), handle.metadata, flushed.result
                 )
             finally:
                 cf.wait([flushed])  # never remove or reuse files still being flushed
-        except FencedError as exc:
-            self._fenced = exc
-            self._fail(attempt)
-            raise
         except Exception:
             self._fail(attempt)
             raise
         # (A BaseException such as SimulatedCrash leaves everything as a dead process would.)
         attempt.set_state(COMMITTED)
         attempt.remove()
-        return self._commit_info(begun, latest, manifest, handle)
+        return self._committed(handle, begun, latest, manifest)
 
-    def _upload_and_commit(
-        self,
-        handle: SaveHandle,
-        files: Sequence[tuple[str, Path | MemoryFile]],
-        before_commit: Callable[[], object] | None = None,
-    ) -> tuple[_BegunAttempt, Latest, protocol.Manifest]:
-        """Begin an attempt, upload ``files`` into it, run ``before_commit`` and commit.
-        If a checkpoint whose chunks it reuses left retention meanwhile (an unpin, another
-        tool), everything is uploaded again in full under a new attempt, once; if reused
-        chunks are missing from the store, they are uploaded again (new attempt, once)."""
-        index: chunks.ChunkIndex | None = None  # None: the manager's own index
-        for retry in (False, True):
-            try:
-                begun = self._begin_attempt(handle.step)
-                entries, requires = self._upload(begun, files, index)
-                failpoint("save.after_upload")
-                if before_commit is not None:
-                    before_commit()
-                latest, manifest = self._finish_attempt(
-                    begun, entries, handle.metadata, requires=requires
-                )
-                return begun, latest, manifest
-            except ReusedChunkMissingError as exc:
-                if retry:
-                    raise
-                log.error("step %d: %s; uploading them again", handle.step, exc)
-                index = self._load_chunk_index().without(exc.missing)
-                self._chunk_index = index  # later saves must not name them either
-            except ChunkSourceDroppedError as exc:
-                if retry:
-                    raise
-                log.warning("step %d: %s; uploading it again in full", handle.step, exc)
-                index = chunks.ChunkIndex()
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _upload(
-        self,
-        begun: _BegunAttempt,
-        files: Sequence[tuple[str, Path | MemoryFile]],
-        index: chunks.ChunkIndex | None = None,
-    ) -> tuple[list[protocol.FileEntry], Callable[[Latest], None] | None]:
-        """Upload a save's files into its attempt: as chunks, skipping those ``index``
-        holds (default: those of the last committed checkpoint), or whole with chunking
-        off. Returns the manifest entries and the check its commit must pass."""
-        if self._chunking == "off":
-            entries = self.engine.upload_files(
-                self.store, begun.prefix + protocol.FILES_DIR, files, self._progress
-            )
-            return entries, None
-        if index is None:
-            index = self._load_chunk_index()
-        entries, stats = chunks.upload_chunked(
-            self.engine, self.store, begun.prefix, files, index, self._chunking, self._progress
-        )
-        self.last_upload = stats
-        return entries, stats.requires
-
-    def _load_chunk_index(self) -> chunks.ChunkIndex:
-        """The chunks of the last checkpoint committed (after a restart: one GET of the
-        current checkpoint's manifest; an unreadable one means an empty index)."""
-        if self._chunk_index is None:
-            latest = self.committer.latest
-            self._chunk_index = chunks.ChunkIndex()
-            if latest is not None and latest.current is not None:
-                from cloudckpt.restore import fetch_manifest
-
-                try:
-                    self._chunk_index = chunks.ChunkIndex.of(
-                        fetch_manifest(self.store, latest.current)
-                    )
-                except CloudCkptError as exc:
-                    log.warning("cannot read the current manifest (%s); uploading in full", exc)
-        return self._chunk_index
-
-    def _save_from_memory(self, job: _Job, files: list[tuple[str, MemoryFile]]) -> CommitInfo:
+    def _save_from_memory(self, job: QueuedSave, files: list[tuple[str, MemoryFile]]) -> CommitInfo:
         """``_save`` for files held in memory (``save_state``'s host buffers): upload them
         straight from memory, no round trip through the staging file system. The staged
         copy, which only a crash before the commit would need, is written and fsynced on a
@@ -945,127 +902,26 @@ class CheckpointManager:
 
         staged = _run_in_thread(stage, f"cloudckpt-stage-{handle.step}")
         try:
-            begun, latest, manifest = self._upload_and_commit(handle, files)
-        except Exception as exc:
+            begun, latest, manifest = self.attempts.save(handle.step, files, handle.metadata)
+        except Exception:
             cancelled.set()
             cf.wait([staged])  # never remove files still being written
-            if isinstance(exc, FencedError):
-                self._fenced = exc
             self._fail(attempt)
             raise
         cancelled.set()
         cf.wait([staged])
         attempt.set_state(COMMITTED)
         attempt.remove()
-        return self._commit_info(begun, latest, manifest, handle)
+        return self._committed(handle, begun, latest, manifest)
 
-    # The save pipeline in reusable steps. ``_save`` runs them on one host; the multi-rank
-    # coordinator (cloudckpt.distributed, cloudckpt.integrations.dcp) runs ``_begin_attempt``
-    # and ``_finish_attempt`` around uploads that every rank makes into the same prefix.
-
-    def _begin_attempt(self, step: int) -> _BegunAttempt:
-        """Claim the run if no one has yet (committing crash-recovered saves first), read
-        the store's clock (the attempt's birth, which bounds its commit: ``committer``),
-        choose a fresh attempt prefix and write its ``ATTEMPT.json``.
-
-        Raises: FencedError, NeedsRepairError, CommitConflictError, ConfigurationError (a
-        grace period the store's clock cannot resolve), StoreError.
-        """
-        if self._fenced is not None:
-            raise self._fenced
-        with self._commit_lock:
-            recovered = self._claim_if_needed()
-        for earlier in recovered:  # staged by a crashed process; older, so first
-            try:
-                earlier.handle._future.set_result(self._save(earlier))
-            except Exception as exc:
-                earlier.handle._future.set_exception(exc)
-                log.warning("could not commit recovered step %d: %s", earlier.handle.step, exc)
-        epoch = self.committer.epoch
-        grace = self.settings.gc_grace_s
-        max_age = max_attempt_age(grace, self.store.clock_resolution)
-        if max_age <= 0:
-            raise ConfigurationError(
-                f"gc_grace={grace}s is too short for {self.url}, whose clock counts whole "
-                f"{self.store.clock_resolution:g} s steps: no save could be committed safely",
-                hint="Use a gc_grace of at least a minute (the default is 2 hours)",
-            )
-        # Read before ATTEMPT.json is written: never later than the time GC dates it by.
-        born = call_with_retries(self.store.now, what="read the store's clock")
-        remote_id = protocol.new_attempt_id(dt.datetime.now(dt.timezone.utc))
-        prefix = protocol.ckpt_prefix(step, epoch, remote_id)
-        self._put_idempotent(
-            prefix + protocol.ATTEMPT_NAME,
-            protocol.attempt_body(
-                ckpt=prefix,
-                step=step,
-                epoch=epoch,
-                writer_id=self.writer_id,
-                started_at=dt.datetime.now(dt.timezone.utc),
-            ),
-        )
-        failpoint("save.after_marker")
-        return _BegunAttempt(
-            step=step,
-            epoch=epoch,
-            commit_id=remote_id,
-            prefix=prefix,
-            age=AttemptAge(born, max_age),
-        )
-
-    def _finish_attempt(
-        self,
-        begun: _BegunAttempt,
-        entries: Sequence[protocol.FileEntry],
-        metadata: Mapping[str, Any],
-        *,
-        requires: Callable[[Latest], None] | None = None,
-    ) -> tuple[Latest, Manifest]:
-        """Check that every file and chunk the manifest will name is stored whole (one
-        listing per prefix), write the manifest (create-only) and commit it with the
-        fenced compare-and-swap of LATEST.
-
-        Raises: StoreError, ReusedChunkMissingError, FencedError, CommitConflictError,
-        CommitStateUnknownError, StaleAttemptError, NeedsRepairError.
-        """
-        entries = list(entries)
-        prefix = begun.prefix
-        self._check_uploaded(prefix + protocol.FILES_DIR, [e for e in entries if e.chunks is None])
-        chunks.check_uploaded(self.store, prefix, entries)
-        now = dt.datetime.now(dt.timezone.utc)
-        manifest = Manifest(
-            ckpt=prefix,
-            step=begun.step,
-            epoch=begun.epoch,
-            commit_id=begun.commit_id,
-            writer_id=self.writer_id,
-            created_at=protocol.iso(now),
-            files=tuple(entries),
-            metadata=metadata,
-        )
-        body = manifest.to_bytes()
-        self._put_create(prefix + protocol.MANIFEST_NAME, body)
-        failpoint("save.after_manifest")
-        with self._commit_lock:
-            latest = self.committer.commit(
-                manifest.record(body, now), age=begun.age, requires=requires
-            )
-        if manifest.chunked:
-            self._chunk_index = chunks.ChunkIndex.of(manifest)
-        return latest, manifest
-
-    def _commit_info(
-        self, begun: _BegunAttempt, latest: Latest, manifest: Manifest, handle: SaveHandle
+    def _committed(
+        self, handle: SaveHandle, begun: BegunAttempt, latest: Latest, manifest: Manifest
     ) -> CommitInfo:
-        """The ``CommitInfo`` of a committed attempt (and the log line saying so)."""
-        info = CommitInfo(
-            step=begun.step,
-            commit_id=begun.commit_id,
-            ckpt=begun.prefix,
-            epoch=begun.epoch,
-            seq=latest.seq,
-            num_files=len(manifest.files),
-            total_bytes=manifest.total_bytes,
+        """The ``CommitInfo`` of a committed save (and the log line saying so)."""
+        info = CommitInfo.of(
+            begun,
+            latest,
+            manifest,
             blocking_seconds=handle.blocking_seconds,
             commit_seconds=time.perf_counter() - handle.handed_over_at,
             metadata=handle.metadata,
@@ -1079,49 +935,8 @@ class CheckpointManager:
         )
         return info
 
-    def _check_uploaded(self, files_prefix: str, entries: list[protocol.FileEntry]) -> None:
-        """One listing: every file is stored with the size that was sent. A store or proxy
-        that silently keeps fewer bytes would otherwise get a torn checkpoint committed."""
-        if not entries:
-            return
-        listed = call_with_retries(
-            lambda: list(self.store.list(files_prefix)), what="list the uploaded files"
-        )
-        sizes = {o.key[len(files_prefix) :]: o.size for o in listed}
-        for entry in entries:
-            stored = sizes.get(entry.path)
-            if stored != entry.size:
-                raise StoreError(
-                    f"{self.url}{files_prefix}{entry.path} holds "
-                    f"{'nothing' if stored is None else f'{stored} bytes'} after uploading "
-                    f"{entry.size} bytes; the checkpoint was not committed",
-                    key=files_prefix + entry.path,
-                    hint="The store or a proxy lost part of the upload. Save again; "
-                    "check any proxy between this host and the store",
-                )
-
     def _fail(self, attempt: Attempt) -> None:
         # Only the local copy goes; what reached the store stays for GC (DESIGN §6.7).
         with contextlib.suppress(CloudCkptError):
             attempt.set_state(FAILED)
         attempt.remove()
-
-    def _put_idempotent(self, key: str, body: bytes) -> None:
-        call_with_retries(
-            lambda: self.store.put(key, body, mode=OVERWRITE),
-            retry_on=IDEMPOTENT_RETRY,
-            what=f"write {key}",
-        )
-
-    def _put_create(self, key: str, body: bytes) -> None:
-        """Create-only put that treats finding its own bytes (an SDK retry) as success."""
-        try:
-            call_with_retries(
-                lambda: self.store.put(key, body, mode=CREATE),
-                retry_on=IDEMPOTENT_RETRY,
-                what=f"write {key}",
-            )
-        except PreconditionFailedError:
-            existing, _ = self.store.get(key)
-            if existing != body:
-                raise StoreError(f"{self.url}{key} was written by someone else") from None

@@ -38,7 +38,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from cloudckpt.digest import ALGORITHM, CHUNK_SIZE
-from cloudckpt.errors import ConfigurationError, CorruptionError, UnsafePathError
+from cloudckpt.errors import ConfigurationError, CorruptRecordError, UnsafePathError
 
 # LATEST /2: records may carry ``owned_bytes`` and manifests may be chunked (/2). An older
 # cloudckpt must not read (and above all not garbage-collect) a run whose checkpoints share
@@ -64,10 +64,6 @@ MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_FILE_SIZE = 1 << 50  # 1 PiB: S3's object limit is 5 TiB
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _CKPT_RE = re.compile(r"^ckpt/(\d{12})-e(\d+)-([0-9A-Za-z]+-[0-9a-f]+)/$")
-
-
-class CorruptRecordError(CorruptionError):
-    """A LATEST, commit record or manifest does not parse or verify."""
 
 
 # --- canonical JSON ----------------------------------------------------------------------

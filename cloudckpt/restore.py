@@ -5,7 +5,9 @@ checks its manifest against the digest LATEST recorded, checks every object's si
 listing, downloads in parallel while hashing, and moves the result into place only after
 every byte verified. A damaged or missing checkpoint is reported and the next older one is
 tried. Network failures are not "damage": they raise, so a blip never silently restores an
-older checkpoint.
+older checkpoint. Which checkpoints are tried, in which order, and how a restore falls back
+(or reads LATEST again when one was collected under it) is ``cloudckpt.reader``'s; this
+module checks the destination, downloads a checkpoint and moves it into place.
 
 Paths in a manifest are untrusted: anything absolute, with ``..``, or naming both a file and
 a directory is refused before a byte is written, and files are created with ``O_EXCL`` in a
@@ -25,36 +27,33 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cloudckpt import chunks, protocol
-from cloudckpt.committer import read_latest
+from cloudckpt import chunks, protocol, reader
 from cloudckpt.errors import (
-    CheckpointNotFoundError,
-    CloudCkptError,
     CorruptionError,
     DestinationNotEmptyError,
-    ObjectNotFoundError,
     StagingError,
     UnsafePathError,
 )
 from cloudckpt.failpoints import hit as failpoint
-from cloudckpt.protocol import CheckpointRecord, CorruptRecordError, Latest, Manifest
-from cloudckpt.retry import call_with_retries
+from cloudckpt.protocol import CheckpointRecord, Manifest
+
+# What a restore reads and how it falls back live in ``cloudckpt.reader``; these names
+# were defined here first and are still imported from here.
+from cloudckpt.reader import (  # noqa: F401
+    MAX_LATEST_REREADS,
+    SkippedCheckpoint,
+    candidates,
+    check_objects,
+    dropped_reason,
+    fetch_manifest,
+    load_latest_for_reading,
+    nothing_restored,
+    reread_if_dropped,
+)
 from cloudckpt.stores import Store
 from cloudckpt.transfer import ProgressCallback, TransferEngine
 
 log = logging.getLogger("cloudckpt.restore")
-
-
-@dataclasses.dataclass(frozen=True)
-class SkippedCheckpoint:
-    """A checkpoint a restore could not use, and why. ``dropped``: not damage: retention
-    dropped it (and GC collected its data) while the restore read it, so the restore read
-    LATEST again and went on with the checkpoints retained now."""
-
-    step: int
-    commit_id: str
-    reason: str
-    dropped: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,158 +79,10 @@ class RestoreResult:
     from_commit_records: bool = False
 
 
-def load_latest_for_reading(store: Store) -> tuple[Latest | None, bool]:
-    """LATEST for a reader, or, when it is missing or corrupt, the newest commit record
-    that verifies (loudly). Returns (latest or None, whether commit records were used)."""
-    try:
-        current = read_latest(store)
-    except CorruptRecordError as exc:
-        log.warning("LATEST of %s is unreadable (%s); using the commit records", store.url, exc)
-        current = None
-        damaged = True
-    else:
-        damaged = False
-    if current is not None:
-        return current.latest, False
-    records = sorted(store.list(protocol.COMMITS_PREFIX), key=lambda o: o.key, reverse=True)
-    for obj in records:
-        try:
-            data, _ = store.get(obj.key)
-            latest = protocol.parse_latest(data, what=obj.key)
-        except (CorruptRecordError, ObjectNotFoundError) as exc:
-            log.warning("skipping commit record %s: %s", obj.key, exc)
-            continue
-        if not damaged:
-            log.warning("%s has no LATEST; using commit record %s", store.url, obj.key)
-        return latest, True
-    return None, bool(records) or damaged
-
-
-def fetch_manifest(store: Store, record: CheckpointRecord) -> Manifest:
-    """The manifest ``record`` names, verified against the recorded size and digest.
-
-    Raises CorruptionError (missing, damaged) or UnsafePathError (hostile paths).
-    """
-    try:
-        # Ask for one byte more than recorded: a longer object is damage, and a hostile
-        # multi-gigabyte "manifest" is never read whole.
-        data = call_with_retries(
-            lambda: store.get_range(record.manifest_key, 0, record.manifest_size + 1),
-            what="read manifest",
-        )
-    except ObjectNotFoundError:
-        raise CorruptionError(f"the manifest of step {record.step} is missing") from None
-    return protocol.parse_manifest(data, record)
-
-
-def check_objects(store: Store, record: CheckpointRecord, manifest: Manifest) -> None:
-    """Every file of ``manifest`` exists with its recorded size (one listing, no data).
-
-    Raises CorruptionError naming the first missing or resized file.
-    """
-    if manifest.chunked:
-        chunks.check_chunk_objects(store, manifest, record.step)
-    plain = [e for e in manifest.files if e.chunks is None]
-    if not plain:
-        return
-    prefix = record.ckpt + protocol.FILES_DIR
-    sizes = {o.key[len(prefix) :]: o.size for o in store.list(prefix)}
-    for entry in plain:
-        size = sizes.get(entry.path)
-        if size is None:
-            raise CorruptionError(f"{entry.path} of step {record.step} is missing")
-        if size != entry.size:
-            raise CorruptionError(
-                f"{entry.path} of step {record.step} is {size} bytes, manifest says {entry.size}"
-            )
-
-
-def candidates(latest: Latest, step: int | None) -> list[CheckpointRecord]:
-    """Checkpoints to try, newest first (only those of ``step`` when it is given)."""
-    retained = latest.retained()
-    if step is None:
-        return retained
-    return [r for r in retained if r.step == step]
-
-
-#: How many times one restore reads LATEST again after the checkpoint it was reading was
-#: dropped and collected under it; each time needs a whole grace period to pass meanwhile.
-MAX_LATEST_REREADS = 3
-
-
-def reread_if_dropped(
-    store: Store,
-    record: CheckpointRecord,
-    step: int | None,
-    tried: set[str],
-    rereads: int,
-) -> tuple[list[CheckpointRecord], bool] | None:
-    """After ``record`` turned out damaged or missing: read LATEST again. If it still
-    retains ``record``, the failure is damage: None (fall back as usual). If not,
-    retention dropped it while the restore read it, and GC collected it after the grace
-    period: the checkpoints to try now (the fresh LATEST's, minus those in ``tried``) and
-    whether they come from the commit records. ``rereads``: how many times this restore
-    already did this.
-
-    Raises:
-        CheckpointNotFoundError: this happened ``MAX_LATEST_REREADS`` times already (the
-            restore is slower than the run's grace period).
-        StoreError: LATEST could not be read.
-    """
-    latest, from_records = load_latest_for_reading(store)
-    if latest is None or any(r.commit_id == record.commit_id for r in latest.retained()):
-        return None
-    if rereads >= MAX_LATEST_REREADS:
-        raise CheckpointNotFoundError(
-            f"the checkpoint this restore was reading from {store.url} was dropped by "
-            f"retention and collected by GC under it {rereads + 1} times (last: step "
-            f"{record.step}); the restore takes longer than the run's grace period "
-            f"({latest.settings.gc_grace_s}s)",
-            hint="Restore where the store is faster, or raise the run's gc_grace "
-            "(CheckpointManager(gc_grace=...)) so readers get longer before GC deletes",
-        )
-    todo = [r for r in candidates(latest, step) if r.commit_id not in tried]
-    log.warning(
-        "step %d (%s) was dropped by retention and collected while this restore read it; "
-        "read LATEST again: %s",
-        record.step,
-        record.commit_id,
-        f"restoring step {todo[0].step}" if todo else "nothing else to try",
-    )
-    return todo, from_records
-
-
-def dropped_reason(failure: str) -> str:
-    """``SkippedCheckpoint.reason`` of a checkpoint collected while it was read."""
-    return (
-        f"dropped by retention and collected while this restore read it ({failure}); "
-        "LATEST was read again"
-    )
-
-
-def nothing_restored(
-    url: str, skipped: list[SkippedCheckpoint], step: int | None
-) -> CloudCkptError:
-    """The error of a restore that ran out of checkpoints: CheckpointNotFoundError if every
-    one it tried was dropped meanwhile (``step`` is no longer retained), else
-    CorruptionError naming every reason."""
-    if skipped and all(s.dropped for s in skipped):
-        what = "the checkpoints" if step is None else f"step {step}"
-        return CheckpointNotFoundError(
-            f"{url} no longer retains {what} this restore was asked for: retention dropped "
-            "it and GC collected it while the restore read it"
-        )
-    return CorruptionError(
-        f"no intact checkpoint in {url}: "
-        + "; ".join(f"step {s.step}: {s.reason}" for s in skipped),
-        skipped=skipped,
-    )
-
-
 # --------------------------------------------------------------------------- destination
 
 
-def _prepare_destination(into: Path, overwrite: bool) -> Path:
+def prepare_destination(into: Path, overwrite: bool) -> Path:
     """Check the destination and return the directory a restore writes: ``into``, or
     the directory it is a symbolic link to (the link is kept; a restore replaces what it
     points to, with its temporary directory beside that, on the same filesystem).
@@ -278,7 +129,7 @@ def _real_destination(into: Path) -> Path:
     return dest
 
 
-def _place(tmp: Path, dest: Path) -> None:
+def place(tmp: Path, dest: Path) -> None:
     """Move the verified ``tmp`` to ``dest`` (rename(2) replaces an empty directory); a
     ``dest`` that holds files is moved aside first, and back if the move fails."""
     aside = None
@@ -365,6 +216,29 @@ def _download(
     return manifest
 
 
+def _restore_one(
+    store: Store,
+    engine: TransferEngine,
+    record: CheckpointRecord,
+    dest: Path,
+    progress: ProgressCallback | None,
+) -> Manifest | reader.Damaged:
+    """Download ``record``, verified, beside ``dest`` and move it into place; or, if it is
+    damaged or missing, why (``dest`` untouched). Raises StagingError, StoreError."""
+    tmp = dest.with_name(f".{dest.name}.cloudckpt-tmp-{secrets.token_hex(4)}")
+    try:
+        manifest = _download(store, engine, record, tmp, progress)
+        failpoint("restore.after_download")
+        place(tmp, dest)
+    except (CorruptionError, UnsafePathError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return reader.Damaged.of(exc)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
 def restore(
     store: Store,
     into: str | os.PathLike[str],
@@ -393,65 +267,30 @@ def restore(
         StoreError: the store failed (after retries); the destination is untouched.
     """
     into = Path(into).expanduser().absolute()
-    latest, from_records = load_latest_for_reading(store)
-    if latest is None:
-        if from_records:
-            raise CorruptionError(
-                f"LATEST of {store.url} is unreadable and no commit record verifies"
-            )
-        raise CheckpointNotFoundError(f"{store.url} has no committed checkpoint")
-    todo = candidates(latest, step)
-    if not todo:
-        what = (
-            "no committed checkpoint" if step is None else f"no retained checkpoint of step {step}"
-        )
-        raise CheckpointNotFoundError(f"{store.url} has {what}")
-    dest = _prepare_destination(into, overwrite)
+    todo, from_records = reader.readable(store, step)
+    dest = prepare_destination(into, overwrite)
 
-    skipped: list[SkippedCheckpoint] = []
-    tried: set[str] = set()
-    rereads = 0
-    while todo:
-        record = todo.pop(0)
-        tried.add(record.commit_id)
-        tmp = dest.with_name(f".{dest.name}.cloudckpt-tmp-{secrets.token_hex(4)}")
-        try:
-            manifest = _download(store, engine, record, tmp, progress)
-            failpoint("restore.after_download")
-            _place(tmp, dest)
-        except (CorruptionError, UnsafePathError) as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            fresh = None
-            if isinstance(exc, CorruptionError):
-                fresh = reread_if_dropped(store, record, step, tried, rereads)
-            if fresh is None:
-                log.warning("checkpoint of step %d is unusable: %s", record.step, exc.message)
-                skipped.append(SkippedCheckpoint(record.step, record.commit_id, exc.message))
-                continue
-            (todo, from_records), rereads = fresh, rereads + 1
-            skipped.append(
-                SkippedCheckpoint(record.step, record.commit_id, dropped_reason(exc.message), True)
-            )
-            continue
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        if skipped:
-            log.warning(
-                "restored step %d after skipping %d checkpoint(s)",
-                record.step,
-                len(skipped),
-            )
-        return RestoreResult(
-            step=record.step,
-            path=into,
-            metadata=dict(record.metadata),
-            commit_id=record.commit_id,
-            ckpt=record.ckpt,
-            epoch=record.epoch,
-            num_files=len(manifest.files),
-            total_bytes=manifest.total_bytes,
-            skipped=tuple(skipped),
-            from_commit_records=from_records,
+    found = reader.first_intact(
+        store,
+        todo,
+        step,
+        lambda record: _restore_one(store, engine, record, dest, progress),
+        from_records=from_records,
+    )
+    record, manifest = found.record, found.value
+    if found.skipped:
+        log.warning(
+            "restored step %d after skipping %d checkpoint(s)", record.step, len(found.skipped)
         )
-    raise nothing_restored(store.url, skipped, step)
+    return RestoreResult(
+        step=record.step,
+        path=into,
+        metadata=dict(record.metadata),
+        commit_id=record.commit_id,
+        ckpt=record.ckpt,
+        epoch=record.epoch,
+        num_files=len(manifest.files),
+        total_bytes=manifest.total_bytes,
+        skipped=found.skipped,
+        from_commit_records=found.from_records,
+    )

@@ -36,7 +36,7 @@ from cloudckpt.errors import (
     UnsafePathError,
 )
 from cloudckpt.protocol import CheckpointRecord, CorruptRecordError, Latest, Manifest
-from cloudckpt.restore import fetch_manifest, load_latest_for_reading
+from cloudckpt.reader import check_chunk_objects, fetch_manifest, load_latest_for_reading
 from cloudckpt.retry import call_with_retries
 from cloudckpt.stores import Store
 
@@ -156,7 +156,7 @@ def _check_listing(
 ) -> None:
     if manifest.chunked:
         try:
-            chunks.check_chunk_objects(store, manifest, record.step)
+            check_chunk_objects(store, manifest, record.step)
         except CorruptionError as exc:
             check.damaged(exc.message)
     prefix = record.ckpt + protocol.FILES_DIR

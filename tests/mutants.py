@@ -34,9 +34,9 @@ class Mutant:
 def _restore_scans_the_bucket(setattr_: Callable[[Any, str, Any], None]) -> None:
     """A restore that, like tools that trust "the newest complete directory", also offers
     every attempt whose manifest is complete, committed or not, newest first."""
-    from cloudckpt import protocol, restore
+    from cloudckpt import protocol, reader
 
-    original = restore.load_latest_for_reading
+    original = reader.load_latest_for_reading
 
     def scanning(store):
         latest, from_records = original(store)
@@ -59,7 +59,7 @@ def _restore_scans_the_bucket(setattr_: Callable[[Any, str, Any], None]) -> None
             from_records
         )
 
-    setattr_(restore, "load_latest_for_reading", scanning)
+    setattr_(reader, "load_latest_for_reading", scanning)
 
 
 def _gc_forgets_pending_tombstones(setattr_: Callable[[Any, str, Any], None]) -> None:
@@ -110,7 +110,7 @@ def _gc_does_not_sweep(setattr_: Callable[[Any, str, Any], None]) -> None:
 
 def _age_on_the_hosts_clock(setattr_: Callable[[Any, str, Any], None]) -> None:
     """An attempt's age measured on the host's monotonic clock (stops while suspended)."""
-    from cloudckpt import committer, manager
+    from cloudckpt import attempts, committer
     from cloudckpt.errors import StaleAttemptError
 
     @dataclasses.dataclass(frozen=True)
@@ -121,7 +121,7 @@ def _age_on_the_hosts_clock(setattr_: Callable[[Any, str, Any], None]) -> None:
             if time.monotonic() - self.started > self.max_age_s:
                 raise StaleAttemptError(f"step {step} is stale")
 
-    setattr_(manager, "AttemptAge", HostClockAge)
+    setattr_(attempts, "AttemptAge", HostClockAge)
 
 
 def _reused_chunks_not_listed(setattr_: Callable[[Any, str, Any], None]) -> None:

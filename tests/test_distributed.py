@@ -42,9 +42,9 @@ from cloudckpt.distributed import (
     DistributedCheckpointManager,
     DistributedRestoreResult,
     RankFailedError,
-    _find_collision,
     rank_dir,
 )
+from cloudckpt.distributed._save import find_collision as _find_collision
 from cloudckpt.errors import StoreError
 from cloudckpt.restore import fetch_manifest
 from cloudckpt.stores import open_store
@@ -358,3 +358,37 @@ def test_arguments_that_would_misalign_ranks_are_refused(memory_target, tmp_path
 def test_collisions_between_ranks(paths, problem):
     found = _find_collision(paths)
     assert found == problem if problem is None else problem in found
+
+
+def test_a_rank_rebuilds_every_error_class_by_name():
+    """An error crosses ranks as a typed RankError; the receiving rank rebuilds the same
+    cloudckpt.errors class (CorruptRecordError, ActiveWriterError, RankFailedError and
+    CollectiveError moved there for this), never crashing on one it cannot rebuild."""
+    import cloudckpt.errors as errors
+    from cloudckpt.distributed._comm import RankError
+
+    classes = [
+        c
+        for c in vars(errors).values()
+        if isinstance(c, type) and issubclass(c, errors.CloudCkptError)
+    ]
+    for name in ("CorruptRecordError", "ActiveWriterError", "RankFailedError", "CollectiveError"):
+        assert name in {c.__name__ for c in classes}
+    for cls in classes:
+        try:
+            original = cls("it broke", hint="do this")
+        except TypeError:  # needs more than a message (MissingDependencyError's extra)
+            original = None
+        sent = RankError.of(original or ValueError("it broke"), rank=3)
+        sent = RankError(sent.rank, cls.__name__, "it broke", "do this", sent.damaged)
+        rebuilt = sent.rebuild()
+        if original is not None:
+            assert type(rebuilt) is cls, cls
+            assert (rebuilt.message, rebuilt.hint) == ("it broke", "do this")
+        else:
+            assert type(rebuilt) is errors.CloudCkptError
+            assert rebuilt.message == f"{cls.__name__}: it broke"
+    foreign = RankError.of(KeyError("k"), rank=1)
+    assert foreign.summary == "rank 1: KeyError: 'k'"
+    assert type(foreign.rebuild()) is errors.CloudCkptError
+    assert RankError.of(errors.MissingChunkError("gone"), rank=0).damaged

@@ -64,28 +64,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cloudckpt import chunks, digest, protocol
+from cloudckpt import chunks, digest, protocol, reader
+from cloudckpt.attempts import CommitInfo
 from cloudckpt.distributed import WORLD_SIZE_KEY, DistributedCheckpointManager
 from cloudckpt.errors import (
     CheckpointNotFoundError,
     ConfigurationError,
     CorruptionError,
-    FencedError,
     ObjectNotFoundError,
     UnsafePathError,
 )
-from cloudckpt.manager import CheckpointManager, CommitInfo
+from cloudckpt.manager import CheckpointManager
 from cloudckpt.protocol import CheckpointRecord, FileEntry, Manifest
-from cloudckpt.restore import (
-    SkippedCheckpoint,
-    candidates,
-    check_objects,
-    dropped_reason,
-    fetch_manifest,
-    load_latest_for_reading,
-    nothing_restored,
-    reread_if_dropped,
-)
+from cloudckpt.reader import SkippedCheckpoint, check_objects, fetch_manifest
 from cloudckpt.retry import call_with_retries
 from cloudckpt.stores import Store
 
@@ -158,13 +149,6 @@ def _open_manager(
     return manager, owned
 
 
-def _note_fenced(manager: CheckpointManager, exc: FencedError) -> None:
-    if isinstance(manager, DistributedCheckpointManager):
-        manager._dist_fenced = exc
-    else:
-        manager._fenced = exc
-
-
 # Objects that travel inside DCP's plans and write results (pickled by DCP's collectives;
 # never stored: ``.metadata`` holds only DCP's own storage info).
 
@@ -204,6 +188,18 @@ class _LocalWriter(FileSystemWriter):
 
     def storage_meta(self) -> StorageMeta | None:
         return self._meta
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chosen:
+    """The checkpoint the coordinator picked for a load, as every rank receives it: its
+    record (``CheckpointRecord.to_dict``), verified manifest and DCP ``.metadata``, and the
+    checkpoints skipped before it."""
+
+    record: dict[str, Any]
+    manifest: Manifest
+    metadata: bytes
+    skipped: tuple[SkippedCheckpoint, ...]
 
 
 def _done(value: Any) -> Future:
@@ -308,7 +304,7 @@ class CloudStorageWriter(StorageWriter):
                 hint="The checkpoint commits once, on the coordinator, after every rank's "
                 "upload; that needs the ranks to report to it",
             )
-        self.manager._check_open()
+        self.manager.check_open()
         self._cleanup()
         self.commit_info = None
         self._begun = None
@@ -360,16 +356,11 @@ class CloudStorageWriter(StorageWriter):
                     hint="Give dcp.save a process group over the manager's ranks, in the "
                     "same order (rank 0 commits)",
                 )
-            if mgr._dist_fenced is not None:
-                raise mgr._dist_fenced
+            mgr.attempts.check_fenced()
         plans = self._inner.prepare_global_plan(
             [dataclasses.replace(p, storage_data=None) for p in plans]
         )
-        try:
-            self._begun = mgr._begin_attempt(steps[0])
-        except FencedError as exc:
-            _note_fenced(mgr, exc)
-            raise
+        self._begun = mgr.attempts.begin(steps[0])
         return [
             dataclasses.replace(
                 p, storage_data=_CloudPlan(i.token, self._begun.prefix, p.storage_data)
@@ -393,12 +384,7 @@ class CloudStorageWriter(StorageWriter):
             fut.wait()
             written: list[WriteResult] = fut.value()
             files = sorted({wr.storage_data.relative_path for wr in written})
-            entries = mgr.engine.upload_files(
-                mgr.store,
-                cloud.prefix + protocol.FILES_DIR,
-                [(f, self._local / f) for f in files],
-                mgr._progress,
-            )
+            entries = mgr.attempts.upload_files(cloud.prefix, [(f, self._local / f) for f in files])
         finally:
             if not self._is_coordinator:
                 self._cleanup()
@@ -432,31 +418,20 @@ class CloudStorageWriter(StorageWriter):
                 if wr.storage_data.entry is not None
             ]
             self._inner.finish(metadata, plain)  # writes .metadata locally, DCP's way
-            entries += mgr.engine.upload_files(
-                mgr.store,
-                begun.prefix + protocol.FILES_DIR,
-                [(METADATA_FILE, self._local / METADATA_FILE)],
-                mgr._progress,
+            entries += mgr.attempts.upload_files(
+                begun.prefix, [(METADATA_FILE, self._local / METADATA_FILE)]
             )
             recorded = {
                 **self.metadata,
                 WORLD_SIZE_KEY: len(results),
                 DCP_KEY: str(metadata.version),
             }
-            try:
-                latest, manifest = mgr._finish_attempt(begun, entries, recorded)
-            except FencedError as exc:
-                _note_fenced(mgr, exc)
-                raise
+            latest, manifest = mgr.attempts.finish(begun, entries, recorded)
             elapsed = time.perf_counter() - self._started
-            self.commit_info = CommitInfo(
-                step=begun.step,
-                commit_id=begun.commit_id,
-                ckpt=begun.prefix,
-                epoch=begun.epoch,
-                seq=latest.seq,
-                num_files=len(manifest.files),
-                total_bytes=manifest.total_bytes,
+            self.commit_info = CommitInfo.of(
+                begun,
+                latest,
+                manifest,
                 blocking_seconds=0.0,
                 commit_seconds=elapsed,
                 metadata=dict(self.metadata),
@@ -470,7 +445,7 @@ class CloudStorageWriter(StorageWriter):
                 elapsed,
             )
             if isinstance(mgr, DistributedCheckpointManager):
-                mgr._maybe_gc()  # on its own thread, as after the manager's own saves
+                mgr.gc_if_due()  # on its own thread, as after the manager's own saves
         finally:
             self._cleanup()
 
@@ -522,10 +497,10 @@ class CloudStorageReader(StorageReader):
         self.skipped: tuple[SkippedCheckpoint, ...] = ()
         self._metadata_bytes = b""
         if chosen is not None:
-            self.record = CheckpointRecord.from_dict(chosen["record"])
-            self.manifest = chosen["manifest"]
-            self._metadata_bytes = chosen["metadata"]
-            self.skipped = tuple(SkippedCheckpoint(*s) for s in chosen["skipped"])
+            self.record = CheckpointRecord.from_dict(chosen.record)
+            self.manifest = chosen.manifest
+            self._metadata_bytes = chosen.metadata
+            self.skipped = chosen.skipped
 
     @property
     def step(self) -> int | None:
@@ -546,59 +521,35 @@ class CloudStorageReader(StorageReader):
 
     # -- choosing the checkpoint --
 
-    def _choose(self, step: int | None, claim: bool) -> dict[str, Any] | None:
+    def _choose(self, step: int | None, claim: bool) -> _Chosen | None:
         mgr = self.manager
         if isinstance(mgr, DistributedCheckpointManager):
-            mgr._check_usable()
-            mgr._wait_idle()  # queued saves use the same collectives: let them finish
-            return mgr._collective(
-                lambda: mgr._decide(lambda: self._pick(step, claim), "choosing a checkpoint")
-            )
-        mgr._check_open()
+            return mgr.run_on_coordinator(lambda: self._pick(step, claim), "choosing a checkpoint")
+        mgr.check_open()
         return self._pick(step, claim)
 
-    def _pick(self, step: int | None, claim: bool) -> dict[str, Any] | None:
+    def _pick(self, step: int | None, claim: bool) -> _Chosen | None:
         """(Coordinator.) The newest intact DCP checkpoint (or ``step``), verified."""
         mgr = self.manager
         if claim:
-            with mgr._commit_lock:
-                latest = mgr.committer.claim()
+            latest = mgr.attempts.claim()
         else:
-            latest, _ = load_latest_for_reading(mgr.store)
+            latest, _ = reader.load_latest_for_reading(mgr.store)
         if latest is None or latest.current is None:
             if step is not None:
                 raise CheckpointNotFoundError(f"{mgr.url} has no committed checkpoint")
             return None
-        todo = candidates(latest, step)
-        if not todo:
-            raise CheckpointNotFoundError(f"{mgr.url} has no retained checkpoint of step {step}")
-        skipped: list[SkippedCheckpoint] = []
-        tried: set[str] = set()
-        rereads = 0
-        while todo:
-            record = todo.pop(0)
-            tried.add(record.commit_id)
+
+        def try_one(record: CheckpointRecord) -> tuple[Manifest, bytes] | reader.Damaged:
             try:
-                manifest, data = self._read_metadata(record)
+                return self._read_metadata(record)
             except (CorruptionError, UnsafePathError) as exc:
-                fresh = None
-                if isinstance(exc, CorruptionError):
-                    fresh = reread_if_dropped(mgr.store, record, step, tried, rereads)
-                if fresh is None:
-                    log.warning("checkpoint of step %d is unusable: %s", record.step, exc.message)
-                    skipped.append(SkippedCheckpoint(record.step, record.commit_id, exc.message))
-                    continue
-                todo, rereads = fresh[0], rereads + 1
-                reason = dropped_reason(exc.message)
-                skipped.append(SkippedCheckpoint(record.step, record.commit_id, reason, True))
-                continue
-            return {
-                "record": record.to_dict(),
-                "manifest": manifest,
-                "metadata": bytes(data),
-                "skipped": [dataclasses.astuple(s) for s in skipped],
-            }
-        raise nothing_restored(mgr.url, skipped, step)
+                return reader.Damaged.of(exc)
+
+        todo = reader.to_try(mgr.url, latest, step)
+        found = reader.first_intact(mgr.store, todo, step, try_one)
+        manifest, data = found.value
+        return _Chosen(found.record.to_dict(), manifest, bytes(data), found.skipped)
 
     def _read_metadata(self, record: CheckpointRecord) -> tuple[Manifest, bytes]:
         """(Coordinator.) ``record``'s manifest and DCP ``.metadata``, verified.
@@ -674,7 +625,7 @@ class CloudStorageReader(StorageReader):
         needed = sorted({storage[item.storage_index].relative_path for item in plan.items})
         what = f"loading step {record.step}"
         if isinstance(mgr, DistributedCheckpointManager):
-            local = mgr._fetch_for_node(record, manifest, needed, self.cache_dir, what)
+            local = mgr.fetch_for_node(record, manifest, needed, self.cache_dir, what)
         else:
             local = self._fetch_here(needed)
         failure: BaseException | None = None
@@ -686,7 +637,7 @@ class CloudStorageReader(StorageReader):
         except BaseException as exc:
             failure = exc
         if isinstance(mgr, DistributedCheckpointManager):
-            mgr._node_done(local, f"{what}: finishing")  # every rank, even after a failure
+            mgr.node_done(local, f"{what}: finishing")  # every rank, even after a failure
         else:
             shutil.rmtree(local, ignore_errors=True)
         if failure is not None:
@@ -714,7 +665,7 @@ class CloudStorageReader(StorageReader):
                 [by_path[p] for p in needed],
                 local,
                 manifest.chunk_size,
-                mgr._progress,
+                mgr.progress,
             )
         except BaseException:
             shutil.rmtree(local, ignore_errors=True)

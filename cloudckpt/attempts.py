@@ -1,0 +1,408 @@
+"""The save pipeline: begin an attempt, upload into it, finish it (manifest and commit).
+
+One ``AttemptWriter`` serves one writer of a run. Its callers:
+
+- ``CheckpointManager`` (one host): ``save()`` runs the three steps for each staged save,
+  from its background thread;
+- ``DistributedCheckpointManager`` (many ranks, one commit): the coordinator calls
+  ``begin()``, every rank ``upload_files()`` into the prefix it was told, and the
+  coordinator ``finish()`` with every rank's entries;
+- the DCP writer (``cloudckpt.integrations.dcp``): the same split, inside DCP's own calls.
+
+The steps (docs/design.md, "Writing: claim, save, commit"):
+
+1. ``begin(step)``: claim the run if no one has yet (through the owner's ``prepare``
+   hook), read the store's clock (the attempt's birth: ``committer.AttemptAge``), pick a
+   fresh ``ckpt/<step>-e<epoch>-<id>/`` prefix and write its ``ATTEMPT.json``;
+2. ``upload(begun, files)``: as content-addressed chunks, skipping those of the last
+   committed checkpoint (``ChunkIndex``), or whole files with chunking off;
+3. ``finish(begun, entries, metadata)``: list what was uploaded (a store that kept fewer
+   bytes must not get a torn checkpoint committed; chunks reused from earlier checkpoints
+   must still exist), write the manifest create-only and commit it with the fenced
+   compare-and-swap of LATEST.
+
+``save()`` runs all three and retries once, under a new attempt, when chunks it meant to
+reuse turn out missing (``ReusedChunkMissingError``: they are uploaded again) or their
+checkpoint left retention meanwhile (``ChunkSourceDroppedError``: everything is uploaded
+in full).
+
+Fencing: the first ``FencedError`` a commit raises is kept (``fenced``); every later
+``begin()`` raises it again, without touching the store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from cloudckpt import chunks, protocol
+from cloudckpt.committer import AttemptAge, Committer, max_attempt_age
+from cloudckpt.errors import (
+    ChunkSourceDroppedError,
+    CloudCkptError,
+    ConfigurationError,
+    FencedError,
+    PreconditionFailedError,
+    ReusedChunkMissingError,
+    StoreError,
+)
+from cloudckpt.failpoints import hit as failpoint
+from cloudckpt.protocol import FileEntry, Latest, Manifest
+from cloudckpt.reader import fetch_manifest
+from cloudckpt.retry import IDEMPOTENT_RETRY, call_with_retries
+from cloudckpt.stores import CREATE, OVERWRITE, Store
+from cloudckpt.transfer import MemoryFile, ProgressCallback, TransferEngine
+
+log = logging.getLogger("cloudckpt")
+
+#: What a save uploads: (path in the checkpoint, a staged file or an in-memory buffer).
+Files = Sequence[tuple[str, Path | MemoryFile]]
+
+
+@dataclasses.dataclass(frozen=True)
+class BegunAttempt:
+    """An attempt whose prefix is chosen and whose ``ATTEMPT.json`` is written."""
+
+    step: int
+    epoch: int
+    commit_id: str  # the attempt id; also the save's commit_id
+    prefix: str  # ckpt/<step>-e<epoch>-<commit_id>/
+    age: AttemptAge  # born on the store's clock; past max age, GC may own it
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitInfo:
+    """A committed save: what landed and what it cost.
+
+    ``blocking_seconds``: how long ``save()``/``save_dir()`` held the caller.
+    ``commit_seconds``: from the save being handed over to LATEST naming it.
+    """
+
+    step: int
+    commit_id: str
+    ckpt: str
+    epoch: int
+    seq: int
+    num_files: int
+    total_bytes: int
+    blocking_seconds: float
+    commit_seconds: float
+    metadata: Mapping[str, Any]
+
+    @classmethod
+    def of(
+        cls,
+        begun: BegunAttempt,
+        latest: Latest,
+        manifest: Manifest,
+        *,
+        blocking_seconds: float,
+        commit_seconds: float,
+        metadata: Mapping[str, Any],
+    ) -> CommitInfo:
+        """The ``CommitInfo`` of ``begun``, committed as ``manifest`` in ``latest``."""
+        return cls(
+            step=begun.step,
+            commit_id=begun.commit_id,
+            ckpt=begun.prefix,
+            epoch=begun.epoch,
+            seq=latest.seq,
+            num_files=len(manifest.files),
+            total_bytes=manifest.total_bytes,
+            blocking_seconds=blocking_seconds,
+            commit_seconds=commit_seconds,
+            metadata=metadata,
+        )
+
+
+class AttemptWriter:
+    """The save pipeline of one writer (see the module docstring).
+
+    Args:
+        store, engine: where and how files are uploaded.
+        committer: the writer's view of LATEST (claims, fenced commits).
+        chunking: ``chunks.MODES``; ``"off"`` uploads whole files.
+        progress: called with byte counts as uploads advance.
+        prepare: called by every ``begin()`` before anything is written; the manager's
+            hook claims the run on the first save (committing saves a crashed process
+            staged, first). Default: claim the run if this writer has not.
+
+    ``commit_lock`` serialises use of the committer (it is single-threaded): hold it to
+    claim the run by hand. ``last_upload``: what the last chunked upload sent and reused.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        engine: TransferEngine,
+        committer: Committer,
+        *,
+        chunking: chunks.ChunkingMode,
+        progress: ProgressCallback | None = None,
+        prepare: Callable[[], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.engine = engine
+        self.committer = committer
+        self.chunking: chunks.ChunkingMode = chunking
+        self.progress = progress
+        self.commit_lock = threading.Lock()
+        self.last_upload: chunks.UploadStats | None = None
+        self._prepare = prepare or self._claim_if_needed
+        self._chunk_index: chunks.ChunkIndex | None = None
+        self._fenced: FencedError | None = None
+
+    @property
+    def writer_id(self) -> str:
+        return self.committer.writer_id
+
+    # -------------------------------------------------------------------- fencing, claim
+
+    @property
+    def fenced(self) -> FencedError | None:
+        """The ``FencedError`` a commit of this writer raised, if one did: a newer writer
+        owns the run and this one may never commit again."""
+        return self._fenced
+
+    def check_fenced(self) -> None:
+        """Raises the ``FencedError`` a commit of this writer raised, if one did."""
+        if self._fenced is not None:
+            raise self._fenced
+
+    def claim(self) -> Latest:
+        """Claim the run (``Committer.claim``, under ``commit_lock``)."""
+        with self.commit_lock:
+            return self.committer.claim()
+
+    def _claim_if_needed(self) -> None:
+        with self.commit_lock:
+            if self.committer.latest is None:
+                self.committer.claim()
+
+    # -------------------------------------------------------------------- the pipeline
+
+    def save(
+        self,
+        step: int,
+        files: Files,
+        metadata: Mapping[str, Any],
+        before_commit: Callable[[], object] | None = None,
+    ) -> tuple[BegunAttempt, Latest, Manifest]:
+        """Begin an attempt, upload ``files`` into it, run ``before_commit`` and commit.
+        If a checkpoint whose chunks it reuses left retention meanwhile (an unpin, another
+        tool), everything is uploaded again in full under a new attempt, once; if reused
+        chunks are missing from the store, they are uploaded again (new attempt, once).
+
+        Raises: as ``begin`` and ``finish``; StagingError, StoreError (the upload).
+        """
+        index: chunks.ChunkIndex | None = None  # None: the writer's own index
+        for retry in (False, True):
+            try:
+                begun = self.begin(step)
+                entries, requires = self.upload(begun, files, index)
+                failpoint("save.after_upload")
+                if before_commit is not None:
+                    before_commit()
+                latest, manifest = self.finish(begun, entries, metadata, requires=requires)
+                return begun, latest, manifest
+            except ReusedChunkMissingError as exc:
+                if retry:
+                    raise
+                log.error("step %d: %s; uploading them again", step, exc)
+                index = self._load_chunk_index().without(exc.missing)
+                self._chunk_index = index  # later saves must not name them either
+            except ChunkSourceDroppedError as exc:
+                if retry:
+                    raise
+                log.warning("step %d: %s; uploading it again in full", step, exc)
+                index = chunks.ChunkIndex()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def begin(self, step: int) -> BegunAttempt:
+        """Claim the run if no one has yet (``prepare``), read the store's clock (the
+        attempt's birth, which bounds its commit: ``committer``), choose a fresh attempt
+        prefix and write its ``ATTEMPT.json``.
+
+        Raises: FencedError, NeedsRepairError, CommitConflictError, ConfigurationError (a
+        grace period the store's clock cannot resolve), StoreError.
+        """
+        self.check_fenced()
+        self._prepare()
+        epoch = self.committer.epoch
+        assert epoch is not None  # claimed by prepare
+        grace = self.committer.settings.gc_grace_s
+        max_age = max_attempt_age(grace, self.store.clock_resolution)
+        if max_age <= 0:
+            raise ConfigurationError(
+                f"gc_grace={grace}s is too short for {self.store.url}, whose clock counts "
+                f"whole {self.store.clock_resolution:g} s steps: no save could be committed "
+                "safely",
+                hint="Use a gc_grace of at least a minute (the default is 2 hours)",
+            )
+        # Read before ATTEMPT.json is written: never later than the time GC dates it by.
+        born = call_with_retries(self.store.now, what="read the store's clock")
+        remote_id = protocol.new_attempt_id(dt.datetime.now(dt.timezone.utc))
+        prefix = protocol.ckpt_prefix(step, epoch, remote_id)
+        self._put_idempotent(
+            prefix + protocol.ATTEMPT_NAME,
+            protocol.attempt_body(
+                ckpt=prefix,
+                step=step,
+                epoch=epoch,
+                writer_id=self.writer_id,
+                started_at=dt.datetime.now(dt.timezone.utc),
+            ),
+        )
+        failpoint("save.after_marker")
+        return BegunAttempt(
+            step=step,
+            epoch=epoch,
+            commit_id=remote_id,
+            prefix=prefix,
+            age=AttemptAge(born, max_age),
+        )
+
+    def upload(
+        self,
+        begun: BegunAttempt,
+        files: Files,
+        index: chunks.ChunkIndex | None = None,
+    ) -> tuple[list[FileEntry], Callable[[Latest], None] | None]:
+        """Upload a save's files into its attempt: as chunks, skipping those ``index``
+        holds (default: those of the last committed checkpoint), or whole with chunking
+        off. Returns the manifest entries and the check its commit must pass.
+
+        Raises: StagingError (a staged file changed), StoreError.
+        """
+        if self.chunking == "off":
+            return self.upload_files(begun.prefix, files), None
+        if index is None:
+            index = self._load_chunk_index()
+        entries, stats = chunks.upload_chunked(
+            self.engine, self.store, begun.prefix, files, index, self.chunking, self.progress
+        )
+        self.last_upload = stats
+        return entries, stats.requires
+
+    def upload_files(
+        self,
+        prefix: str,
+        files: Files,
+        progress: ProgressCallback | None = None,
+    ) -> list[FileEntry]:
+        """Upload ``files`` whole into the attempt at ``prefix`` (a multi-rank save's ranks
+        know only its prefix). ``progress``: default, the writer's own.
+
+        Raises: StagingError, StoreError.
+        """
+        return self.engine.upload_files(
+            self.store, prefix + protocol.FILES_DIR, files, progress or self.progress
+        )
+
+    def finish(
+        self,
+        begun: BegunAttempt,
+        entries: Sequence[FileEntry],
+        metadata: Mapping[str, Any],
+        *,
+        requires: Callable[[Latest], None] | None = None,
+    ) -> tuple[Latest, Manifest]:
+        """Check that every file and chunk the manifest will name is stored whole (one
+        listing per prefix), write the manifest (create-only) and commit it with the
+        fenced compare-and-swap of LATEST. A ``FencedError`` is kept (``fenced``).
+
+        Raises: StoreError, ReusedChunkMissingError, FencedError, CommitConflictError,
+        CommitStateUnknownError, StaleAttemptError, NeedsRepairError.
+        """
+        entries = list(entries)
+        prefix = begun.prefix
+        self._check_uploaded(prefix + protocol.FILES_DIR, [e for e in entries if e.chunks is None])
+        chunks.check_uploaded(self.store, prefix, entries)
+        now = dt.datetime.now(dt.timezone.utc)
+        manifest = Manifest(
+            ckpt=prefix,
+            step=begun.step,
+            epoch=begun.epoch,
+            commit_id=begun.commit_id,
+            writer_id=self.writer_id,
+            created_at=protocol.iso(now),
+            files=tuple(entries),
+            metadata=metadata,
+        )
+        body = manifest.to_bytes()
+        self._put_create(prefix + protocol.MANIFEST_NAME, body)
+        failpoint("save.after_manifest")
+        try:
+            with self.commit_lock:
+                latest = self.committer.commit(
+                    manifest.record(body, now), age=begun.age, requires=requires
+                )
+        except FencedError as exc:
+            self._fenced = exc
+            raise
+        if manifest.chunked:
+            self._chunk_index = chunks.ChunkIndex.of(manifest)
+        return latest, manifest
+
+    # -------------------------------------------------------------------- internals
+
+    def _load_chunk_index(self) -> chunks.ChunkIndex:
+        """The chunks of the last checkpoint committed (after a restart: one GET of the
+        current checkpoint's manifest; an unreadable one means an empty index)."""
+        if self._chunk_index is None:
+            latest = self.committer.latest
+            self._chunk_index = chunks.ChunkIndex()
+            if latest is not None and latest.current is not None:
+                try:
+                    self._chunk_index = chunks.ChunkIndex.of(
+                        fetch_manifest(self.store, latest.current)
+                    )
+                except CloudCkptError as exc:
+                    log.warning("cannot read the current manifest (%s); uploading in full", exc)
+        return self._chunk_index
+
+    def _check_uploaded(self, files_prefix: str, entries: list[FileEntry]) -> None:
+        """One listing: every file is stored with the size that was sent. A store or proxy
+        that silently keeps fewer bytes would otherwise get a torn checkpoint committed."""
+        if not entries:
+            return
+        listed = call_with_retries(
+            lambda: list(self.store.list(files_prefix)), what="list the uploaded files"
+        )
+        sizes = {o.key[len(files_prefix) :]: o.size for o in listed}
+        for entry in entries:
+            stored = sizes.get(entry.path)
+            if stored != entry.size:
+                raise StoreError(
+                    f"{self.store.url}{files_prefix}{entry.path} holds "
+                    f"{'nothing' if stored is None else f'{stored} bytes'} after uploading "
+                    f"{entry.size} bytes; the checkpoint was not committed",
+                    key=files_prefix + entry.path,
+                    hint="The store or a proxy lost part of the upload. Save again; "
+                    "check any proxy between this host and the store",
+                )
+
+    def _put_idempotent(self, key: str, body: bytes) -> None:
+        call_with_retries(
+            lambda: self.store.put(key, body, mode=OVERWRITE),
+            retry_on=IDEMPOTENT_RETRY,
+            what=f"write {key}",
+        )
+
+    def _put_create(self, key: str, body: bytes) -> None:
+        """Create-only put that treats finding its own bytes (an SDK retry) as success."""
+        try:
+            call_with_retries(
+                lambda: self.store.put(key, body, mode=CREATE),
+                retry_on=IDEMPOTENT_RETRY,
+                what=f"write {key}",
+            )
+        except PreconditionFailedError:
+            existing, _ = self.store.get(key)
+            if existing != body:
+                raise StoreError(f"{self.store.url}{key} was written by someone else") from None

@@ -1,0 +1,397 @@
+"""The multi-rank restore: the coordinator picks, one rank per node downloads.
+
+``NodeReader.restore`` is every rank's part of ``resume()``/``restore()``: the ranks send
+the coordinator their destination (``RestoreStart``); it claims the run (``resume`` only)
+and picks the checkpoints to try, newest first (``Candidates``); then, for each until one
+is intact, each node's leader downloads what the node's ranks need into a temporary
+directory beside the destination while the ranks exchange heartbeats, and moves it into
+place. A damaged checkpoint on any node means the next older one, on every node.
+
+``fetch_for_node`` and ``node_done`` serve the DCP reader: every rank names the files it
+needs, each node's leader downloads their union once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import secrets
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from cloudckpt import chunks, protocol
+from cloudckpt.distributed._comm import Comm, RankError, Ranks
+from cloudckpt.distributed._save import WORLD_SIZE_KEY
+from cloudckpt.errors import ConfigurationError, CorruptionError
+from cloudckpt.protocol import CheckpointRecord, Latest, Manifest
+from cloudckpt.reader import (
+    Damaged,
+    Intact,
+    check_objects,
+    fetch_manifest,
+    first_intact,
+    readable,
+    reread_if_dropped,
+    to_try,
+)
+from cloudckpt.restore import (
+    RestoreResult,
+    check_space,
+    out_of_space,
+    place,
+    prepare_destination,
+)
+from cloudckpt.stores import Store
+from cloudckpt.transfer import ProgressCallback, TransferEngine
+
+log = logging.getLogger("cloudckpt.distributed")
+
+_RANK_DIR = re.compile(r"^rank-(\d{5,})/")
+
+#: ``select(path, rank)``: whether ``rank`` needs the checkpoint file ``path``.
+Select = Callable[[str, int], bool]
+
+
+def rank_dir(rank: int) -> str:
+    """The directory a rank's files live under in a checkpoint saved with per-rank
+    directories: ``rank-00003`` for rank 3."""
+    return f"rank-{rank:05d}"
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedRestoreResult(RestoreResult):
+    """A ``RestoreResult`` for one rank of a multi-rank restore.
+
+    ``path``: the node-local directory holding what this node downloaded (the checkpoint's
+    layout: ``rank-<r>/...`` and any shared files). ``rank_path``: this rank's own
+    directory, ``path/rank-<rank>``. ``saved_world_size``: the world size that saved the
+    checkpoint (None if it was not saved by a ``DistributedCheckpointManager``); when it
+    differs from the current one, every node holds every file and reshards as it likes.
+    """
+
+    rank_path: Path | None = None
+    saved_world_size: int | None = None
+
+
+# ------------------------------------------------------------------------------ messages
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreStart:
+    """What a rank sends the coordinator before a restore: its destination, or the error
+    its node's leader met checking it."""
+
+    into: str
+    error: RankError | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidates:
+    """The checkpoints to try, newest first (records as ``CheckpointRecord.to_dict``),
+    and whether they come from the commit records (LATEST was unreadable)."""
+
+    records: tuple[dict[str, Any], ...]
+    from_records: bool
+
+    @classmethod
+    def of(cls, records: Iterable[CheckpointRecord], from_records: bool) -> Candidates:
+        return cls(tuple(r.to_dict() for r in records), from_records)
+
+    def todo(self) -> list[CheckpointRecord]:
+        return [CheckpointRecord.from_dict(r) for r in self.records]
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeNeeds:
+    """What a rank needs of a checkpoint (DCP reader), and, from a node's leader, the
+    directory it downloads into."""
+
+    needs: tuple[str, ...]
+    dir: str | None
+
+
+# ------------------------------------------------------------------------------ the reader
+
+
+class NodeReader:
+    """Every rank's part of multi-rank restores (see the module docstring). Its methods
+    are collectives: call them on every rank, in the same order."""
+
+    def __init__(
+        self,
+        comm: Comm,
+        ranks: Ranks,
+        store: Store,
+        engine: TransferEngine,
+        progress: ProgressCallback | None,
+        per_rank_dirs: bool,
+    ) -> None:
+        self.comm, self.ranks = comm, ranks
+        self.store, self.engine, self.progress = store, engine, progress
+        self.per_rank_dirs = per_rank_dirs
+
+    def restore(
+        self,
+        into: Path,
+        step: int | None,
+        overwrite: bool,
+        select: Select | None,
+        claim: Callable[[], Latest] | None,
+    ) -> DistributedRestoreResult | None:
+        """The newest intact checkpoint (or ``step``) into the node-local ``into``; None
+        for a new run (``claim`` given: rank 0 claims first, ``resume``).
+
+        Raises on every rank: as ``restore.restore``, CollectiveError.
+        """
+        what = "resuming" if claim is not None else "restoring"
+        chosen, dest = self._start(into, step, overwrite, claim, what)
+        if chosen is None:
+            return None
+
+        def try_one(record: CheckpointRecord) -> int | Damaged | None:
+            saved_world = _saved_world(record)
+            wants = select or self._default_select(saved_world)
+            reason = self._fetch(record, dest, wants, what)
+            return saved_world if reason is None else Damaged(reason)
+
+        def reread(
+            record: CheckpointRecord, tried: set[str], rereads: int
+        ) -> tuple[list[CheckpointRecord], bool] | None:
+            fresh = self.comm.decide(
+                lambda: self._reread_if_dropped(record, step, tried, rereads),
+                f"{what}: reading LATEST again",
+            )
+            return None if fresh is None else (fresh.todo(), fresh.from_records)
+
+        found = first_intact(
+            self.store,
+            chosen.todo(),
+            step,
+            try_one,
+            from_records=chosen.from_records,
+            reread=reread,
+        )
+        if found.skipped:
+            log.warning(
+                "restored step %d after skipping %d checkpoint(s)",
+                found.record.step,
+                len(found.skipped),
+            )
+        return self._result(found, into)
+
+    def _start(
+        self,
+        into: Path,
+        step: int | None,
+        overwrite: bool,
+        claim: Callable[[], Latest] | None,
+        what: str,
+    ) -> tuple[Candidates | None, Path]:
+        """Check the destination (node leaders), agree on it, claim (``resume``) and
+        pick the candidates on the coordinator. Returns them (None: a new run) and the
+        real directory this node's leader writes (``into`` may be a link)."""
+        local_exc: BaseException | None = None
+        dest = into
+        if self.ranks.is_node_leader:
+            try:  # before claiming: a bad argument must not fence the writer
+                dest = prepare_destination(into, overwrite)
+            except Exception as exc:
+                local_exc = exc
+        error = None if local_exc is None else RankError.of(local_exc, self.comm.rank)
+        starts = self.comm.gather(RestoreStart(str(into), error), what)
+        try:
+            chosen = self.comm.decide(lambda: self._choose(starts, step, claim), what)
+        except Exception:
+            if local_exc is not None:  # this rank's own error rather than its copy
+                raise local_exc from None
+            raise
+        return chosen, dest
+
+    def _choose(
+        self,
+        starts: list[RestoreStart] | None,
+        step: int | None,
+        claim: Callable[[], Latest] | None,
+    ) -> Candidates | None:
+        """(Coordinator.) The checkpoints to try, newest first; None for a new run."""
+        assert starts is not None
+        failed = [s.error for s in starts if s.error is not None]
+        if failed:
+            raise failed[0].rebuild()
+        bad = self.ranks.inconsistent_into({r: s.into for r, s in enumerate(starts)})
+        if bad:
+            raise ConfigurationError(
+                bad, hint="Pass the same node-local directory on every rank of a node"
+            )
+        if claim is None:
+            return Candidates.of(*readable(self.store, step))
+        latest = claim()
+        if latest.current is None:
+            return None  # a new run
+        todo = to_try(self.store.url, latest, step)
+        return Candidates.of(todo, False)
+
+    def _fetch(self, record: CheckpointRecord, dest: Path, wants: Select, what: str) -> str | None:
+        """Every node's leader downloads ``record`` (what its ranks want) and moves it
+        into ``dest``. Returns None when every node has it, or why it is damaged or
+        missing on some node. Raises the first rank's failure that is not damage."""
+        tmp = dest.with_name(f".{dest.name}.cloudckpt-tmp-{secrets.token_hex(4)}")
+        leader = self.ranks.is_node_leader
+        phase = self.comm.run_phase(
+            (lambda: self._download(record, wants, tmp)) if leader else None,
+            f"{what} step {record.step}",
+        )
+        if phase.failures:
+            shutil.rmtree(tmp, ignore_errors=True)
+            fatal = [f for f in phase.failures.values() if not f.damaged]
+            if fatal:
+                own = phase.own
+                if own is not None and own.__class__.__name__ == fatal[0].cls:
+                    raise own
+                raise fatal[0].rebuild()
+            return "; ".join(f.summary for f in phase.failures.values())
+        phase = self.comm.run_phase(
+            (lambda: place(tmp, dest)) if leader else None, f"{what}: placing step {record.step}"
+        )
+        if phase.failures:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if phase.own is not None:
+                raise phase.own
+            raise next(iter(phase.failures.values())).rebuild()
+        return None
+
+    def _download(self, record: CheckpointRecord, wants: Select, tmp: Path) -> None:
+        """(Node leader.) Check ``record`` and download, verified, what the node's ranks
+        want into the new directory ``tmp``. Raises CorruptionError, UnsafePathError,
+        StagingError (no space), StoreError."""
+        manifest = fetch_manifest(self.store, record)
+        check_objects(self.store, record, manifest)
+        local = self.ranks.local_ranks
+        entries = [e for e in manifest.files if any(wants(e.path, r) for r in local)]
+        need = sum(e.size for e in entries)
+        check_space(record.step, need, tmp.parent)
+        try:
+            tmp.mkdir()
+            chunks.download(
+                self.engine,
+                self.store,
+                record.ckpt + protocol.FILES_DIR,
+                entries,
+                tmp,
+                manifest.chunk_size,
+                self.progress,
+            )
+        except OSError as exc:
+            full = out_of_space(exc, record.step, need, tmp.parent)
+            if full is None:
+                raise
+            raise full from exc
+
+    def _result(self, found: Intact[int | None], into: Path) -> DistributedRestoreResult:
+        record = found.record
+        return DistributedRestoreResult(
+            step=record.step,
+            path=into,
+            metadata=dict(record.metadata),
+            commit_id=record.commit_id,
+            ckpt=record.ckpt,
+            epoch=record.epoch,
+            num_files=record.num_files,
+            total_bytes=record.total_bytes,
+            skipped=found.skipped,
+            from_commit_records=found.from_records,
+            rank_path=into / rank_dir(self.comm.rank),
+            saved_world_size=found.value,
+        )
+
+    def _reread_if_dropped(
+        self, record: CheckpointRecord, step: int | None, tried: set[str], rereads: int
+    ) -> Candidates | None:
+        """(Coordinator.) ``reread_if_dropped``, in a form that travels to every rank."""
+        fresh = reread_if_dropped(self.store, record, step, tried, rereads)
+        return None if fresh is None else Candidates.of(*fresh)
+
+    def _default_select(self, saved_world: int | None) -> Select:
+        same_layout = self.per_rank_dirs and saved_world == self.ranks.world_size
+
+        def wants(path: str, rank: int) -> bool:
+            m = _RANK_DIR.match(path)
+            if m is None or not same_layout:
+                return True  # a shared file, or another layout: every rank may need it
+            return int(m.group(1)) == rank
+
+        return wants
+
+    # ---------------------------------------------------------------- for the DCP reader
+
+    def fetch_for_node(
+        self,
+        record: CheckpointRecord,
+        manifest: Manifest,
+        needed: Iterable[str],
+        cache_dir: str | os.PathLike[str] | None,
+        what: str,
+    ) -> Path:
+        """Every rank names the checkpoint files it needs; each node's leader downloads
+        the node's union once (verified) into a fresh directory; returns that directory
+        (the leader's) on every rank of the node.
+
+        Raises on every rank: CorruptionError (a file the metadata names is not in the
+        checkpoint), the leader's download error, CollectiveError.
+        """
+        local: Path | None = None
+        if self.ranks.is_node_leader:
+            base = Path(cache_dir).expanduser() if cache_dir else None
+            if base is not None:
+                base.mkdir(parents=True, exist_ok=True)
+                local = base / f"{record.commit_id}-{secrets.token_hex(4)}"
+            else:
+                local = Path(tempfile.mkdtemp(prefix="cloudckpt-read-"))
+        mine = NodeNeeds(tuple(sorted(set(needed))), None if local is None else str(local))
+        everyone = self.comm.all_gather(mine, what)
+        node_dir = Path(str(everyone[self.ranks.node_leader].dir))
+        wanted = sorted({p for r in self.ranks.local_ranks for p in everyone[r].needs})
+
+        def download() -> None:
+            by_path = {e.path: e for e in manifest.files}
+            missing = [p for p in wanted if p not in by_path]
+            if missing:
+                raise CorruptionError(
+                    f"step {record.step} has no file {missing[0]!r} that its metadata names"
+                )
+            node_dir.mkdir(parents=True, exist_ok=True)
+            chunks.download(
+                self.engine,
+                self.store,
+                record.ckpt + protocol.FILES_DIR,
+                [by_path[p] for p in wanted],
+                node_dir,
+                manifest.chunk_size,
+                self.progress,
+            )
+
+        phase = self.comm.run_phase(download if self.ranks.is_node_leader else None, what)
+        if phase.failures:
+            if self.ranks.is_node_leader:
+                shutil.rmtree(node_dir, ignore_errors=True)
+            if phase.own is not None:
+                raise phase.own
+            raise next(iter(phase.failures.values())).rebuild()
+        return node_dir
+
+    def node_done(self, node_dir: Path, what: str) -> None:
+        """Every rank has finished reading ``node_dir``; the leader removes it."""
+        self.comm.run_phase(None, what)
+        if self.ranks.is_node_leader:
+            shutil.rmtree(node_dir, ignore_errors=True)
+
+
+def _saved_world(record: CheckpointRecord) -> int | None:
+    """The world size that saved ``record`` (None: not a multi-rank save)."""
+    saved = record.metadata.get(WORLD_SIZE_KEY)
+    return saved if isinstance(saved, int) else None

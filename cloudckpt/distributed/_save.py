@@ -1,0 +1,307 @@
+"""The multi-rank save: every rank uploads into one attempt, the coordinator commits.
+
+``save()`` is one rank's part of one save, run on its manager's background thread, in
+three rounds of collectives (the package docstring tells them from the user's side):
+
+1. every rank sends the coordinator a ``RankPlan`` (its step and paths, or its error); the
+   coordinator checks them, opens the attempt (``AttemptWriter.begin``) and broadcasts
+   its ``Decision``: ``Opened`` (the prefix) or why not;
+2. every rank uploads into the prefix while the ranks exchange heartbeats
+   (``Comm.run_phase``): a rank that fails stops the others' uploads early;
+3. every rank sends its files' entries; the coordinator alone writes the manifest and
+   commits (``AttemptWriter.finish``) and broadcasts the ``Committed`` outcome (or its
+   error), so every rank returns the same ``CommitInfo`` or raises the same error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from cloudckpt.attempts import AttemptWriter, BegunAttempt, CommitInfo
+from cloudckpt.distributed._comm import Cancelled, Comm, RankError
+from cloudckpt.errors import CollectiveError, ConfigurationError, RankFailedError
+from cloudckpt.manager import SaveHandle
+from cloudckpt.protocol import FileEntry
+from cloudckpt.transfer import ProgressCallback
+
+log = logging.getLogger("cloudckpt.distributed")
+
+#: Recorded in every multi-rank commit's metadata: the world size that saved it.
+WORLD_SIZE_KEY = "cloudckpt.world_size"
+
+
+# ------------------------------------------------------------------------------ messages
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPlan:
+    """What a rank sends the coordinator before a save: the step and the paths it will
+    upload, or why it cannot take part."""
+
+    step: int
+    paths: tuple[str, ...]
+    error: RankError | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Opened:
+    """The coordinator opened the attempt every rank uploads into."""
+
+    prefix: str
+    epoch: int
+    commit_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RanksFailed:
+    """Ranks could not take part (their plans carried errors); nothing was uploaded."""
+
+    failures: tuple[RankError, ...]
+
+    def error(self, step: int, local_exc: BaseException | None) -> RankFailedError:
+        err = RankFailedError(
+            f"the checkpoint of step {step} was not committed: "
+            + "; ".join(f.summary for f in self.failures),
+            failures={f.rank: f.described for f in self.failures},
+        )
+        err.__cause__ = local_exc  # this rank's own failure, if it is one of them
+        return err
+
+
+@dataclasses.dataclass(frozen=True)
+class Misconfigured:
+    """The ranks' plans disagree (steps) or collide (paths); nothing was uploaded."""
+
+    message: str
+    hint: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorFailed:
+    """The coordinator could not open the attempt (fenced, a store error...)."""
+
+    error: RankError
+
+
+#: The coordinator's answer to the ranks' plans.
+Decision = Opened | RanksFailed | Misconfigured | CoordinatorFailed
+
+
+@dataclasses.dataclass(frozen=True)
+class Committed:
+    """The coordinator's commit landed: what every rank's ``CommitInfo`` reports."""
+
+    seq: int
+    num_files: int
+    total_bytes: int
+
+
+# ------------------------------------------------------------------------------ the save
+
+
+def save(
+    comm: Comm,
+    attempts: AttemptWriter,
+    handle: SaveHandle,
+    files: Sequence[tuple[str, Path]],
+    local_exc: BaseException | None,
+    progress: ProgressCallback | None,
+) -> CommitInfo:
+    """This rank's part of the save of ``handle``: its ``files`` (paths in the
+    checkpoint), or ``local_exc`` if it failed to stage them (it still takes part, so that
+    every rank fails at once). Raises on every rank alike: RankFailedError,
+    ConfigurationError, the coordinator's error (FencedError, StoreError...),
+    CollectiveError."""
+    step = handle.step
+    what = f"starting the save of step {step}"
+    error = None if local_exc is None else RankError.of(local_exc, comm.rank)
+    plans = comm.gather(RankPlan(step, tuple(p for p, _ in files), error), what)
+    decision: Decision | None = None
+    begun: BegunAttempt | None = None
+    begin_exc: BaseException | None = None
+    if comm.is_coordinator:
+        assert plans is not None
+        decision, begun, begin_exc = _open(attempts, plans, step)
+    decision = comm.broadcast(decision, what)
+    if not isinstance(decision, Opened):
+        raise _refusal(decision, step, local_exc, begin_exc)
+    entries = _upload(comm, attempts, decision.prefix, files, progress, step)
+    committed = _commit(comm, attempts, begun, entries, handle, step)
+    info = CommitInfo(
+        step=step,
+        commit_id=decision.commit_id,
+        ckpt=decision.prefix,
+        epoch=decision.epoch,
+        seq=committed.seq,
+        num_files=committed.num_files,
+        total_bytes=committed.total_bytes,
+        blocking_seconds=handle.blocking_seconds,
+        commit_seconds=time.perf_counter() - handle.handed_over_at,
+        metadata=handle.metadata,
+    )
+    if comm.is_coordinator:
+        log.info(
+            "committed step %d from %d ranks (%d files, %d bytes) in %.2fs",
+            step,
+            comm.world,
+            info.num_files,
+            info.total_bytes,
+            info.commit_seconds,
+        )
+    return info
+
+
+def _open(
+    attempts: AttemptWriter, plans: Sequence[RankPlan], step: int
+) -> tuple[Decision, BegunAttempt | None, BaseException | None]:
+    """Coordinator: check every rank's plan, claim if needed, open the attempt. Returns
+    the decision, the attempt, and the coordinator's own exception if opening failed."""
+    failed = tuple(p.error for p in plans if p.error is not None)
+    if failed:
+        return RanksFailed(failed), None, None
+    if len({p.step for p in plans}) > 1:
+        by_rank = ", ".join(f"rank {r}: {p.step}" for r, p in enumerate(plans))
+        return (
+            Misconfigured(
+                f"ranks are saving different steps ({by_rank})",
+                "Call save() on every rank for the same steps, in the same order",
+            ),
+            None,
+            None,
+        )
+    clash = find_collision([p.paths for p in plans])
+    if clash is not None:
+        return (
+            Misconfigured(
+                f"the ranks' files collide: {clash}; nothing was uploaded",
+                "Give every rank distinct file names, or use per_rank_dirs=True",
+            ),
+            None,
+            None,
+        )
+    try:
+        begun = attempts.begin(step)
+    except Exception as exc:
+        return CoordinatorFailed(RankError.of(exc, 0)), None, exc  # the coordinator is rank 0
+    return Opened(begun.prefix, begun.epoch, begun.commit_id), begun, None
+
+
+def _refusal(
+    decision: Decision | None,
+    step: int,
+    local_exc: BaseException | None,
+    begin_exc: BaseException | None,
+) -> BaseException:
+    """The error every rank raises when the coordinator did not open the attempt (the
+    coordinator raises its own exception rather than a copy)."""
+    if isinstance(decision, RanksFailed):
+        return decision.error(step, local_exc)
+    if isinstance(decision, Misconfigured):
+        return ConfigurationError(decision.message, hint=decision.hint)
+    if begin_exc is not None:
+        return begin_exc
+    assert isinstance(decision, CoordinatorFailed)
+    return decision.error.rebuild()
+
+
+def _upload(
+    comm: Comm,
+    attempts: AttemptWriter,
+    prefix: str,
+    files: Sequence[tuple[str, Path]],
+    progress: ProgressCallback | None,
+    step: int,
+) -> list[FileEntry]:
+    """Every rank uploads its files into ``prefix``; one rank's failure cancels the
+    others' uploads. Raises RankFailedError on every rank if any failed."""
+    cancel = threading.Event()
+
+    def report(n: int) -> None:
+        if progress is not None:
+            progress(n)
+        if cancel.is_set():
+            raise Cancelled("another rank failed")
+
+    phase = comm.run_phase(
+        lambda: attempts.upload_files(prefix, files, report), f"uploading step {step}", cancel
+    )
+    if phase.failures:
+        real = {r: f for r, f in phase.failures.items() if f.cls != Cancelled.__name__}
+        shown = real or phase.failures
+        raise RankFailedError(
+            f"the checkpoint of step {step} was not committed: "
+            + "; ".join(f.summary for f in shown.values()),
+            failures={r: f.described for r, f in shown.items()},
+        ) from phase.own
+    assert phase.result is not None
+    return phase.result
+
+
+def _commit(
+    comm: Comm,
+    attempts: AttemptWriter,
+    begun: BegunAttempt | None,
+    entries: list[FileEntry],
+    handle: SaveHandle,
+    step: int,
+) -> Committed:
+    """Every rank reports its entries; the coordinator writes the manifest of all of
+    them and commits. Raises on every rank: the coordinator's error, or CollectiveError
+    (``outcome_unknown`` on the others if the coordinator went silent while committing)."""
+    what = f"committing step {step}"
+    reports = comm.gather(tuple(entries), what)
+    outcome: Committed | RankError | None = None
+    commit_exc: BaseException | None = None
+    if comm.is_coordinator:
+        assert begun is not None and reports is not None
+        try:
+            every = [e for report in reports for e in report]
+            metadata = {**handle.metadata, WORLD_SIZE_KEY: comm.world}
+            latest, manifest = attempts.finish(begun, every, metadata)
+            outcome = Committed(latest.seq, len(manifest.files), manifest.total_bytes)
+        except Exception as exc:
+            commit_exc = exc
+            outcome = RankError.of(exc, comm.rank)
+    try:
+        outcome = comm.broadcast(outcome, what)
+    except CollectiveError as exc:
+        if comm.is_coordinator:
+            raise
+        raise CollectiveError(
+            f"{exc.message}. The coordinator went silent while committing step {step}: "
+            "the checkpoint may or may not be committed",
+            outcome_unknown=True,
+            hint="Run `cloudckpt ls URL` to see; restart the job and resume",
+        ) from exc
+    if isinstance(outcome, RankError):
+        if commit_exc is not None:
+            raise commit_exc
+        raise outcome.rebuild()
+    assert outcome is not None
+    return outcome
+
+
+def find_collision(paths_by_rank: Sequence[Sequence[str]]) -> str | None:
+    """A clear message if two ranks write the same path, or one a file where another's
+    path needs a directory; None if the ranks' files can share one checkpoint."""
+    owner: dict[str, int] = {}
+    for r, paths in enumerate(paths_by_rank):
+        for p in paths:
+            if p in owner and owner[p] != r:
+                return f"ranks {owner[p]} and {r} both write {p!r}"
+            owner[p] = r
+    for p, r in owner.items():
+        parts = p.split("/")
+        for i in range(1, len(parts)):
+            parent = "/".join(parts[:i])
+            if parent in owner:
+                return (
+                    f"rank {owner[parent]} writes the file {parent!r}, but rank {r} writes "
+                    f"{p!r} inside a directory of that name"
+                )
+    return None

@@ -1,0 +1,343 @@
+"""Which checkpoints of a run may be read, newest first, and the first intact one.
+
+Every reader of a run starts here: ``restore``, ``verify``, the multi-rank restore
+(``cloudckpt.distributed``), the DCP reader, and GC's protection of chunks
+(``chunks.protected_chunk_keys``).
+
+- ``load_latest_for_reading``: LATEST, or, when it is missing or damaged, the newest commit
+  record that verifies (loudly);
+- ``readable`` / ``to_try`` / ``candidates``: the retained checkpoints to try, newest first
+  (only those of ``step`` when one is asked for);
+- ``fetch_manifest``: a checkpoint's manifest, checked against the size and SHA-256 that
+  LATEST recorded; ``check_objects``: every object it names exists with its recorded size
+  (one listing per prefix, no data read);
+- ``first_intact``: try each checkpoint in turn until one is intact, reporting every one
+  skipped (``SkippedCheckpoint``). A checkpoint found missing may not be damaged at all:
+  retention may have dropped it, and GC collected it, while a slow restore read it.
+  ``reread_if_dropped`` reads LATEST again; if it no longer retains the checkpoint, the
+  restore goes on with the checkpoints retained now (at most ``MAX_LATEST_REREADS``
+  times), and the checkpoint is reported ``dropped``, not damaged.
+
+Network failures are not damage: they raise, so a blip never makes a reader fall back to
+an older checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+from cloudckpt import protocol
+from cloudckpt.committer import read_latest
+from cloudckpt.errors import (
+    CheckpointNotFoundError,
+    CloudCkptError,
+    CorruptionError,
+    CorruptRecordError,
+    MissingChunkError,
+    ObjectNotFoundError,
+    UnsafePathError,
+)
+from cloudckpt.protocol import CheckpointRecord, Latest, Manifest
+from cloudckpt.retry import call_with_retries
+from cloudckpt.stores import Store
+
+log = logging.getLogger("cloudckpt.restore")
+
+T = TypeVar("T")
+
+#: How many times one restore reads LATEST again after the checkpoint it was reading was
+#: dropped and collected under it; each time needs a whole grace period to pass meanwhile.
+MAX_LATEST_REREADS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class SkippedCheckpoint:
+    """A checkpoint a restore could not use, and why. ``dropped``: not damage: retention
+    dropped it (and GC collected its data) while the restore read it, so the restore read
+    LATEST again and went on with the checkpoints retained now."""
+
+    step: int
+    commit_id: str
+    reason: str
+    dropped: bool = False
+
+
+# --------------------------------------------------------------------------- LATEST
+
+
+def load_latest_for_reading(store: Store) -> tuple[Latest | None, bool]:
+    """LATEST for a reader, or, when it is missing or corrupt, the newest commit record
+    that verifies (loudly). Returns (latest or None, whether commit records were used)."""
+    try:
+        current = read_latest(store)
+    except CorruptRecordError as exc:
+        log.warning("LATEST of %s is unreadable (%s); using the commit records", store.url, exc)
+        current = None
+        damaged = True
+    else:
+        damaged = False
+    if current is not None:
+        return current.latest, False
+    records = sorted(store.list(protocol.COMMITS_PREFIX), key=lambda o: o.key, reverse=True)
+    for obj in records:
+        try:
+            data, _ = store.get(obj.key)
+            latest = protocol.parse_latest(data, what=obj.key)
+        except (CorruptRecordError, ObjectNotFoundError) as exc:
+            log.warning("skipping commit record %s: %s", obj.key, exc)
+            continue
+        if not damaged:
+            log.warning("%s has no LATEST; using commit record %s", store.url, obj.key)
+        return latest, True
+    return None, bool(records) or damaged
+
+
+def candidates(latest: Latest, step: int | None) -> list[CheckpointRecord]:
+    """Checkpoints to try, newest first (only those of ``step`` when it is given)."""
+    retained = latest.retained()
+    if step is None:
+        return retained
+    return [r for r in retained if r.step == step]
+
+
+def to_try(url: str, latest: Latest, step: int | None) -> list[CheckpointRecord]:
+    """``candidates``, which must not be empty. Raises CheckpointNotFoundError."""
+    todo = candidates(latest, step)
+    if not todo:
+        what = (
+            "no committed checkpoint" if step is None else f"no retained checkpoint of step {step}"
+        )
+        raise CheckpointNotFoundError(f"{url} has {what}")
+    return todo
+
+
+def readable(store: Store, step: int | None) -> tuple[list[CheckpointRecord], bool]:
+    """The checkpoints a restore tries, newest first (only those of ``step`` when it is
+    given), and whether they come from the commit records (LATEST missing or unreadable).
+
+    Raises:
+        CorruptionError: LATEST is unreadable and no commit record verifies.
+        CheckpointNotFoundError: nothing is committed, or no retained checkpoint has
+            ``step``.
+        StoreError: the store failed.
+    """
+    latest, from_records = load_latest_for_reading(store)
+    if latest is None:
+        if from_records:
+            raise CorruptionError(
+                f"LATEST of {store.url} is unreadable and no commit record verifies"
+            )
+        raise CheckpointNotFoundError(f"{store.url} has no committed checkpoint")
+    return to_try(store.url, latest, step), from_records
+
+
+# --------------------------------------------------------------------------- one checkpoint
+
+
+def fetch_manifest(store: Store, record: CheckpointRecord) -> Manifest:
+    """The manifest ``record`` names, verified against the recorded size and digest.
+
+    Raises CorruptionError (missing, damaged) or UnsafePathError (hostile paths).
+    """
+    try:
+        # Ask for one byte more than recorded: a longer object is damage, and a hostile
+        # multi-gigabyte "manifest" is never read whole.
+        data = call_with_retries(
+            lambda: store.get_range(record.manifest_key, 0, record.manifest_size + 1),
+            what="read manifest",
+        )
+    except ObjectNotFoundError:
+        raise CorruptionError(f"the manifest of step {record.step} is missing") from None
+    return protocol.parse_manifest(data, record)
+
+
+def check_objects(store: Store, record: CheckpointRecord, manifest: Manifest) -> None:
+    """Every file of ``manifest`` exists with its recorded size (one listing, no data).
+
+    Raises CorruptionError naming the first missing or resized file (MissingChunkError
+    for a chunk).
+    """
+    if manifest.chunked:
+        check_chunk_objects(store, manifest, record.step)
+    plain = [e for e in manifest.files if e.chunks is None]
+    if not plain:
+        return
+    prefix = record.ckpt + protocol.FILES_DIR
+    sizes = {o.key[len(prefix) :]: o.size for o in store.list(prefix)}
+    for entry in plain:
+        size = sizes.get(entry.path)
+        if size is None:
+            raise CorruptionError(f"{entry.path} of step {record.step} is missing")
+        if size != entry.size:
+            raise CorruptionError(
+                f"{entry.path} of step {record.step} is {size} bytes, manifest says {entry.size}"
+            )
+
+
+def check_chunk_objects(store: Store, manifest: Manifest, step: int) -> None:
+    """One listing per owner prefix: every chunk exists with its size.
+    Raises MissingChunkError."""
+    sizes: dict[str, int] = {}
+    owners = {c.owner for f in manifest.files for c in f.chunks or ()}
+    for owner in sorted(owners):
+        where = owner + protocol.CHUNKS_DIR
+        for o in store.list(where):
+            sizes[o.key] = o.size
+    for f in manifest.files:
+        for c in f.chunks or ():
+            got = sizes.get(c.key)
+            if got is None:
+                raise MissingChunkError(f"chunk {c.key} of {f.path} (step {step}) is missing")
+            if got != c.size:
+                raise MissingChunkError(
+                    f"chunk {c.key} of {f.path} (step {step}) is {got} bytes, expected {c.size}"
+                )
+
+
+# --------------------------------------------------------------------------- the fallback
+
+
+@dataclasses.dataclass(frozen=True)
+class Damaged:
+    """What ``first_intact``'s ``try_one`` returns for a checkpoint it cannot use: why.
+    ``may_be_dropped``: it may be missing because GC collected it under the reader, so
+    LATEST is read again (not so for hostile paths, which no collection explains)."""
+
+    reason: str
+    may_be_dropped: bool = True
+
+    @classmethod
+    def of(cls, exc: CorruptionError | UnsafePathError) -> Damaged:
+        return cls(exc.message, isinstance(exc, CorruptionError))
+
+
+@dataclasses.dataclass(frozen=True)
+class Intact(Generic[T]):
+    """The checkpoint ``first_intact`` settled on: its record, what ``try_one`` returned,
+    the checkpoints skipped before it, and whether the records came from the commit
+    records."""
+
+    record: CheckpointRecord
+    value: T
+    skipped: tuple[SkippedCheckpoint, ...]
+    from_records: bool
+
+
+#: ``reread(record, tried, rereads)``: the checkpoints to try after ``record`` turned out
+#: damaged or missing, if it was dropped meanwhile (see ``reread_if_dropped``), else None.
+Reread = Callable[[CheckpointRecord, set[str], int], tuple[list[CheckpointRecord], bool] | None]
+
+
+def first_intact(
+    store: Store,
+    todo: Sequence[CheckpointRecord],
+    step: int | None,
+    try_one: Callable[[CheckpointRecord], T | Damaged],
+    *,
+    from_records: bool = False,
+    reread: Reread | None = None,
+) -> Intact[T]:
+    """Try ``todo`` in order with ``try_one`` (which returns its value, or ``Damaged``)
+    until one is intact. After a damaged one, ``reread`` (default: ``reread_if_dropped``
+    on ``store``) decides whether it was dropped meanwhile, and what to try then.
+
+    Raises:
+        CheckpointNotFoundError: every checkpoint tried was dropped meanwhile, or it
+            happened too often (``reread_if_dropped``).
+        CorruptionError: every one was damaged (``exc.skipped`` says why).
+        Whatever ``try_one`` and ``reread`` raise.
+    """
+    if reread is None:
+        reread = lambda r, tried, n: reread_if_dropped(store, r, step, tried, n)  # noqa: E731
+
+    todo = list(todo)
+    skipped: list[SkippedCheckpoint] = []
+    tried: set[str] = set()
+    rereads = 0
+    while todo:
+        record = todo.pop(0)
+        tried.add(record.commit_id)
+        outcome = try_one(record)
+        if not isinstance(outcome, Damaged):
+            return Intact(record, outcome, tuple(skipped), from_records)
+        fresh = reread(record, tried, rereads) if outcome.may_be_dropped else None
+        if fresh is None:
+            log.warning("checkpoint of step %d is unusable: %s", record.step, outcome.reason)
+            skipped.append(SkippedCheckpoint(record.step, record.commit_id, outcome.reason))
+            continue
+        (todo, from_records), rereads = fresh, rereads + 1
+        reason = dropped_reason(outcome.reason)
+        skipped.append(SkippedCheckpoint(record.step, record.commit_id, reason, True))
+    raise nothing_restored(store.url, skipped, step)
+
+
+def reread_if_dropped(
+    store: Store,
+    record: CheckpointRecord,
+    step: int | None,
+    tried: set[str],
+    rereads: int,
+) -> tuple[list[CheckpointRecord], bool] | None:
+    """After ``record`` turned out damaged or missing: read LATEST again. If it still
+    retains ``record``, the failure is damage: None (fall back as usual). If not,
+    retention dropped it while the restore read it, and GC collected it after the grace
+    period: the checkpoints to try now (the fresh LATEST's, minus those in ``tried``) and
+    whether they come from the commit records. ``rereads``: how many times this restore
+    already did this.
+
+    Raises:
+        CheckpointNotFoundError: this happened ``MAX_LATEST_REREADS`` times already (the
+            restore is slower than the run's grace period).
+        StoreError: LATEST could not be read.
+    """
+    latest, from_records = load_latest_for_reading(store)
+    if latest is None or any(r.commit_id == record.commit_id for r in latest.retained()):
+        return None
+    if rereads >= MAX_LATEST_REREADS:
+        raise CheckpointNotFoundError(
+            f"the checkpoint this restore was reading from {store.url} was dropped by "
+            f"retention and collected by GC under it {rereads + 1} times (last: step "
+            f"{record.step}); the restore takes longer than the run's grace period "
+            f"({latest.settings.gc_grace_s}s)",
+            hint="Restore where the store is faster, or raise the run's gc_grace "
+            "(CheckpointManager(gc_grace=...)) so readers get longer before GC deletes",
+        )
+    todo = [r for r in candidates(latest, step) if r.commit_id not in tried]
+    log.warning(
+        "step %d (%s) was dropped by retention and collected while this restore read it; "
+        "read LATEST again: %s",
+        record.step,
+        record.commit_id,
+        f"restoring step {todo[0].step}" if todo else "nothing else to try",
+    )
+    return todo, from_records
+
+
+def dropped_reason(failure: str) -> str:
+    """``SkippedCheckpoint.reason`` of a checkpoint collected while it was read."""
+    return (
+        f"dropped by retention and collected while this restore read it ({failure}); "
+        "LATEST was read again"
+    )
+
+
+def nothing_restored(
+    url: str, skipped: list[SkippedCheckpoint], step: int | None
+) -> CloudCkptError:
+    """The error of a restore that ran out of checkpoints: CheckpointNotFoundError if every
+    one it tried was dropped meanwhile (``step`` is no longer retained), else
+    CorruptionError naming every reason."""
+    if skipped and all(s.dropped for s in skipped):
+        what = "the checkpoints" if step is None else f"step {step}"
+        return CheckpointNotFoundError(
+            f"{url} no longer retains {what} this restore was asked for: retention dropped "
+            "it and GC collected it while the restore read it"
+        )
+    return CorruptionError(
+        f"no intact checkpoint in {url}: "
+        + "; ".join(f"step {s.step}: {s.reason}" for s in skipped),
+        skipped=skipped,
+    )
