@@ -1,4 +1,4 @@
-"""Reading and writing LATEST: claims, fenced commits, and same-epoch edits (DESIGN §5, §6).
+"""Reading and writing LATEST: claims, fenced commits, and same-epoch edits (docs/design.md §5, §6).
 
 Every write of LATEST is conditional: create-only for a new run, compare-and-swap from a
 known version otherwise. When a conditional write is refused or its answer is lost, the
@@ -9,9 +9,9 @@ writer re-reads LATEST and decides:
 - a higher epoch (or another writer id) is there: a newer writer claimed the run: fenced;
 - otherwise the same writer's run was edited (a pin, GC): re-apply on the new LATEST.
 
-After an unknown outcome, nothing the attempt uploaded is deleted (DESIGN §6.7).
+After an unknown outcome, nothing the attempt uploaded is deleted (docs/design.md §6.7).
 
-How old an attempt is, is judged on the STORE's clock, never the host's (DESIGN §6.8,
+How old an attempt is, is judged on the STORE's clock, never the host's (docs/design.md §6.8,
 §8): GC dates an attempt by its objects' ``last_modified`` and its own ``store.now()``, and a
 host's ``time.monotonic()`` stops while the VM is suspended or hibernated. Before every
 compare-and-swap the commit reads the store's clock, after the LATEST it is based on was

@@ -31,17 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from cloudckpt import protocol
-from cloudckpt.errors import CloudCkptError, ConfigurationError
+from cloudckpt.errors import ConfigurationError, DemoError
 
 MiB = 1024 * 1024
 BUCKET = "cloudckpt-demo"
 RUN = "run"
-
-
-class DemoError(CloudCkptError):
-    """The demo could not run (or could not show what it set out to show)."""
-
-    default_hint = "Re-run with -v for details; `cloudckpt demo --json` shows the full report"
 
 
 @dataclasses.dataclass

@@ -35,7 +35,8 @@ credentials: URLs are redacted before they reach a message (see ``redact_url``).
     ├── UnsafePathError               a manifest path would escape the destination
     ├── ActiveWriterError             taking over the run would fence a writer still running
     ├── RankFailedError               ranks of a multi-rank save failed; nothing was committed
-    └── CollectiveError               a multi-rank collective failed or timed out (a rank died)
+    ├── CollectiveError               a multi-rank collective failed or timed out (a rank died)
+    └── DemoError                     ``cloudckpt demo`` could not show what it set out to
 
 Every class is defined here, so that one rank of a multi-rank job can rebuild by name the
 error another rank raised (``cloudckpt.distributed``).
@@ -61,6 +62,7 @@ __all__ = [
     "CorruptRecordError",
     "CorruptionError",
     "CredentialsError",
+    "DemoError",
     "DestinationNotEmptyError",
     "FencedError",
     "MissingChunkError",
@@ -435,3 +437,9 @@ class CollectiveError(CloudCkptError):
     ) -> None:
         self.outcome_unknown = outcome_unknown
         super().__init__(message, hint=hint)
+
+
+class DemoError(CloudCkptError):
+    """The demo could not run (or could not show what it set out to show)."""
+
+    default_hint = "Re-run with -v for details; `cloudckpt demo --json` shows the full report"

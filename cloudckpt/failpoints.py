@@ -15,6 +15,8 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 
+__all__ = ["POINTS", "SimulatedCrash", "arm", "armed", "disarm", "hit"]
+
 POINTS = (
     "save.after_marker",
     "save.after_part",
@@ -81,6 +83,7 @@ def disarm(name: str | None = None) -> None:
 def armed(
     name: str, action: Callable[[str], None] = _crash, *, once: bool = True
 ) -> Iterator[None]:
+    """Arm ``name`` (see ``arm``) for the duration of the block, and disarm it after."""
     arm(name, action, once=once)
     try:
         yield

@@ -1,4 +1,4 @@
-"""Garbage collection (DESIGN §8): delete only what LATEST no longer references, and only
+"""Garbage collection (docs/design.md §8): delete only what LATEST no longer references, and only
 once it is older than the grace period on the store's clock.
 
 What goes, in this order, each step safe to interrupt and re-run:

@@ -936,7 +936,7 @@ class CheckpointManager:
         return info
 
     def _fail(self, attempt: Attempt) -> None:
-        # Only the local copy goes; what reached the store stays for GC (DESIGN §6.7).
+        # Only the local copy goes; what reached the store stays for GC (docs/design.md §6.7).
         with contextlib.suppress(CloudCkptError):
             attempt.set_state(FAILED)
         attempt.remove()

@@ -1,6 +1,6 @@
 """The commit protocol's records and transitions. Pure: no I/O, no clocks read here.
 
-Object layout under a run URL (DESIGN §2; ``files/`` is our addition, see below)::
+Object layout under a run URL (docs/design.md §2; ``files/`` is our addition, see below)::
 
     LATEST                                   the only mutable object (conditional puts only)
     ckpt/<step:012d>-e<epoch>-<attempt>/     one prefix per save attempt, never reused

@@ -1,4 +1,4 @@
-"""``repair``: rebuild a missing or damaged LATEST from the commit records (DESIGN §7.5).
+"""``repair``: rebuild a missing or damaged LATEST from the commit records (docs/design.md §7, LATEST missing or damaged).
 
 LATEST is the run's only commit point; every body written to it is also kept, create-only,
 as ``commits/<seq>.json``. When LATEST is missing or fails its self-check, writers stop

@@ -1,4 +1,4 @@
-"""Verified restore with fallback (DESIGN §7).
+"""Verified restore with fallback (docs/design.md §7).
 
 A restore reads LATEST, picks the newest retained checkpoint (or the requested step),
 checks its manifest against the digest LATEST recorded, checks every object's size with one

@@ -1,6 +1,6 @@
 """``verify``: check that a run's committed checkpoints are intact, without restoring them.
 
-What is checked, in order (DESIGN §9 invariants 1, 2 and 9):
+What is checked, in order (docs/design.md §9: I1, I2 and I9):
 
 1. LATEST parses and passes its self-check (``self_sha256``). A missing or damaged LATEST
    is reported (the run needs ``repair``); the checkpoints are then checked as the newest

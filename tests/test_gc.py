@@ -1,4 +1,4 @@
-"""Garbage collection (DESIGN §8) on the memory store's manual clock, in the library and
+"""Garbage collection (docs/design.md §8) on the memory store's manual clock, in the library and
 through ``cloudckpt gc``: nothing referenced or younger than grace is deleted, manifests go
 before data, orphans and incomplete uploads go after grace, and dry runs delete nothing."""
 

@@ -1,4 +1,4 @@
-"""``repair`` (DESIGN §7.5) on the memory oracle: what it rebuilds, what it refuses, and
+"""``repair`` (docs/design.md §7, LATEST missing or damaged) on the memory oracle: what it rebuilds, what it refuses, and
 that writers from before the damage stay fenced."""
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def _seed_range() -> list[int]:
 
 
 def test_seeds():
-    """Every invariant of DESIGN §9 after every step, for 300 seeds (0 violations)."""
+    """Every invariant of docs/design.md §9 after every step, for 300 seeds (0 violations)."""
     seeds = _seed_range()
     started = time.perf_counter()
     results = simulation.run_seeds(seeds, jobs=2)

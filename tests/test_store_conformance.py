@@ -8,7 +8,7 @@ import pytest
 from cloudckpt.stores import open_store
 from cloudckpt.testing import conformance
 
-# moto stores part checksums but never validates them (DESIGN §4); real S3 does. The S3
+# moto stores part checksums but never validates them (docs/design.md §4); real S3 does. The S3
 # tests check separately that the checksum reaches the server.
 VERIFIES_PART_CHECKSUMS = {
     "memory": True,

@@ -16,7 +16,7 @@
     ...
     mgr.close()                                           # every rank
 
-How a save runs (DESIGN §5.3). Each rank stages its files locally and returns to training;
+How a save runs (docs/design.md §5.3). Each rank stages its files locally and returns to training;
 its background thread then takes part in a fixed sequence of collectives on a **dedicated
 gloo group** that the manager creates at construction, so they never interleave with the
 training loop's own collectives (NCCL or gloo), and never with another manager's:

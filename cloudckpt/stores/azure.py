@@ -5,7 +5,7 @@ URL forms (as adlfs writes them): ``az://container/prefix``, ``abfs[s]://contain
 and ``abfs[s]://container@account.dfs.core.windows.net/prefix`` (the account comes from the
 host; requests go to the account's blob endpoint).
 
-Conditional writes map to Azure's headers (DESIGN §4):
+Conditional writes map to Azure's headers (docs/design.md §4):
 
 - ``CREATE`` → ``If-None-Match: *`` on Put Blob and on Put Block List; Azure answers 409
   ``BlobAlreadyExists``, mapped to ``PreconditionFailedError``;

@@ -1,4 +1,4 @@
-"""The narrow store interface every backend implements (DESIGN §4).
+"""The narrow store interface every backend implements (docs/design.md §4).
 
 Keys are relative to the store's root URL, ``/``-separated, with no leading slash and no
 ``.``/``..`` segments. Everything under ``.cloudckpt/`` is the backend's own scratch space
@@ -221,7 +221,7 @@ class Store(abc.ABC):
         self, upload: MultipartUpload, parts: Sequence[PartInfo], *, mode: PutMode = CREATE
     ) -> ObjectInfo:
         """Assemble ``parts`` (in part-number order) into the object. ``mode`` is CREATE or
-        OVERWRITE; compare-and-swap completion is not offered (moto ignores it, DESIGN §4)."""
+        OVERWRITE; compare-and-swap completion is not offered (moto ignores it, docs/design.md §4)."""
         raise UnsupportedBackendError(
             f"{self.url} has no multipart uploads", capability="multipart"
         )

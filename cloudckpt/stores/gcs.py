@@ -3,7 +3,7 @@
 gcsfs supplies the aiohttp session, the credentials (``token``, ``project``, application
 default credentials, ``STORAGE_EMULATOR_HOST``/``endpoint_url``) and its event loop; the
 requests themselves are raw JSON-API calls made here, because gcsfs's own calls get in the
-way of conditional writes (DESIGN §4):
+way of conditional writes (docs/design.md §4):
 
 - ``GCSFileSystem._call`` retries writes blindly (a lost response then turns our own
   successful conditional write into a 412), reports every 412 as ``FileExistsError`` and

@@ -1,6 +1,6 @@
 """``file:///path``: a POSIX directory as a store, safe across threads and processes.
 
-fsspec's ``mode="create"`` is check-then-write and races (DESIGN §4), so this adapter does
+fsspec's ``mode="create"`` is check-then-write and races (docs/design.md §4), so this adapter does
 its own atomic writes:
 
 - every write goes to a temporary file under ``<root>/.cloudckpt/tmp`` first and is fsynced;

@@ -2,7 +2,7 @@
 
 The client (what ``boto3.client("s3")`` returns) is called directly rather than through
 s3fs: s3fs drops ``IfMatch`` on its multipart path and reports lost races as
-``FileExistsError`` / ``OSError`` (DESIGN §4). Conditional
+``FileExistsError`` / ``OSError`` (docs/design.md §4). Conditional
 writes map to S3 headers:
 
 - ``CREATE`` → ``If-None-Match: *`` (PutObject and CompleteMultipartUpload);

@@ -23,6 +23,24 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
+__all__ = [
+    "ALL_CHECKS",
+    "StoreOpener",
+    "check_cas_increments",
+    "check_chunked_checkpoint_roundtrip",
+    "check_clock",
+    "check_create_refuses_existing",
+    "check_listing",
+    "check_multipart_roundtrip",
+    "check_racing_creates",
+    "check_racing_creates_processes",
+    "check_read_write_basics",
+    "check_stale_version_fails",
+    "check_update_missing_fails",
+    "check_versions_change",
+    "run_all",
+]
+
 from cloudckpt.errors import (
     ChecksumMismatchError,
     ObjectNotFoundError,

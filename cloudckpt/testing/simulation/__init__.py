@@ -1,4 +1,4 @@
-"""Seeded deterministic simulation of cloudckpt's commit protocol (DESIGN §9).
+"""Seeded deterministic simulation of cloudckpt's commit protocol (docs/design.md §9).
 
 One seed builds one small world and runs it for a number of scheduler ticks:
 
@@ -16,7 +16,7 @@ One seed builds one small world and runs it for a number of scheduler ticks:
   ``cloudckpt.failpoints``, an actor may die (``SimulatedCrash``); a dead process makes no
   further call, and the actor restarts from scratch like a new process.
 
-After EVERY tick the world is checked against the invariants of DESIGN §9 (see
+After EVERY tick the world is checked against the invariants of docs/design.md §9 (see
 ``Checker``); every write of LATEST is checked as a transition from the one before it.
 A final phase removes the faults, restarts a writer (exercising crash recovery and the
 staging journal), runs GC until it converges, restores every retained checkpoint, and then

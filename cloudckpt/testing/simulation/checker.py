@@ -1,4 +1,4 @@
-"""The invariant checker: the invariants of DESIGN §9, checked on every LATEST write, every
+"""The invariant checker: the invariants of docs/design.md §9, checked on every LATEST write, every
 deletion, every restore, and after every scheduler tick.
 
 It reads the truth from the memory store directly (below every fault), keeps the chain
@@ -45,7 +45,7 @@ class RecordState:
 
 
 class Checker:
-    """The invariants of DESIGN §9, checked on every LATEST write, every deletion, and
+    """The invariants of docs/design.md §9, checked on every LATEST write, every deletion, and
     after every scheduler tick. Raises ``InvariantViolation``."""
 
     def __init__(self, sim: Simulation) -> None:

@@ -15,7 +15,7 @@ def replay_command(seed: int, steps: int = DEFAULT_STEPS) -> str:
 
 
 class InvariantViolation(AssertionError):
-    """The simulated world broke an invariant of DESIGN §9."""
+    """The simulated world broke an invariant of docs/design.md §9."""
 
 
 @dataclasses.dataclass
