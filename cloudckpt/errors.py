@@ -217,12 +217,10 @@ class PermissionDeniedError(StoreError):
 class CredentialsError(StoreError):
     """No credentials were found, or the store rejected them."""
 
+    # Each store raises it with a hint of its own (the flags and variables it reads).
     default_hint = (
-        "Provide credentials the usual way for this store: for S3 the AWS_* environment "
-        "variables, a profile (storage_options={'profile': ...}) or key/secret options; for "
-        "GCS application default credentials or storage_options={'token': ...}; for Azure "
-        "AZURE_STORAGE_CONNECTION_STRING or AZURE_STORAGE_ACCOUNT_NAME with "
-        "AZURE_STORAGE_ACCOUNT_KEY"
+        "Provide credentials the usual way for this store (docs/cli.md, 'Storage options "
+        "and environment', lists what each store reads)"
     )
 
 

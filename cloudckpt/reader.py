@@ -74,11 +74,10 @@ def load_latest_for_reading(store: Store) -> tuple[Latest | None, bool]:
     try:
         current = read_latest(store)
     except CorruptRecordError as exc:
-        log.warning("LATEST of %s is unreadable (%s); using the commit records", store.url, exc)
         current = None
-        damaged = True
+        problem: str | None = f"LATEST of {store.url} is unreadable ({exc})"
     else:
-        damaged = False
+        problem = None
     if current is not None:
         return current.latest, False
     records = sorted(store.list(protocol.COMMITS_PREFIX), key=lambda o: o.key, reverse=True)
@@ -89,10 +88,18 @@ def load_latest_for_reading(store: Store) -> tuple[Latest | None, bool]:
         except (CorruptRecordError, ObjectNotFoundError) as exc:
             log.warning("skipping commit record %s: %s", obj.key, exc)
             continue
-        if not damaged:
-            log.warning("%s has no LATEST; using commit record %s", store.url, obj.key)
+        # One warning for the one event, whoever reads (a CLI command adds none of its own).
+        log.warning(
+            "%s; reading the newest commit record that verifies instead (%s, seq %d). Run "
+            "`cloudckpt repair URL` before writing to this run",
+            problem or f"{store.url} has no LATEST",
+            obj.key,
+            latest.seq,
+        )
         return latest, True
-    return None, bool(records) or damaged
+    if problem is not None:
+        log.warning("%s, and no commit record verifies", problem)
+    return None, bool(records) or problem is not None
 
 
 def candidates(latest: Latest, step: int | None) -> list[CheckpointRecord]:
@@ -265,7 +272,15 @@ def first_intact(
             return Intact(record, outcome, tuple(skipped), from_records)
         fresh = reread(record, tried, rereads) if outcome.may_be_dropped else None
         if fresh is None:
-            log.warning("checkpoint of step %d is unusable: %s", record.step, outcome.reason)
+            # The one warning for this fallback: restore, resume and the CLI only report
+            # ``Intact.skipped`` (JSON, info logs), never warn again.
+            log.warning(
+                "skipping the checkpoint of step %d (%s): %s; %s",
+                record.step,
+                record.commit_id,
+                outcome.reason,
+                f"trying step {todo[0].step}" if todo else "no older checkpoint to try",
+            )
             skipped.append(SkippedCheckpoint(record.step, record.commit_id, outcome.reason))
             continue
         (todo, from_records), rereads = fresh, rereads + 1

@@ -279,7 +279,8 @@ def restore(
     )
     record, manifest = found.record, found.value
     if found.skipped:
-        log.warning(
+        # Each skip was warned about as it happened (reader.first_intact).
+        log.info(
             "restored step %d after skipping %d checkpoint(s)", record.step, len(found.skipped)
         )
     return RestoreResult(

@@ -316,8 +316,9 @@ def test_update_of_missing_key_is_a_lost_compare_and_swap(s3_target, open_target
 
 def test_no_credentials_at_all(moto_server, clean_env):
     store = S3Store("bkt", "run", endpoint_url=moto_server.endpoint_url)
-    with pytest.raises(CredentialsError, match="no AWS credentials"):
+    with pytest.raises(CredentialsError, match="no AWS credentials") as info:
         store.get("LATEST")
+    assert "AWS_PROFILE" in info.value.hint and "Azure" not in info.value.hint
     store.close()
 
 
@@ -416,6 +417,8 @@ def test_rejected_and_denied_credentials(auth_server, caplog):
             with pytest.raises(error, match=code) as info:
                 call()
             assert SECRET not in str(info.value)
+            if error is CredentialsError:  # what to do: S3's own flags and variables
+                assert "--profile NAME" in info.value.hint and "AWS_PROFILE" in info.value.hint
         store.close()
     assert SECRET not in caplog.text
 

@@ -87,6 +87,11 @@ def _ago(iso_time: str) -> str:
 
 
 def _load_for_reading(store: Any) -> tuple[Any, bool]:
+    """LATEST, or the newest commit record that verifies when it is missing or damaged
+    (the library warns about that fallback, once; no second warning here).
+
+    Raises: CorruptionError if LATEST is unreadable and no commit record verifies.
+    """
     from cloudckpt.restore import load_latest_for_reading
 
     latest, from_records = load_latest_for_reading(store)
@@ -94,11 +99,6 @@ def _load_for_reading(store: Any) -> tuple[Any, bool]:
         raise CorruptionError(
             f"LATEST of {store.url} is unreadable and no commit record verifies",
             hint="Run `cloudckpt repair URL` to see what can be recovered",
-        )
-    if from_records:
-        warn(
-            f"LATEST of {store.url} is missing or damaged; showing the newest commit record "
-            f"(seq {latest.seq}). Run `cloudckpt repair URL` before writing to this run"
         )
     return latest, from_records
 
@@ -340,16 +340,16 @@ def restore_cmd(
     byte matched its digest; if the newest checkpoint is damaged, the next older one is
     restored and the fallback reported. Read-only: it never claims the run.
     """
-    from cloudckpt.restore import candidates, restore
+    from cloudckpt.restore import restore
     from cloudckpt.transfer import TransferEngine
 
     started = time.perf_counter()
-    with _closing(store_args.open(url, writable=False)) as store, TransferEngine() as engine:
-        latest, _ = _load_for_reading(store)
-        todo = candidates(latest, step) if latest is not None else []
-        total = todo[0].total_bytes if todo else None
-        with progress_bar(f"restoring {store.url}", total) as progress:
-            result = restore(store, dest, engine, step=step, overwrite=force, progress=progress)
+    with (
+        _closing(store_args.open(url, writable=False)) as store,
+        TransferEngine() as engine,
+        progress_bar(f"restoring {store.url}", _restore_size(store, step)) as progress,
+    ):
+        result = restore(store, dest, engine, step=step, overwrite=force, progress=progress)
     elapsed = time.perf_counter() - started
     doc = {
         "url": store.url,
@@ -368,15 +368,30 @@ def restore_cmd(
         "from_commit_records": result.from_commit_records,
         "seconds": round(elapsed, 3),
     }
-    for s in result.skipped:
-        warn(f"skipped step {s.step} ({s.commit_id}): {s.reason}")
+    # Each skip was warned about on stderr as it happened (one warning per fallback).
     if as_json:
         emit_json(doc)
         return
     click.echo(
         f"restored step {result.step} ({result.commit_id}) to {result.path}: "
         f"{result.num_files} files, {human_bytes(result.total_bytes)} in {elapsed:.1f}s, verified"
+        + (f" (after skipping {len(result.skipped)} damaged)" if result.skipped else "")
     )
+
+
+def _restore_size(store: Store, step: int | None) -> int | None:
+    """The size of the checkpoint a restore tries first, for its progress bar; None when
+    LATEST is missing or damaged (the restore itself reports that, once)."""
+    from cloudckpt.committer import read_latest
+    from cloudckpt.protocol import CorruptRecordError
+    from cloudckpt.restore import candidates
+
+    try:
+        head = read_latest(store)
+    except CorruptRecordError:
+        return None
+    todo = candidates(head.latest, step) if head is not None else []
+    return todo[0].total_bytes if todo else None
 
 
 # ---------------------------------------------------------------------------- push

@@ -177,7 +177,7 @@ class NodeReader:
             reread=reread,
         )
         if found.skipped:
-            log.warning(
+            log.info(  # each skip was warned about as it happened (first_intact)
                 "restored step %d after skipping %d checkpoint(s)",
                 found.record.step,
                 len(found.skipped),

@@ -241,7 +241,7 @@ def _restore_here(
         os.utime(target)
         log.info("restored step %d from %s into %s", result.step, mgr.url, target)
         if result.skipped:
-            log.warning(
+            log.info(  # each skip was warned about as it happened (reader.first_intact)
                 "skipped damaged checkpoint(s) %s", ", ".join(str(s.step) for s in result.skipped)
             )
         return str(target), result.step

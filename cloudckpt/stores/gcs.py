@@ -83,6 +83,13 @@ from cloudckpt.stores.base import (
 
 logger = logging.getLogger(__name__)
 
+#: What to do about missing or rejected Google credentials.
+_CREDENTIALS_HINT = (
+    "Run `gcloud auth application-default login`, set GOOGLE_APPLICATION_CREDENTIALS="
+    "/path/to/key.json, or run where a service account is attached (the metadata server); "
+    "for an emulator add -o token=anon (Python: storage_options={'token': 'anon'})"
+)
+
 _UPLOADS = INTERNAL_PREFIX + "uploads/"
 _MARKER = "target"  # .cloudckpt/uploads/<id>/target holds the destination key
 _KEY_META = "cloudckpt-key"
@@ -211,7 +218,8 @@ class GCSStore(Store):
         except (google.auth.exceptions.GoogleAuthError, OSError) as exc:
             # Auth library messages may quote credential files; name the type only.
             raise CredentialsError(
-                f"cannot set up GCS credentials for {self.url} ({type(exc).__name__})"
+                f"cannot set up GCS credentials for {self.url} ({type(exc).__name__})",
+                hint=_CREDENTIALS_HINT,
             ) from None
         self._endpoint = redact_url(self._fs._location)
         self._objects_url = f"{self._fs._location}/storage/v1/b/{quote(bucket, safe='')}/o"
@@ -238,13 +246,17 @@ class GCSStore(Store):
                 key=key,
             ) from None
         except (HttpError, NonRetryableError) as exc:  # gcsfs failed to refresh credentials
-            raise CredentialsError(f"{where}: {type(exc).__name__}", key=key) from None
+            raise CredentialsError(
+                f"{where}: {type(exc).__name__}", key=key, hint=_CREDENTIALS_HINT
+            ) from None
         except google.auth.exceptions.TransportError:
             raise TransientStoreError(
                 f"{where}: could not reach the credentials service", key=key
             ) from None
         except google.auth.exceptions.GoogleAuthError as exc:
-            raise CredentialsError(f"{where}: {type(exc).__name__}", key=key) from None
+            raise CredentialsError(
+                f"{where}: {type(exc).__name__}", key=key, hint=_CREDENTIALS_HINT
+            ) from None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             what = type(exc).__name__
             if write:
@@ -296,7 +308,11 @@ class GCSStore(Store):
         if status == 400 and re.search(r"(?i)crc32c|md5", msg):
             return ChecksumMismatchError(f"{where}: the store rejected the bytes: {msg}", key=key)
         if status == 401:
-            return CredentialsError(f"{where}: the store rejected the credentials ({msg})", key=key)
+            return CredentialsError(
+                f"{where}: the store rejected the credentials ({msg})",
+                key=key,
+                hint=_CREDENTIALS_HINT,
+            )
         if status == 403:
             return PermissionDeniedError(f"{where}: permission denied ({msg})", key=key)
         if status == 409:

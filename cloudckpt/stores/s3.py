@@ -35,6 +35,7 @@ import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NoReturn
+from urllib.parse import urlsplit
 
 import botocore
 import botocore.auth
@@ -155,6 +156,25 @@ _CHECKSUM_CODES = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch"}
 _NOT_APPLIED_CODES = {"RequestTimeout", "SlowDown", "Throttling", "ThrottlingException"}
 
 
+#: What to do about missing or rejected AWS credentials (the CLI flag first, then the
+#: environment, then Python).
+_CREDENTIALS_HINT = (
+    "Name an AWS profile with --profile NAME or AWS_PROFILE=NAME (Python: "
+    "storage_options={'profile': NAME}), or set AWS_ACCESS_KEY_ID and "
+    "AWS_SECRET_ACCESS_KEY (with AWS_SESSION_TOKEN for temporary keys); `aws sso login "
+    "--profile NAME` renews an SSO profile, and an instance or pod role is used when none "
+    "is set"
+)
+_REJECTED_HINT = (
+    "`aws sts get-caller-identity` shows which credentials are in use: pick others with "
+    "--profile NAME / AWS_PROFILE=NAME, renew expired ones (`aws sso login`), or for an "
+    "S3-compatible endpoint use that server's own keys"
+)
+# OpenSSL's reason when the server answered the TLS hello with something that is not TLS:
+# plain HTTP.
+_PLAIN_HTTP_REPLY = re.compile(r"WRONG_VERSION_NUMBER|wrong version number|record layer failure")
+_UNTRUSTED_CERT = re.compile(r"CERTIFICATE_VERIFY_FAILED")
+
 _LOADER: Any = None
 _LOADER_LOCK = threading.Lock()
 
@@ -172,6 +192,45 @@ def _session(profile: str | None) -> botocore.session.Session:
             session.register_component("data_loader", _LOADER)
     session.get_scoped_config()  # raises ProfileNotFound here, not on the first request
     return session
+
+
+def _endpoint_error(endpoint: str, source: str) -> ConfigurationError:
+    """The error for an endpoint that is not an ``http://`` or ``https://`` URL, with the
+    two URLs it may have meant."""
+    shown = redact_url(endpoint)
+    host = shown.split("://", 1)[1] if "://" in shown else shown.lstrip("/:")
+    host = host.rstrip("/") or "HOST:PORT"
+    return ConfigurationError(
+        f"the S3 endpoint {shown!r} (from {source}) is not an http:// or https:// URL",
+        hint=f"Write it with its scheme: http://{host} for a server without TLS (moto, "
+        f"MinIO, SeaweedFS and LocalStack serve plain HTTP by default) or https://{host}",
+    )
+
+
+def _endpoint_source(kwargs: Mapping[str, Any]) -> str:
+    if kwargs.get("endpoint_url"):
+        return "--endpoint-url / storage_options['endpoint_url']"
+    return "AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL or the profile's endpoint_url"
+
+
+def _check_endpoint(endpoint: str, source: str) -> None:
+    """Raises ConfigurationError (with the URLs it may have meant) unless ``endpoint`` is
+    an ``http://`` or ``https://`` URL with a host."""
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise _endpoint_error(endpoint, source)
+
+
+def _no_retry_on_tls_mismatch(caught_exception: BaseException | None = None, **_: Any) -> None:
+    """A ``needs-retry`` handler: a TLS handshake that failed because the server spoke
+    plain HTTP, or because its certificate is not trusted, fails the same way every time,
+    so re-raise it at once rather than let botocore retry it with backoff (90 s in all,
+    with our own retries, before the user saw why)."""
+    if isinstance(caught_exception, bce.SSLError) and (
+        _PLAIN_HTTP_REPLY.search(str(caught_exception))
+        or _UNTRUSTED_CERT.search(str(caught_exception))
+    ):
+        raise caught_exception
 
 
 def _client_error_info(exc: bce.ClientError) -> tuple[str, int, str, int]:
@@ -384,10 +443,19 @@ class S3Store(Store):
         kwargs.update(client_kwargs)  # explicit client_kwargs win, as in s3fs
         try:
             client = session.create_client("s3", **kwargs)
-        except (ValueError, bce.BotoCoreError) as exc:
+        except ValueError as exc:
+            invalid = re.fullmatch(r"Invalid endpoint: (.*)", str(exc), re.S)
+            if invalid:  # botocore's words for an endpoint without a scheme
+                raise _endpoint_error(invalid.group(1), _endpoint_source(kwargs)) from None
             raise ConfigurationError(
                 f"cannot create an S3 client for {self.url}: {self._scrub(str(exc))}"
             ) from None
+        except bce.BotoCoreError as exc:
+            raise ConfigurationError(
+                f"cannot create an S3 client for {self.url}: {self._scrub(str(exc))}"
+            ) from None
+        _check_endpoint(client.meta.endpoint_url, _endpoint_source(kwargs))
+        client.meta.events.register_first("needs-retry.s3", _no_retry_on_tls_mismatch)
         _send_bytes_whole(client)
         _use_prehashed_payloads(client)
         return client
@@ -421,13 +489,16 @@ class S3Store(Store):
             self._raise_client_error(exc, op, key, write, missing)
         except bce.NoCredentialsError as exc:
             raise CredentialsError(
-                f"no AWS credentials found for {self._where(key)} ({op})", key=key
+                f"no AWS credentials found for {self._where(key)} ({op})",
+                key=key,
+                hint=_CREDENTIALS_HINT,
             ) from exc
         except (bce.PartialCredentialsError, bce.CredentialRetrievalError) as exc:
             raise CredentialsError(
                 f"incomplete or unusable AWS credentials for {self._where(key)} ({op}): "
                 f"{self._scrub(str(exc))}",
                 key=key,
+                hint=_CREDENTIALS_HINT,
             ) from exc
         except (bce.ChecksumError, bce.FlexibleChecksumError) as exc:
             raise ChecksumMismatchError(
@@ -435,6 +506,8 @@ class S3Store(Store):
                 key=key,
                 hint="The bytes were damaged in transit; reading again fetches them anew",
             ) from exc
+        except bce.SSLError as exc:
+            self._raise_tls_error(exc, op, key)
         except bce.ConnectionError as exc:
             # Could not connect (refused, DNS, TLS, connect timeout): nothing was sent.
             raise TransientStoreError(
@@ -453,6 +526,35 @@ class S3Store(Store):
             raise TransientStoreError(what, key=key) from exc
         except bce.BotoCoreError as exc:
             raise StoreError(f"{op} {self._where(key)}: {self._scrub(str(exc))}", key=key) from exc
+
+    def _raise_tls_error(self, exc: bce.SSLError, op: str, key: str | None) -> NoReturn:
+        """An ``https://`` endpoint whose TLS handshake failed (nothing was sent).
+
+        Raises: ConfigurationError when the server spoke plain HTTP or its certificate is
+        not trusted (the same every time); TransientStoreError otherwise.
+        """
+        where = f"{op} {self._where(key)}"
+        text = str(exc)
+        if _PLAIN_HTTP_REPLY.search(text):
+            plain = "http://" + self._endpoint.split("://", 1)[-1]
+            raise ConfigurationError(
+                f"the S3 endpoint {self._endpoint} answered in plain HTTP, not TLS ({where})",
+                hint=f"The server does not speak https: use --endpoint-url {plain} (or "
+                "AWS_ENDPOINT_URL / storage_options['endpoint_url'])",
+            ) from exc
+        if _UNTRUSTED_CERT.search(text):
+            raise ConfigurationError(
+                f"the TLS certificate of the S3 endpoint {self._endpoint} is not trusted ({where})",
+                hint="For a private CA or a self-signed certificate set AWS_CA_BUNDLE="
+                '/path/to/ca.pem (or -o \'client_kwargs:={"verify": "/path/to/ca.pem"}\')',
+            ) from exc
+        raise TransientStoreError(
+            f"TLS handshake with the S3 endpoint {self._endpoint} failed ({where}): "
+            f"{self._scrub(text)[:200]}",
+            key=key,
+            hint="Check that the endpoint speaks https and that its certificate is trusted "
+            "(AWS_CA_BUNDLE); a handshake cut short by the network can be retried",
+        ) from exc
 
     def _raise_client_error(
         self,
@@ -489,7 +591,11 @@ class S3Store(Store):
             raise missing(f"{op} {where}: not found ({detail})", key=key) from exc
         if code in _CREDENTIAL_CODES:
             raise CredentialsError(
-                f"{op} {where}: the store rejected the credentials ({detail})", key=key
+                f"{op} {where}: the store rejected the credentials ({detail})",
+                key=key,
+                hint=_REJECTED_HINT
+                if code != "RequestTimeTooSkewed"
+                else "This host's clock is off by more than 15 minutes: sync it (NTP)",
             ) from exc
         if code in _DENIED_CODES or status == 403:
             raise PermissionDeniedError(f"{op} {where}: access denied ({detail})", key=key) from exc
