@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 from cloudckpt import protocol
 from cloudckpt.cli import cli
-from cloudckpt.errors import ConfigurationError
+from cloudckpt.errors import BucketNotFoundError, ConfigurationError
 from cloudckpt.restore import restore
 from cloudckpt.stores import open_store
 from cloudckpt.stores.s3 import S3Store
@@ -171,3 +171,87 @@ def test_a_restore_without_a_readable_latest_warns_once(run_with_two, tmp_path, 
     listing = _cli(target, "ls", target.url)
     assert listing.exit_code == 0, listing.output
     assert len(_warnings(listing.stderr)) == 1, listing.stderr
+
+
+@pytest.fixture
+def tls_server(tmp_path):
+    """An https server on 127.0.0.1 with a self-signed certificate, answering 404 to
+    everything. Yields (its URL, the certificate's path)."""
+    import datetime as dt
+    import http.server
+    import ipaddress
+    import ssl
+    import threading
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(hours=1))
+        .not_valid_after(now + dt.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert_file, key_file)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"https://127.0.0.1:{server.server_address[1]}", cert_file
+    server.shutdown()
+    server.server_close()
+
+
+def test_an_untrusted_certificate_names_the_ca_bundle_and_is_not_retried(tls_server):
+    url, cert = tls_server
+    store = S3Store("bkt", endpoint_url=url, key="k", secret="s")
+    sent: list[str] = []
+    store._client.meta.events.register("before-send.s3", lambda **kw: sent.append("x"))
+    with pytest.raises(ConfigurationError, match=r"certificate .* is not trusted") as info:
+        store.get("LATEST")
+    assert "AWS_CA_BUNDLE" in info.value.hint and sent == ["x"]
+    store.close()
+    # What the hint says works: trusting the certificate reaches the server, whose 404
+    # (it is no S3 server) reads as a missing bucket.
+    trusted = S3Store(
+        "bkt", endpoint_url=url, key="k", secret="s", client_kwargs={"verify": str(cert)}
+    )
+    with pytest.raises(BucketNotFoundError):
+        trusted.exists("LATEST")
+    trusted.close()
