@@ -13,7 +13,7 @@
 6. ``verify --all --read-data`` reads back every byte of every retained checkpoint, and the
    final weights are compared with those of a run that was never interrupted.
 
-Needs ``moto[server]`` (``pip install 'cloudckpt[demo]'``).
+Needs ``moto[server]`` (from the root of a clone: ``pip install '.[demo]'``).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from cloudckpt import protocol
+from cloudckpt._install import install_hint
 from cloudckpt.errors import ConfigurationError, DemoError
 
 MiB = 1024 * 1024
@@ -107,7 +108,7 @@ def _require_moto() -> None:
     except ImportError:
         raise ConfigurationError(
             "cloudckpt demo needs an embedded S3 server (moto), which is not installed",
-            hint="pip install 'cloudckpt[demo]'",
+            hint=install_hint("demo"),
         ) from None
 
 

@@ -139,12 +139,15 @@ class ConfigurationError(CloudCkptError):
 
 class MissingDependencyError(ConfigurationError):
     """A URL needs a backend library that is not installed; ``extra`` names the
-    ``cloudckpt[extra]`` that brings it."""
+    ``cloudckpt[extra]`` that brings it. The hint is a command that works as written (the
+    extra's packages; cloudckpt itself is not on the package index)."""
 
     def __init__(self, message: str, *, extra: str, hint: str | None = None) -> None:
+        from cloudckpt._install import install_hint
+
         self.extra = extra
         if hint is None:
-            hint = f"Install it with: pip install 'cloudckpt[{extra}]'"
+            hint = install_hint(extra)
         super().__init__(message, hint=hint)
 
 

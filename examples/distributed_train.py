@@ -1,6 +1,6 @@
 """Data-parallel training with torchrun, checkpointed with DCP through cloudckpt.
 
-    pip install 'cloudckpt[torch]'
+    pip install '.[torch]'      # from the repository root, after the torch build you need
     torchrun --nproc_per_node=2 examples/distributed_train.py     # trains, saves every 20 steps
     torchrun --nproc_per_node=2 examples/distributed_train.py     # again: resumes where it stopped
     torchrun --nproc_per_node=1 examples/distributed_train.py     # resumes at another world size

@@ -1,7 +1,7 @@
 """transformers ``Trainer`` with cloudckpt: every ``checkpoint-N`` committed to a store,
 resume on any host, clean stop on preemption.
 
-    pip install 'cloudckpt[hf]'
+    pip install '.[hf]'      # from the repository root, after the torch build you need
     python examples/hf_trainer.py out-1        # trains a tiny GPT-2 on CPU, 60 steps
     python examples/hf_trainer.py out-2        # a "new host": resumes from the store
 

@@ -1,7 +1,7 @@
 """Lightning with cloudckpt: checkpoints committed to a store, resume on any host, clean
 stop on preemption, exact RNG continuation.
 
-    pip install 'cloudckpt[lightning]'
+    pip install '.[lightning]'      # from the repository root, after the torch build you need
     python examples/lightning_trainer.py run-1     # 10 epochs of a tiny MLP on CPU
     python examples/lightning_trainer.py run-2     # a "new host": resumes from the store
 

@@ -1,6 +1,6 @@
 """A plain PyTorch loop that checkpoints with ``save_state`` and stops cleanly on preemption.
 
-    pip install 'cloudckpt[torch]'
+    pip install '.[torch]'      # from the repository root, after the torch build you need
     python examples/torch_loop.py                     # trains, checkpoints every 50 steps
     python examples/torch_loop.py                     # run it again: resumes where it stopped
 

@@ -102,5 +102,6 @@ def test_torch_loop_without_numpy_fails_at_its_first_save(tmp_path):
     proc, _ = _run("torch_loop.py", tmp_path, REFUSE="none", NO_NUMPY="1")
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output[-4000:]
-    assert "MissingDependencyError" in output and "cloudckpt[torch]" in output, output[-4000:]
+    assert "MissingDependencyError" in output and "[torch] extra" in output, output[-4000:]
+    assert "pip install 'safetensors>=0.4' 'numpy>=" in output, output[-4000:]
     assert _committed_steps(tmp_path) == []

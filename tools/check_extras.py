@@ -9,9 +9,9 @@ extra lacks something its code imports at run time. ``[torch]`` once lacked nump
 ``save_state`` failed in the background and ``examples/torch_loop.py`` ended "newest
 committed checkpoint: step None" with exit status 0 (issue 21). So, for each extra:
 
-1. a fresh virtualenv, and the install a user makes from a clone:
-   ``pip install -c constraints.txt ['torch==2.13.0'] -e '.[extra]'`` (torch first for the
-   integrations, as their docs say; nothing else);
+1. a fresh virtualenv, and the install a user makes from a clone, e.g. ``pip install -c
+   constraints.txt 'torch==2.13.0' -e '.[hf]'`` (torch first for the integrations, as their
+   docs say; ``pip install -c constraints.txt -e '.[gcs]'`` for the others; nothing else);
 2. its example, run as a user runs it, against a fresh run: ``examples/torch_loop.py``,
    ``examples/hf_trainer.py`` and ``examples/lightning_trainer.py`` on a ``file://`` run;
    ``cloudckpt push`` then ``cloudckpt restore`` (compared byte for byte) on

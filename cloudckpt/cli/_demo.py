@@ -33,7 +33,7 @@ def demo_cmd(
     checkpoints every step in the background, kills it with SIGKILL while an upload is in
     flight, resumes on a "new host" (a new process with an empty staging directory) from
     LATEST, trains to the end, and proves the torn upload was never visible. No network, no
-    cloud account; needs moto (pip install 'cloudckpt[demo]').
+    cloud account; needs moto (from the root of a clone: pip install '.[demo]').
     """
     from cloudckpt.demo import DemoConfig, format_report, run_demo
 

@@ -7,7 +7,8 @@
 - ``cloudckpt.integrations.lightning``: ``CloudCheckpointIO`` for ``Trainer(plugins=[...])``,
   ``PreemptionCallback``, ``RNGStateCallback`` and ``resume()`` for ``fit(ckpt_path=...)``.
 
-Install the matching extra: ``pip install 'cloudckpt[torch]'``, ``'cloudckpt[hf]'`` or
-``'cloudckpt[lightning]'`` (torch itself is not pulled in: install the build you need first).
+Install the matching extra from the root of a clone of the repository (cloudckpt is not
+on the package index): ``pip install '.[torch]'``, ``pip install '.[hf]'`` or ``pip install
+'.[lightning]'``. torch itself is not pulled in: install the build you need first.
 Preemption detection lives in ``cloudckpt.preemption`` and needs no framework.
 """

@@ -82,8 +82,11 @@ from cloudckpt.stores import Store
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 except ImportError as _exc:  # pragma: no cover - exercised only without the extra
+    from cloudckpt._install import install_hint
+
     raise ImportError(
-        "cloudckpt.integrations.hf needs transformers: pip install 'cloudckpt[hf]'"
+        f"cloudckpt.integrations.hf needs transformers, which is not installed. "
+        f"{install_hint('hf')}"
     ) from _exc
 
 __all__ = ["CheckpointCallback", "fix_trainer_state", "resume"]

@@ -98,8 +98,11 @@ except ImportError:  # the standalone ``pytorch_lightning`` package
         from lightning_fabric.utilities.cloud_io import _load as _pl_load  # type: ignore[no-redef]
         from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
     except ImportError as _exc:  # pragma: no cover - exercised only without the extra
+        from cloudckpt._install import install_hint
+
         raise ImportError(
-            "cloudckpt.integrations.lightning needs lightning: pip install 'cloudckpt[lightning]'"
+            "cloudckpt.integrations.lightning needs lightning, which is not installed. "
+            f"{install_hint('lightning')}"
         ) from _exc
 
 try:  # Lightning >= 2.3 raises this on SIGTERM; older versions exit another way

@@ -103,8 +103,11 @@ from cloudckpt.transfer import MemoryFile
 try:
     import safetensors.torch as _st
 except ImportError as _exc:  # pragma: no cover - exercised only without the extra
+    from cloudckpt._install import install_hint
+
     raise ImportError(
-        "cloudckpt.integrations.torch needs safetensors: pip install 'cloudckpt[torch]'"
+        f"cloudckpt.integrations.torch needs safetensors, which is not installed. "
+        f"{install_hint('torch')}"
     ) from _exc
 
 __all__ = [

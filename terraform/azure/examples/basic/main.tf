@@ -1,10 +1,10 @@
 # Example: a checkpoint container with a writer identity for the trainers and a reader identity
 # for restore-only hosts.
 #
+#   pip install '.[azure]' azure-identity    # in the repository root; then, here:
 #   terraform init
 #   terraform apply -var subscription_id=... -var storage_account_name=myteamckpts
 #   export AZURE_STORAGE_ACCOUNT_NAME=myteamckpts AZURE_CLIENT_ID=$(terraform output -raw writer_identity_client_id)
-#   pip install 'cloudckpt[azure]' azure-identity
 
 terraform {
   required_version = ">= 1.5.0"
