@@ -167,8 +167,9 @@ _CREDENTIALS_HINT = (
 )
 _REJECTED_HINT = (
     "`aws sts get-caller-identity` shows which credentials are in use: pick others with "
-    "--profile NAME / AWS_PROFILE=NAME, renew expired ones (`aws sso login`), or for an "
-    "S3-compatible endpoint use that server's own keys"
+    "--profile NAME / AWS_PROFILE=NAME (Python: storage_options={'profile': NAME}), renew "
+    "expired ones (`aws sso login`), or for an S3-compatible endpoint use that server's "
+    "own keys"
 )
 # OpenSSL's reason when the server answered the TLS hello with something that is not TLS:
 # plain HTTP.
