@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+from cli_schema import assert_matches
+
 from cloudckpt.demo import format_report
 
 MiB = 1024 * 1024
@@ -25,6 +27,7 @@ def test_demo_kills_mid_upload_resumes_and_proves_the_torn_attempt_was_never_vis
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["ok"] is True and all(report["proofs"].values()), report["proofs"]
+    assert_matches(report, "demo")  # exactly the fields docs/cli.md lists, of their types
     # The demo takes ~30 s here; the bound catches a hang or a gross regression without
     # failing on a busy machine.
     assert report["seconds"] < 90

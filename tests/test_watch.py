@@ -22,10 +22,13 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from cli_schema import assert_matches, parse
 
 from cloudckpt import protocol
 from cloudckpt.stores import open_store
 from cloudckpt.watch import Watcher
+
+SCHEMAS = parse()  # docs/cli.md's blocks: every event a test sees must match its own
 
 WRITER = r"""
 import json, os, random, shutil, sys, time, zipfile
@@ -105,6 +108,8 @@ class Proc:
             env={**os.environ, "AWS_EC2_METADATA_DISABLED": "true", **(env or {})},
         )
 
+    checked = False  # a `watch --json`: each event must match its block in docs/cli.md
+
     def lines(self) -> list[dict]:
         path = self.events or self.out
         found = []
@@ -112,6 +117,9 @@ class Proc:
             if line.startswith("{"):
                 with contextlib.suppress(ValueError):  # a line still being written
                     found.append(json.loads(line))
+        if self.checked:
+            for event in found:
+                assert_matches(event, "watch", SCHEMAS)
         return found
 
     def wait_for(self, pred, what: str, timeout: float = 60) -> dict:
@@ -166,7 +174,9 @@ def start_watch(area, target, *extra, name="watch", directory=None, python=(), e
     argv = [sys.executable, *(python or ["-m", "cloudckpt.cli"]), "watch",
             str(directory or out), target.url, "--json", "--poll", "0.1", *extra,
             *flags(target)]  # fmt: skip
-    return Proc(argv, tmp / f"{name}.out", env=env)
+    watch = Proc(argv, tmp / f"{name}.out", env=env)
+    watch.checked = True  # its --json lines are checked against docs/cli.md
+    return watch
 
 
 def committed(watch: Proc, step: int):
@@ -494,10 +504,18 @@ def test_the_real_frameworks_last_checkpoints_are_uploaded_on_sigterm(
 # --- the completeness rules, in-process on the memory store (fast) ------------------------
 
 
+class CheckedEvents(list):
+    """A Watcher's events, each checked against its block in docs/cli.md as it arrives."""
+
+    def append(self, event: dict) -> None:
+        assert_matches(event, "watch", SCHEMAS)
+        super().append(event)
+
+
 def _watcher(tmp_path, target, **kw):
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
-    events: list[dict] = []
+    events: list[dict] = CheckedEvents()
     kw.setdefault("settle", 0)
     w = Watcher(out, target.url, on_event=events.append, staging_dir=tmp_path / "staging",
                 **kw)  # fmt: skip
@@ -629,6 +647,8 @@ def test_watch_once_through_the_cli_on_gcs(tmp_path, gcs_target):
     result = CliRunner().invoke(cli, argv)
     assert result.exit_code == 0, result.output
     events = [json.loads(line) for line in result.stdout.splitlines()]
+    for event in events:
+        assert_matches(event, "watch", SCHEMAS)
     kinds = [e["event"] for e in events]
     assert kinds == ["started", "flushing", "queued", "committed", "incomplete", "stopped"]
     assert events[4]["source"] == "checkpoint-8" and events[4]["reason"] == (
@@ -862,6 +882,8 @@ def test_watch_once_exits_non_zero_when_an_upload_fails(tmp_path, memory_target,
     assert sum(r.fired for r in rules) > 0
     assert result.exit_code == 1, result.output
     events = [json.loads(line) for line in result.stdout.splitlines()]
+    for event in events:
+        assert_matches(event, "watch", SCHEMAS)
     assert [e["source"] for e in events if e["event"] == "failed"] == ["checkpoint-7"]
     assert events[-1]["event"] == "stopped" and events[-1]["failed"] == 1
     assert "could not be uploaded" in result.stderr

@@ -260,11 +260,14 @@ def warn(message: str) -> None:
 
 
 def stdout_console() -> Any:
-    """Tables on stdout; when it is not a terminal, wide enough not to wrap (for grep)."""
+    """Tables on stdout, as wide as the terminal; when stdout is not a terminal, as wide as
+    ``COLUMNS`` says, else 200 columns (every column, one line per row, for grep)."""
+    import os
+
     from rich.console import Console
 
     console = Console(highlight=False)
-    if not console.is_terminal:
+    if not console.is_terminal and not os.environ.get("COLUMNS", "").isdigit():
         console = Console(highlight=False, width=200)
     return console
 

@@ -60,30 +60,23 @@ _EPILOG = "Exit codes:\n\n\b\n" + "\n".join(
 def cli(verbose: int) -> None:
     """Crash-safe ML training checkpoints on object storage.
 
-    URL is a run location: s3://bucket/prefix, gs://bucket/prefix, file:///path or a local
-    path. Credentials come from the usual places (AWS_* variables and profiles, application
-    default credentials) or from --storage-option. See docs/cli.md.
+    URL is a run location: s3://bucket/prefix, gs://bucket/prefix, az://container/prefix
+    (or abfs[s]://container@account.dfs.core.windows.net/prefix), file:///path or a local
+    path. Credentials come from the usual places (AWS_PROFILE or --profile and the AWS_*
+    variables; Google application default credentials; AZURE_STORAGE_CONNECTION_STRING or
+    AZURE_STORAGE_ACCOUNT_NAME) or from --storage-option.
+
+    --json prints one JSON document (watch: one per event, a line each); docs/cli.md lists
+    every command's fields. Shell completion, in ~/.bashrc (zsh: zsh_source in ~/.zshrc):
+
+    \b
+      eval "$(_CLOUDCKPT_COMPLETE=bash_source cloudckpt)"
     """
     setup_logging(verbose)
 
 
 def _closing(store: Any) -> contextlib.AbstractContextManager:
     return contextlib.closing(store)
-
-
-def _ago(iso_time: str) -> str:
-    from cloudckpt.protocol import parse_iso
-
-    try:
-        seconds = time.time() - parse_iso(iso_time).timestamp()
-    except ValueError:
-        return iso_time
-    if seconds < 0:
-        return iso_time
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.0f}{unit} ago"
-    return f"{seconds:.0f}s ago"
 
 
 def _load_for_reading(store: Any) -> tuple[Any, bool]:
@@ -211,47 +204,10 @@ def _ls_doc(url: str, latest: Any, from_records: bool) -> dict[str, Any]:
 
 
 def _print_ls(doc: dict[str, Any]) -> None:
-    """``ls``'s table of checkpoints (of a run that has some)."""
-    from rich.table import Table
+    """``ls``'s table of checkpoints (of a run that has some): ``cli._table``."""
+    from cloudckpt.cli._table import print_ls
 
-    w = doc["writer"]
-    table = Table(
-        title=f"{doc['url']}  ·  writer epoch {w['epoch']} ({w['id']})  ·  LATEST seq {doc['seq']}",
-        title_justify="left",
-    )
-    for name, justify in (
-        ("step", "right"),
-        ("", "left"),
-        ("committed", "left"),
-        ("size", "right"),
-        ("owns", "right"),
-        ("shares", "right"),
-        ("files", "right"),
-        ("epoch", "right"),
-        ("pins", "left"),
-        ("commit", "left"),
-    ):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    for c in doc["checkpoints"]:
-        table.add_row(
-            str(c["step"]),
-            "current" if c["current"] else "",
-            f"{c['committed_at'][:19].replace('T', ' ')} ({_ago(c['committed_at'])})",
-            human_bytes(c["total_bytes"]),
-            "" if c["owned_bytes"] is None else human_bytes(c["owned_bytes"]),
-            "" if c["shared_bytes"] is None else human_bytes(c["shared_bytes"]),
-            str(c["num_files"]),
-            str(c["epoch"]),
-            ", ".join(c["pins"]),
-            c["commit_id"],
-        )
-    console = stdout_console()
-    console.print(table)
-    if doc["tombstones"]:
-        console.print(
-            f"{len(doc['tombstones'])} checkpoint(s) dropped by retention, waiting for "
-            "`cloudckpt gc`"
-        )
+    print_ls(stdout_console(), doc)
 
 
 # ---------------------------------------------------------------------------- show
