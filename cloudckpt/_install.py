@@ -1,7 +1,7 @@
 """What to type to install an extra, in words that work as written today.
 
-cloudckpt is not on the package index: ``pip install 'cloudckpt[gcs]'`` finds nothing (and
-would find someone else's package if the name were ever taken). So a hint names the
+cloudckpt is not on the package index: installing ``cloudckpt[gcs]`` by name finds nothing
+(and would find someone else's package if the name were ever taken). So a hint names the
 packages the extra adds, as the installed distribution declares them (``pip install
 'gcsfs>=2024.6.0'`` works from anywhere, into the environment cloudckpt is installed in),
 and the clone form (``pip install '.[gcs]'`` from the repository's root).
