@@ -164,6 +164,21 @@ def _chunked_file_digest_unchecked(setattr_: Callable[[Any, str, Any], None]) ->
     setattr_(chunks._Target, "finish", fsync_only)
 
 
+def _resumed_chunks_age_unbounded(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A save that resumes an interrupted attempt's chunks is bounded by its own age
+    only, not by the interrupted attempt's (which GC dates from its older birth)."""
+    from cloudckpt import committer
+
+    setattr_(committer.AttemptAge, "resuming", lambda self, born: self)
+
+
+def _modes_unmasked(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A restore applies whatever mode its manifest records."""
+    from cloudckpt import restore
+
+    setattr_(restore, "safe_mode", lambda mode, umask: mode)
+
+
 _WRONG_ORDER = "tests/test_restore.py::test_valid_chunks_in_the_wrong_order_never_restore"
 
 MUTANTS = {
@@ -232,6 +247,24 @@ MUTANTS = {
             why_not_simulated=(
                 "in the simulation a chunk can go missing only through another broken rule; "
                 "the fast test deletes one by hand"
+            ),
+        ),
+        Mutant(
+            "resumed-chunks-age-unbounded",
+            "a commit names an interrupted attempt's chunks only while GC cannot own them",
+            _resumed_chunks_age_unbounded,
+            ("tests/test_resume.py::test_resumed_chunks_never_outlive_the_grace_period",),
+            range(0, 400),
+            "which GC may own",
+        ),
+        Mutant(
+            "modes-unmasked",
+            "a restore never gives a file setuid, setgid, sticky or bits the umask removes",
+            _modes_unmasked,
+            ("tests/test_modes.py::test_a_manifest_cannot_set_special_bits_or_defeat_the_umask",),
+            why_not_simulated=(
+                "the simulation's writers record the modes of their own staged files; the "
+                "fast test forges a manifest with setuid, setgid, sticky and world-write bits"
             ),
         ),
         Mutant(

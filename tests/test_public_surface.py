@@ -34,7 +34,8 @@ SURFACE = {
     ],
     "cloudckpt.errors": [
         *ERRORS_EXPORTED_AT_TOP, "ActiveWriterError", "ChunkSourceDroppedError",
-        "CollectiveError", "CorruptRecordError", "RankFailedError", "ReusedChunkMissingError",
+        "CollectiveError", "CorruptRecordError", "RankFailedError", "ResumedChunksTooOldError",
+        "ReusedChunkMissingError",
         "DemoError", "redact_url", "scrub",
     ],
     "cloudckpt.stores": [

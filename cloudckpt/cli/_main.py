@@ -486,6 +486,9 @@ def push_cmd(
         "seq": result.seq,
         "num_files": result.num_files,
         "total_bytes": result.total_bytes,
+        "bytes_uploaded": result.bytes_uploaded,
+        "bytes_reused": result.bytes_reused,
+        "bytes_resumed": result.bytes_resumed,
         "metadata": dict(result.metadata),
         "fenced_writer": previous.to_dict() if previous is not None else None,
         "seconds": round(time.perf_counter() - started, 3),
@@ -498,6 +501,21 @@ def push_cmd(
         f"{result.num_files} files, {human_bytes(result.total_bytes)} "
         f"in {doc['seconds']:.1f}s (writer epoch {result.epoch})"
     )
+    click.echo(f"  {transfer_summary(result)}")
+
+
+def transfer_summary(result: CommitInfo) -> str:
+    """``uploaded 1.0 GiB, reused 3.0 GiB already in the run (512.0 MiB from an interrupted
+    save of this step)``: what a save sent, and what it named where it already lay."""
+    uploaded, reused, resumed = (
+        result.bytes_uploaded or 0,
+        result.bytes_reused or 0,
+        result.bytes_resumed or 0,
+    )
+    text = f"uploaded {human_bytes(uploaded)}, reused {human_bytes(reused)} already in the run"
+    if resumed:
+        text += f" ({human_bytes(resumed)} from an interrupted save of this step)"
+    return text
 
 
 def _check_push_takeover(store: Store, step: int, force: bool) -> Any:

@@ -184,8 +184,33 @@ class Checker:
             key = new.current.metadata.get("sim")
             if key in self.failed_keys:
                 self.fail(f"I6: save {key} was reported failed, yet it was committed by {who}")
+            self._names_no_chunk_gc_may_own(prev, new, who)
         elif (new.current and new.current.commit_id) != (prev.current and prev.current.commit_id):
             self.fail(f"I3: a {op} by {who} changed the current checkpoint")
+
+    def _names_no_chunk_gc_may_own(self, prev: Latest, new: Latest, who: str) -> None:
+        """I7: a commit names only chunks GC cannot own: its own attempt's, those a
+        manifest GC must keep names (in the LATEST it replaces: retained checkpoints and
+        pending tombstones), and those of an unreferenced attempt (an interrupted save it
+        resumed) that GC would judge younger than grace now (the oldest object it holds,
+        on the store's clock: GC's own measure)."""
+        manifest = self.manifest_of(new.current)
+        if manifest is None:
+            return  # I2 reports an unreadable manifest
+        named = self.named_chunks(prev)
+        now, grace = self.raw.now(), prev.settings.gc_grace_s
+        for entry in manifest.files:
+            for chunk in entry.chunks or ():
+                if chunk.owner == new.current.ckpt or chunk.key in named:
+                    continue
+                times = [o.last_modified for o in self.raw.list(chunk.owner) if o.last_modified]
+                if not times or (now - min(times)).total_seconds() > grace:
+                    self.fail(
+                        f"I7: the commit of {new.current.ckpt} by {who} names chunk "
+                        f"{chunk.key} of an unreferenced attempt older than grace, which GC "
+                        "may own"
+                    )
+                self.sim.result.counters["resumed_chunks_committed"] += 1
 
     def _retained_change(self, prev: Latest, new: Latest, who: str) -> None:
         """I3: retained -> tombstone only by retention (a commit or an unpin), never a
