@@ -43,6 +43,11 @@ SURFACE = {
         "Overwrite", "PartInfo", "PendingUpload", "PutMode", "RunURL", "Store", "Update",
         "crc32c_b64", "open_store", "parse_url", "split_url",
     ],
+    "cloudckpt.catalog": [
+        "CheckpointDiff", "CopyResult", "ExportResult", "FileChange", "FileResult", "RunInfo",
+        "copy_checkpoint", "diff_checkpoints", "export_checkpoint", "file_digest", "get_file",
+        "list_runs",
+    ],
     "cloudckpt.distributed": [
         "CollectiveError", "DistributedCheckpointManager", "DistributedRestoreResult",
         "RankFailedError", "WORLD_SIZE_KEY", "rank_dir",

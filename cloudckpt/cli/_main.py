@@ -160,14 +160,30 @@ def ls_cmd(url: RunURL, store_args: StoreArgs, as_json: bool) -> None:
     """List the committed checkpoints of the run at URL, newest first."""
     with _closing(store_args.open(url, writable=False)) as store:
         latest, from_records = _load_for_reading(store)
+        below = _runs_below(store) if latest is None and not as_json else []
     doc = _ls_doc(store.url, latest, from_records)
     if as_json:
         emit_json(doc)
+        return
+    if below:
+        shown = ", ".join(below[:5]) + (f" and {len(below) - 5} more" if len(below) > 5 else "")
+        info(
+            f"{store.url}: not a run, but it holds {len(below)} run(s) below it ({shown}); "
+            f"list them with `cloudckpt runs {store.url}`"
+        )
         return
     if latest is None:
         info(f"{store.url}: no checkpoints (nothing was ever committed here)")
         return
     _print_ls(doc)
+
+
+def _runs_below(store: Store) -> list[str]:
+    """The paths of the runs up to two directories below ``store``'s root (for ``ls``
+    pointed at a prefix of runs)."""
+    from cloudckpt.catalog import list_runs
+
+    return [r.path for r in list_runs(store, depth=2) if r.path]
 
 
 def _ls_doc(url: str, latest: Any, from_records: bool) -> dict[str, Any]:
