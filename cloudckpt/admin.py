@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import os
+from collections.abc import Container
 
 from cloudckpt import protocol
 from cloudckpt.committer import edit_latest, read_latest
@@ -136,13 +137,19 @@ def _exited_here(writer_id: str) -> bool:
     return False
 
 
-def check_takeover(store: Store, *, force: bool = False) -> WriterStatus | None:
-    """Before a CLI command claims the run (``push``): refuse to fence an active writer
-    unless ``force``. Returns the writer that claiming will fence (None for a new run).
+def check_takeover(
+    store: Store, *, force: bool = False, finished: Container[str] = ()
+) -> WriterStatus | None:
+    """Before a command claims the run (``push``, ``cp``): refuse to fence an active
+    writer unless ``force``. ``finished``: ids of writers this process ran to the end (a
+    copy that returned), which are not active whatever their age. Returns the writer that
+    claiming will fence (None for a new run).
 
     Raises: ActiveWriterError, NeedsRepairError, StoreError.
     """
     status = writer_status(store)
+    if status is not None and status.id in finished:
+        status = dataclasses.replace(status, exited=True)
     if status is not None and status.active and not force:
         raise ActiveWriterError(
             f"{store.url} belongs to writer {status.id} (epoch {status.epoch}), which wrote "

@@ -35,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
+import os
+import stat
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -48,6 +50,7 @@ from cloudckpt.errors import (
     ConfigurationError,
     FencedError,
     PreconditionFailedError,
+    ResumedChunksTooOldError,
     ReusedChunkMissingError,
     StoreError,
 )
@@ -81,6 +84,10 @@ class CommitInfo:
 
     ``blocking_seconds``: how long ``save()``/``save_dir()`` held the caller.
     ``commit_seconds``: from the save being handed over to LATEST naming it.
+    ``bytes_uploaded``: bytes this save sent to the store; ``bytes_reused``: bytes it named
+    where they already lay instead (chunks of earlier checkpoints, and ``bytes_resumed``
+    of them: chunks an interrupted save of the same step had uploaded). ``uploaded +
+    reused = total_bytes``. None where unknown (a multi-rank or DCP save).
     """
 
     step: int
@@ -93,6 +100,9 @@ class CommitInfo:
     blocking_seconds: float
     commit_seconds: float
     metadata: Mapping[str, Any]
+    bytes_uploaded: int | None = None
+    bytes_reused: int | None = None
+    bytes_resumed: int | None = None
 
     @classmethod
     def of(
@@ -104,8 +114,10 @@ class CommitInfo:
         blocking_seconds: float,
         commit_seconds: float,
         metadata: Mapping[str, Any],
+        stats: chunks.UploadStats | None = None,
     ) -> CommitInfo:
-        """The ``CommitInfo`` of ``begun``, committed as ``manifest`` in ``latest``."""
+        """The ``CommitInfo`` of ``begun``, committed as ``manifest`` in ``latest``;
+        ``stats``: what its upload did (None: unknown)."""
         return cls(
             step=begun.step,
             commit_id=begun.commit_id,
@@ -117,7 +129,35 @@ class CommitInfo:
             blocking_seconds=blocking_seconds,
             commit_seconds=commit_seconds,
             metadata=metadata,
+            bytes_uploaded=None if stats is None else stats.bytes_uploaded,
+            bytes_reused=None if stats is None else stats.bytes_reused,
+            bytes_resumed=None if stats is None else stats.bytes_resumed,
         )
+
+
+#: How a save's files reach its attempt: ``upload(begun, index)`` uploads into
+#: ``begun.prefix``, reusing the chunks ``index`` holds (None: the writer's own choice,
+#: ``AttemptWriter.chunk_index``), and returns the manifest entries and what it did.
+Upload = Callable[
+    [BegunAttempt, "chunks.ChunkIndex | None"], tuple[list[FileEntry], chunks.UploadStats]
+]
+
+
+def with_modes(entries: Sequence[FileEntry], files: Files) -> list[FileEntry]:
+    """``entries`` with the permission bits of their staged files (``protocol.MODE_BITS``
+    at most); entries of in-memory files, or of files gone meanwhile, stay without."""
+    sources = dict(files)
+    out = []
+    for entry in entries:
+        source = sources.get(entry.path)
+        mode = None
+        if isinstance(source, Path):
+            try:
+                mode = stat.S_IMODE(os.stat(source).st_mode) & protocol.MODE_BITS
+            except OSError:
+                mode = None  # the upload read it; its mode is a nicety, not the data
+        out.append(entry if mode is None else dataclasses.replace(entry, mode=mode))
+    return out
 
 
 class AttemptWriter:
@@ -193,10 +233,28 @@ class AttemptWriter:
         metadata: Mapping[str, Any],
         before_commit: Callable[[], object] | None = None,
     ) -> tuple[BegunAttempt, Latest, Manifest]:
-        """Begin an attempt, upload ``files`` into it, run ``before_commit`` and commit.
-        If a checkpoint whose chunks it reuses left retention meanwhile (an unpin, another
+        """Begin an attempt, upload ``files`` into it, run ``before_commit`` and commit
+        (``run`` with ``upload``).
+
+        Raises: as ``run``.
+        """
+        return self.run(
+            step, lambda begun, index: self.upload(begun, files, index), metadata, before_commit
+        )
+
+    def run(
+        self,
+        step: int,
+        upload: Upload,
+        metadata: Mapping[str, Any],
+        before_commit: Callable[[], object] | None = None,
+    ) -> tuple[BegunAttempt, Latest, Manifest]:
+        """Begin an attempt, ``upload`` into it, run ``before_commit`` and commit. If a
+        checkpoint whose chunks it reuses left retention meanwhile (an unpin, another
         tool), everything is uploaded again in full under a new attempt, once; if reused
-        chunks are missing from the store, they are uploaded again (new attempt, once).
+        chunks are missing from the store, they are uploaded again (new attempt, once); if
+        an interrupted attempt whose chunks it resumed grew too old, they are uploaded
+        again (new attempt, once). ``last_upload`` holds what the upload did.
 
         Raises: as ``begin`` and ``finish``; StagingError, StoreError (the upload).
         """
@@ -204,11 +262,14 @@ class AttemptWriter:
         for retry in (False, True):
             try:
                 begun = self.begin(step)
-                entries, requires = self.upload(begun, files, index)
+                entries, stats = upload(begun, index)
+                self.last_upload = stats
                 failpoint("save.after_upload")
                 if before_commit is not None:
                     before_commit()
-                latest, manifest = self.finish(begun, entries, metadata, requires=requires)
+                latest, manifest = self.finish(
+                    begun, entries, metadata, requires=stats.requires, resumed=stats.resumed_born
+                )
                 return begun, latest, manifest
             except ReusedChunkMissingError as exc:
                 if retry:
@@ -216,6 +277,11 @@ class AttemptWriter:
                 log.error("step %d: %s; uploading them again", step, exc)
                 index = self._load_chunk_index().without(exc.missing)
                 self._chunk_index = index  # later saves must not name them either
+            except ResumedChunksTooOldError as exc:
+                if retry:
+                    raise
+                log.warning("step %d: %s; uploading them again", step, exc)
+                index = self._load_chunk_index()  # without the interrupted attempts
             except ChunkSourceDroppedError as exc:
                 if retry:
                     raise
@@ -272,22 +338,37 @@ class AttemptWriter:
         begun: BegunAttempt,
         files: Files,
         index: chunks.ChunkIndex | None = None,
-    ) -> tuple[list[FileEntry], Callable[[Latest], None] | None]:
+    ) -> tuple[list[FileEntry], chunks.UploadStats]:
         """Upload a save's files into its attempt: as chunks, skipping those ``index``
-        holds (default: those of the last committed checkpoint), or whole with chunking
-        off. Returns the manifest entries and the check its commit must pass.
+        holds (default: ``chunk_index``), or whole with chunking off. Returns the manifest
+        entries (with each staged file's mode) and what was sent and reused.
 
         Raises: StagingError (a staged file changed), StoreError.
         """
         if self.chunking == "off":
-            return self.upload_files(begun.prefix, files), None
+            entries = self.upload_files(begun.prefix, files)
+            return entries, chunks.UploadStats(bytes_uploaded=sum(e.size for e in entries))
         if index is None:
-            index = self._load_chunk_index()
+            index = self.chunk_index(begun)
         entries, stats = chunks.upload_chunked(
             self.engine, self.store, begun.prefix, files, index, self.chunking, self.progress
         )
-        self.last_upload = stats
-        return entries, stats.requires
+        return with_modes(entries, files), stats
+
+    def chunk_index(self, begun: BegunAttempt) -> chunks.ChunkIndex:
+        """The chunks ``begun`` may name instead of uploading: those of the last
+        checkpoint this writer committed (or the current one), and those interrupted
+        attempts of the same step uploaded and GC cannot own before the commit (one
+        listing; ``chunks.interrupted_chunks``).
+
+        Raises: StoreError (the listing).
+        """
+        latest = self.committer.latest
+        referenced = latest.referenced_prefixes() if latest is not None else set()
+        resumable = chunks.interrupted_chunks(
+            self.store, begun.step, referenced, begun.prefix, begun.age.born, begun.age.max_age_s
+        )
+        return self._load_chunk_index().plus(resumable)
 
     def upload_files(
         self,
@@ -296,13 +377,15 @@ class AttemptWriter:
         progress: ProgressCallback | None = None,
     ) -> list[FileEntry]:
         """Upload ``files`` whole into the attempt at ``prefix`` (a multi-rank save's ranks
-        know only its prefix). ``progress``: default, the writer's own.
+        know only its prefix), with each staged file's mode. ``progress``: default, the
+        writer's own.
 
         Raises: StagingError, StoreError.
         """
-        return self.engine.upload_files(
+        entries = self.engine.upload_files(
             self.store, prefix + protocol.FILES_DIR, files, progress or self.progress
         )
+        return with_modes(entries, files)
 
     def finish(
         self,
@@ -311,13 +394,18 @@ class AttemptWriter:
         metadata: Mapping[str, Any],
         *,
         requires: Callable[[Latest], None] | None = None,
+        resumed: dt.datetime | None = None,
     ) -> tuple[Latest, Manifest]:
         """Check that every file and chunk the manifest will name is stored whole (one
         listing per prefix), write the manifest (create-only) and commit it with the
         fenced compare-and-swap of LATEST. A ``FencedError`` is kept (``fenced``).
+        ``requires``: the check every LATEST the commit replaces must pass;
+        ``resumed``: the birth of the oldest interrupted attempt whose chunks the entries
+        name (the commit is bounded by its age too: ``AttemptAge.resuming``).
 
         Raises: StoreError, ReusedChunkMissingError, FencedError, CommitConflictError,
-        CommitStateUnknownError, StaleAttemptError, NeedsRepairError.
+        CommitStateUnknownError, StaleAttemptError, ResumedChunksTooOldError,
+        NeedsRepairError.
         """
         entries = list(entries)
         prefix = begun.prefix
@@ -340,7 +428,9 @@ class AttemptWriter:
         try:
             with self.commit_lock:
                 latest = self.committer.commit(
-                    manifest.record(body, now), age=begun.age, requires=requires
+                    manifest.record(body, now),
+                    age=begun.age.resuming(resumed),
+                    requires=requires,
                 )
         except FencedError as exc:
             self._fenced = exc

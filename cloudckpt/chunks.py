@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import datetime as dt
 import hashlib
 import itertools
 import json
@@ -72,7 +73,7 @@ from cloudckpt.protocol import ChunkRef, FileEntry, Latest, Manifest
 from cloudckpt.reader import check_chunk_objects as check_chunk_objects
 from cloudckpt.reader import fetch_manifest
 from cloudckpt.retry import call_with_retries
-from cloudckpt.stores import CREATE, Store
+from cloudckpt.stores import CREATE, ObjectInfo, Store
 from cloudckpt.transfer import MemoryFile, read_at
 
 ChunkingMode = Literal["tensor", "fixed", "off"]
@@ -160,19 +161,40 @@ def plan(
 
 @dataclasses.dataclass(frozen=True)
 class _Known:
+    """A chunk a save may name instead of uploading it, and what protects it from GC until
+    the save's commit: ``source``, the commit id of a checkpoint whose manifest names it
+    (the commit rule: it must still be retained), or, for a chunk an interrupted attempt
+    uploaded (``source`` empty), ``born``: that attempt's birth on the store's clock (the
+    commit's age bound, ``committer.AttemptAge.resuming``)."""
+
     ref: ChunkRef
-    source: str  # commit_id of the checkpoint whose manifest names the chunk
+    source: str
+    born: dt.datetime | None = None
+
+    @property
+    def resumed(self) -> bool:
+        return self.born is not None
 
 
 class ChunkIndex:
-    """The chunks a save may reuse without uploading: those of one committed manifest."""
+    """The chunks a save may reuse without uploading: those of committed manifests, and
+    those of interrupted attempts of the same step (``interrupted_chunks``)."""
 
     def __init__(self, known: Iterable[_Known] = ()) -> None:
-        self._by_sha: dict[str, _Known] = {k.ref.sha256: k for k in known}
+        self._by_sha: dict[str, _Known] = {}
+        for k in known:
+            self._by_sha.setdefault(k.ref.sha256, k)
 
     @classmethod
     def of(cls, manifest: Manifest) -> ChunkIndex:
-        return cls(_Known(c, manifest.commit_id) for f in manifest.files for c in f.chunks or ())
+        return cls.of_many([manifest])
+
+    @classmethod
+    def of_many(cls, manifests: Iterable[Manifest]) -> ChunkIndex:
+        """The chunks of every manifest (the first manifest naming a chunk is its source)."""
+        return cls(
+            _Known(c, m.commit_id) for m in manifests for f in m.files for c in f.chunks or ()
+        )
 
     def __len__(self) -> int:
         return len(self._by_sha)
@@ -182,20 +204,105 @@ class ChunkIndex:
         gone = set(sha256s)
         return ChunkIndex(k for sha, k in self._by_sha.items() if sha not in gone)
 
+    def plus(self, known: Iterable[_Known]) -> ChunkIndex:
+        """This index and ``known`` (a chunk this index holds keeps its source)."""
+        return ChunkIndex([*self._by_sha.values(), *known])
+
     def get(self, sha256: str, size: int) -> _Known | None:
         known = self._by_sha.get(sha256)
         return known if known is not None and known.ref.size == size else None
 
 
+#: An interrupted attempt's chunks are reused only while it is younger than this share of
+#: the commit's age bound: the rest is the time the save has to upload and commit.
+RESUME_WITHIN = 0.5
+
+
+def interrupted_chunks(
+    store: Store,
+    step: int,
+    referenced: set[str],
+    own_prefix: str,
+    now: dt.datetime,
+    max_age_s: float,
+) -> list[_Known]:
+    """The chunks that interrupted attempts of ``step`` uploaded (a push stopped with
+    Ctrl-C, a trainer killed in the middle of an upload), as index entries dated by their
+    attempt's birth, from one listing of ``ckpt/<step>-``. ``referenced``: the attempt
+    prefixes LATEST names (committed or dropped checkpoints: not interrupted ones);
+    ``now``: the store's clock; ``max_age_s``: the commit's age bound.
+
+    An attempt is used only if its ``ATTEMPT.json`` is listed and it is younger than
+    ``RESUME_WITHIN`` of the bound. Its birth is the oldest ``last_modified`` among its
+    objects, which is when GC dates it from as long as ``ATTEMPT.json`` (written before
+    any other object of its attempt, deleted by GC after all of them) is there: see
+    docs/design.md §11, "Resuming an interrupted save", for why a commit that names these
+    chunks under that age bound never names one GC may own.
+
+    Raises StoreError (the listing failed).
+    """
+    where = f"{protocol.CKPT_PREFIX}{step:012d}-"
+    listed = call_with_retries(lambda: list(store.list(where)), what=f"list {where}")
+    attempts: dict[str, list[ObjectInfo]] = {}
+    for obj in listed:
+        head, _, rest = obj.key[len(protocol.CKPT_PREFIX) :].partition("/")
+        prefix = f"{protocol.CKPT_PREFIX}{head}/"
+        if rest and prefix != own_prefix and prefix not in referenced:
+            attempts.setdefault(prefix, []).append(obj)
+    found: list[_Known] = []
+    for prefix, objects in sorted(attempts.items()):
+        born = _interrupted_birth(prefix, step, objects)
+        if born is None or (now - born).total_seconds() > RESUME_WITHIN * max_age_s:
+            continue
+        for obj in objects:
+            sha = obj.key[len(prefix + protocol.CHUNKS_DIR) :]
+            if obj.key.startswith(prefix + protocol.CHUNKS_DIR) and protocol.is_sha256(sha):
+                found.append(_Known(ChunkRef(prefix, sha, obj.size), "", born))
+    return found
+
+
+def _interrupted_birth(prefix: str, step: int, objects: Sequence[ObjectInfo]) -> dt.datetime | None:
+    """When GC dates the attempt at ``prefix`` from (the oldest object's time), or None if
+    it cannot be resumed: not an attempt of ``step``, no ``ATTEMPT.json`` (never written,
+    or GC is deleting it), or an object without a time."""
+    parsed = protocol.parse_ckpt_prefix(prefix)
+    if parsed is None or parsed[0] != step:
+        return None
+    if not any(o.key == prefix + protocol.ATTEMPT_NAME for o in objects):
+        return None
+    times = [o.last_modified for o in objects]
+    if any(t is None for t in times):
+        return None
+    return min(t for t in times if t is not None)
+
+
 @dataclasses.dataclass
 class UploadStats:
-    """What a chunked upload did: chunks and bytes sent, and reused by reference."""
+    """What an upload did: chunks and bytes sent, and reused by reference (``reused``
+    includes ``resumed``: chunks an interrupted attempt of the same step had uploaded).
+    ``resumed_born``: the oldest birth of those attempts (the commit's age bound).
+    An upload of whole files counts its bytes as uploaded, in no chunk."""
 
     chunks_uploaded: int = 0
     bytes_uploaded: int = 0
     chunks_reused: int = 0
     bytes_reused: int = 0
+    chunks_resumed: int = 0
+    bytes_resumed: int = 0
     sources: set[str] = dataclasses.field(default_factory=set)
+    resumed_born: dt.datetime | None = None
+
+    def reuse(self, known: _Known, size: int) -> None:
+        """Count ``known`` (``size`` bytes) as named instead of uploaded."""
+        self.chunks_reused += 1
+        self.bytes_reused += size
+        if known.born is None:
+            self.sources.add(known.source)
+            return
+        self.chunks_resumed += 1
+        self.bytes_resumed += size
+        if self.resumed_born is None or known.born < self.resumed_born:
+            self.resumed_born = known.born
 
     def requires(self, base: Latest) -> None:
         """Refuse a commit over a LATEST in which a reused chunk's source checkpoint is no
@@ -249,9 +356,7 @@ class _Uploader:
             known = self.index.get(sha, n)
             with self._lock:
                 if known is not None:
-                    self.stats.chunks_reused += 1
-                    self.stats.bytes_reused += n
-                    self.stats.sources.add(known.source)
+                    self.stats.reuse(known, n)
                     refs.append(known.ref)
                     continue
                 first = sha not in self._claimed

@@ -41,6 +41,7 @@ from cloudckpt.errors import (
     ObjectNotFoundError,
     OutcomeUnknownError,
     PreconditionFailedError,
+    ResumedChunksTooOldError,
     StaleAttemptError,
     StoreConflictError,
     StoreError,
@@ -69,15 +70,33 @@ def max_attempt_age(grace_s: float, clock_resolution: float) -> float:
 class AttemptAge:
     """When an attempt was born on the store's clock (read before its first object was
     written, so never later than the time GC dates it by) and the age past which it may
-    not be committed."""
+    not be committed.
+
+    ``resumed``: the oldest birth, on the store's clock, of the unreferenced attempts
+    (interrupted saves of the same step) whose chunks this attempt names instead of
+    uploading them again (``chunks.interrupted_chunks``). GC dates such an attempt as it
+    dates this one, so the same bound keeps the commit from naming a chunk GC may own
+    (docs/design.md §11, "Resuming an interrupted save")."""
 
     born: dt.datetime
     max_age_s: float
+    resumed: dt.datetime | None = None
+
+    def resuming(self, born: dt.datetime | None) -> AttemptAge:
+        """This age, also bounded by an interrupted attempt born at ``born`` (None: no
+        chunks of one are named)."""
+        if born is None:
+            return self
+        oldest = born if self.resumed is None else min(self.resumed, born)
+        return dataclasses.replace(self, resumed=oldest)
 
     def check(self, store: Store, step: int) -> None:
-        """Read the store's clock; raise StaleAttemptError if the attempt is too old.
+        """Read the store's clock; raise if the attempt, or an interrupted attempt whose
+        chunks it names, is too old.
 
-        Raises: StaleAttemptError; StoreError if the clock cannot be read (after retries).
+        Raises: StaleAttemptError (this attempt); ResumedChunksTooOldError (an interrupted
+        one: the save can be retried without its chunks); StoreError if the clock cannot
+        be read (after retries).
         """
         now = call_with_retries(store.now, what="read the store's clock")
         age = (now - self.born).total_seconds()
@@ -88,6 +107,15 @@ class AttemptAge:
                 "may have been suspended, or the upload was slow); it was not committed, "
                 "since garbage collection may already own its files"
             )
+        if self.resumed is not None:
+            resumed = (now - self.resumed).total_seconds()
+            if resumed > self.max_age_s:
+                raise ResumedChunksTooOldError(
+                    f"the save of step {step} names chunks of an interrupted attempt that "
+                    f"began {resumed:.0f} s ago on the store's clock, more than the "
+                    f"{self.max_age_s:.0f} s the run's GC grace period allows; it was not "
+                    "committed, since garbage collection may already own those chunks"
+                )
 
 
 _SETTING_FIELDS = frozenset(f.name for f in dataclasses.fields(Settings))

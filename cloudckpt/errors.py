@@ -31,7 +31,8 @@ credentials: URLs are redacted before they reach a message (see ``redact_url``).
     ├── StagingError                  local staging failed (disk full, files changed under us)
     ├── SaveDroppedError              a queued save was replaced by a newer one (backpressure)
     ├── ChunkSourceDroppedError       chunks a save reuses lost their retained source (retried)
-    │   └── ReusedChunkMissingError   chunks a save reuses are not in the store (re-uploaded)
+    │   ├── ReusedChunkMissingError   chunks a save reuses are not in the store (re-uploaded)
+    │   └── ResumedChunksTooOldError  chunks resumed from an interrupted attempt grew too old
     ├── UnsafePathError               a manifest path would escape the destination
     ├── ActiveWriterError             taking over the run would fence a writer still running
     ├── RankFailedError               ranks of a multi-rank save failed; nothing was committed
@@ -74,6 +75,7 @@ __all__ = [
     "PermissionDeniedError",
     "PreconditionFailedError",
     "RankFailedError",
+    "ResumedChunksTooOldError",
     "ReusedChunkMissingError",
     "SaveDroppedError",
     "StagingError",
@@ -385,6 +387,18 @@ class ReusedChunkMissingError(ChunkSourceDroppedError):
     ) -> None:
         self.missing = missing
         super().__init__(message, hint=hint)
+
+
+class ResumedChunksTooOldError(ChunkSourceDroppedError):
+    """A save meant to reuse chunks that an interrupted attempt of the same step had
+    uploaded (a push stopped with Ctrl-C, a crashed trainer), but that attempt grew older
+    than the run's grace period allows before the save could commit: garbage collection
+    may own its chunks. The save is retried with those chunks uploaded again."""
+
+    default_hint = (
+        "Nothing was committed by this attempt; the save uploads those chunks again. "
+        "Raise gc_grace if uploads legitimately take this long"
+    )
 
 
 class ActiveWriterError(CloudCkptError):

@@ -925,6 +925,7 @@ class CheckpointManager:
             blocking_seconds=handle.blocking_seconds,
             commit_seconds=time.perf_counter() - handle.handed_over_at,
             metadata=handle.metadata,
+            stats=self.attempts.last_upload,
         )
         log.info(
             "committed step %d (%d files, %d bytes) in %.2fs",

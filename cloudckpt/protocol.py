@@ -45,6 +45,10 @@ from cloudckpt.errors import ConfigurationError, CorruptRecordError, UnsafePathE
 # chunks, so every LATEST this version writes is /2; /1 is still read.
 LATEST_FORMAT = "cloudckpt.latest/2"
 LATEST_FORMATS_READ = ("cloudckpt.latest/1", LATEST_FORMAT)
+# Manifest formats. A new field that an older reader may safely ignore (a file's ``mode``:
+# an older cloudckpt restores the file with its default permissions) is added without a
+# new format; one an older reader must not ignore (chunks: it would restore nothing of a
+# chunked file) gets a new format, which older readers refuse by name.
 MANIFEST_FORMAT = "cloudckpt.manifest/1"
 # A manifest whose files are lists of content-addressed chunks (``cloudckpt.chunks``).
 MANIFEST_FORMAT_CHUNKED = "cloudckpt.manifest/2"
@@ -140,6 +144,11 @@ def parse_ckpt_prefix(prefix: str) -> tuple[int, int, str] | None:
     """(step, epoch, attempt id) of an attempt prefix, or None if it is not one."""
     m = _CKPT_RE.match(prefix)
     return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+
+
+def is_sha256(text: str) -> bool:
+    """Whether ``text`` is a lowercase hex SHA-256 (a chunk's name)."""
+    return bool(_HEX64.match(text))
 
 
 def commit_record_key(seq: int) -> str:
@@ -554,15 +563,23 @@ class ChunkRef:
         return f"{self.owner}{CHUNKS_DIR}{self.sha256}"
 
 
+#: The permission bits a manifest may record for a file (``FileEntry.mode``). Restores
+#: apply at most these, less the process umask: never setuid, setgid or sticky.
+MODE_BITS = 0o777
+
+
 @dataclasses.dataclass(frozen=True)
 class FileEntry:
     """A file of a checkpoint. ``chunks`` is None for a file stored whole under the
-    attempt's ``files/``; otherwise the file is the concatenation of these chunks."""
+    attempt's ``files/``; otherwise the file is the concatenation of these chunks.
+    ``mode``: the file's permission bits when it was saved (``MODE_BITS`` at most), None
+    when unknown (saved from memory, or by a cloudckpt that did not record modes)."""
 
     path: str
     size: int
     digest: str
     chunks: tuple[ChunkRef, ...] | None = None
+    mode: int | None = None
 
     def to_json(self, owners: dict[str, int]) -> dict[str, Any]:
         d: dict[str, Any] = {"path": self.path, "size": self.size, "digest": self.digest}
@@ -570,6 +587,10 @@ class FileEntry:
             d["chunks"] = [
                 [owners.setdefault(c.owner, len(owners)), c.sha256, c.size] for c in self.chunks
             ]
+        if self.mode is not None:
+            # An optional field: readers that predate it ignore it (and restore 0644), so
+            # recording it needs no new manifest format (see MANIFEST_FORMAT).
+            d["mode"] = self.mode
         return d
 
 
@@ -677,6 +698,10 @@ def validate_file_entries(entries: Sequence[FileEntry]) -> None:
             raise CorruptRecordError(f"manifest: size {e.size} of {e.path!r} out of range")
         if not _HEX64.match(e.digest):
             raise CorruptRecordError(f"manifest: digest of {e.path!r} is not a hex SHA-256")
+        if e.mode is not None and (
+            not isinstance(e.mode, int) or isinstance(e.mode, bool) or not 0 <= e.mode <= 0o7777
+        ):
+            raise CorruptRecordError(f"manifest: mode of {e.path!r} is not a file mode")
         if e.chunks is not None:
             _check_chunks(e)
     clash = seen & dirs
@@ -750,6 +775,7 @@ def parse_manifest(data: bytes, record: CheckpointRecord | None = None) -> Manif
                 _get(f, "size", int, what),
                 _get(f, "digest", str, what),
                 chunks,
+                None if f.get("mode") is None else _get(f, "mode", int, what),
             )
         )
     manifest = Manifest(

@@ -23,7 +23,7 @@ import logging
 import os
 import secrets
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from cloudckpt.errors import (
     UnsafePathError,
 )
 from cloudckpt.failpoints import hit as failpoint
-from cloudckpt.protocol import CheckpointRecord, Manifest
+from cloudckpt.protocol import CheckpointRecord, FileEntry, Manifest
 
 # What a restore reads and how it falls back live in ``cloudckpt.reader``; these names
 # were defined here first and are still imported from here.
@@ -182,6 +182,49 @@ def out_of_space(exc: OSError, step: int, need: int, where: Path) -> StagingErro
     )
 
 
+# --------------------------------------------------------------------------- file modes
+
+
+def process_umask() -> int:
+    """The process's umask (read from /proc where it can be, without changing it)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and put back (a brief, harmless window)
+    os.umask(mask)
+    return mask
+
+
+def safe_mode(mode: int, umask: int) -> int:
+    """The permission bits a restore gives a file whose manifest records ``mode``: its
+    read, write and execute bits (``protocol.MODE_BITS``) less the umask, as ``tar``
+    does for a user. Never setuid, setgid or sticky: a manifest is data, and a hostile
+    one must not plant a setuid program or a world-writable file."""
+    return mode & protocol.MODE_BITS & ~umask
+
+
+def apply_modes(root: Path, entries: Iterable[FileEntry]) -> None:
+    """Give each restored file under ``root`` its recorded mode (``safe_mode``); files
+    without one keep what they were created with. The files must be the ones this restore
+    created (so no link can be followed: each is opened with ``O_NOFOLLOW``).
+
+    Raises OSError.
+    """
+    umask = process_umask()
+    for entry in entries:
+        if entry.mode is None:
+            continue
+        fd = os.open(root.joinpath(*entry.path.split("/")), os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            os.fchmod(fd, safe_mode(entry.mode, umask))
+        finally:
+            os.close(fd)
+
+
 # --------------------------------------------------------------------------- restore
 
 
@@ -208,6 +251,7 @@ def _download(
             manifest.chunk_size,
             progress,
         )
+        apply_modes(tmp, manifest.files)  # after every file verified
     except OSError as exc:
         full = out_of_space(exc, record.step, manifest.total_bytes, tmp.parent)
         if full is None:

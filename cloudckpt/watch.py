@@ -654,6 +654,9 @@ class Watcher:
                     "commit_id": info.commit_id,
                     "files": info.num_files,
                     "bytes": info.total_bytes,
+                    "bytes_uploaded": info.bytes_uploaded,
+                    "bytes_reused": info.bytes_reused,
+                    "bytes_resumed": info.bytes_resumed,
                     "commit_seconds": round(info.commit_seconds, 3),
                 }
                 self.committed.append(event)

@@ -164,6 +164,21 @@ def _chunked_file_digest_unchecked(setattr_: Callable[[Any, str, Any], None]) ->
     setattr_(chunks._Target, "finish", fsync_only)
 
 
+def _resumed_chunks_age_unbounded(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A save that resumes an interrupted attempt's chunks is bounded by its own age
+    only, not by the interrupted attempt's (which GC dates from its older birth)."""
+    from cloudckpt import committer
+
+    setattr_(committer.AttemptAge, "resuming", lambda self, born: self)
+
+
+def _modes_unmasked(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A restore applies whatever mode its manifest records."""
+    from cloudckpt import restore
+
+    setattr_(restore, "safe_mode", lambda mode, umask: mode)
+
+
 _WRONG_ORDER = "tests/test_restore.py::test_valid_chunks_in_the_wrong_order_never_restore"
 
 MUTANTS = {
@@ -182,7 +197,7 @@ MUTANTS = {
             "GC keeps a chunk named only by a pending tombstone",
             _gc_forgets_pending_tombstones,
             ("tests/test_guards.py::test_gc_keeps_a_chunk_named_only_by_a_pending_tombstone",),
-            range(0, 400),
+            range(500, 800),  # hits 503, 555, 760 (python tools/mutation_scan.py)
             "deleted chunk",
         ),
         Mutant(
@@ -232,6 +247,28 @@ MUTANTS = {
             why_not_simulated=(
                 "in the simulation a chunk can go missing only through another broken rule; "
                 "the fast test deletes one by hand"
+            ),
+        ),
+        Mutant(
+            "resumed-chunks-age-unbounded",
+            "a commit names an interrupted attempt's chunks only while GC cannot own them",
+            _resumed_chunks_age_unbounded,
+            ("tests/test_resume.py::test_resumed_chunks_never_outlive_the_grace_period",),
+            why_not_simulated=(
+                "reachable but rare there (no seed of 0:1200): GC must sweep while the "
+                "interrupted attempt is older than grace and the resuming save is still "
+                "younger than its bound; the checker holds the rule (I7, a commit naming "
+                "chunks of an attempt GC swept as old) and the fast guard stages the race"
+            ),
+        ),
+        Mutant(
+            "modes-unmasked",
+            "a restore never gives a file setuid, setgid, sticky or bits the umask removes",
+            _modes_unmasked,
+            ("tests/test_modes.py::test_a_manifest_cannot_set_special_bits_or_defeat_the_umask",),
+            why_not_simulated=(
+                "the simulation's writers record the modes of their own staged files; the "
+                "fast test forges a manifest with setuid, setgid, sticky and world-write bits"
             ),
         ),
         Mutant(

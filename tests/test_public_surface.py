@@ -34,13 +34,19 @@ SURFACE = {
     ],
     "cloudckpt.errors": [
         *ERRORS_EXPORTED_AT_TOP, "ActiveWriterError", "ChunkSourceDroppedError",
-        "CollectiveError", "CorruptRecordError", "RankFailedError", "ReusedChunkMissingError",
+        "CollectiveError", "CorruptRecordError", "RankFailedError", "ResumedChunksTooOldError",
+        "ReusedChunkMissingError",
         "DemoError", "redact_url", "scrub",
     ],
     "cloudckpt.stores": [
         "CREATE", "Capabilities", "Create", "MultipartUpload", "OVERWRITE", "ObjectInfo",
         "Overwrite", "PartInfo", "PendingUpload", "PutMode", "RunURL", "Store", "Update",
         "crc32c_b64", "open_store", "parse_url", "split_url",
+    ],
+    "cloudckpt.catalog": [
+        "CheckpointDiff", "CopyResult", "ExportResult", "FileChange", "FileResult", "RunInfo",
+        "copy_checkpoint", "diff_checkpoints", "export_checkpoint", "file_digest", "get_file",
+        "list_runs",
     ],
     "cloudckpt.distributed": [
         "CollectiveError", "DistributedCheckpointManager", "DistributedRestoreResult",

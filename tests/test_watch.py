@@ -259,6 +259,8 @@ def test_restart_reuploads_nothing_and_sigterm_flushes(area, s3_target):
     assert rc == 0, again.log()
     events = [e["event"] for e in again.lines()]
     assert events.index("committed") < events.index("stopped")
+    done = next(e for e in again.lines() if e["event"] == "committed")
+    assert done["bytes_uploaded"] + done["bytes_reused"] == done["bytes"] > 32 * 1024 * 1024
     latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
     assert latest.current.step == 40
     assert latest.current.metadata["watch"] == {"source": "checkpoint-40", "kind": "hf"}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from cloudckpt.cli import _demo, _watch  # noqa: F401 - they register their commands
+from cloudckpt.cli import _catalog, _demo, _watch  # noqa: F401 - they register their commands
 from cloudckpt.cli._common import EXIT_CODE_TABLE, INTERRUPTED, exit_code_for
 from cloudckpt.cli._main import cli
 

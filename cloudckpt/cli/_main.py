@@ -153,14 +153,30 @@ def ls_cmd(url: RunURL, store_args: StoreArgs, as_json: bool) -> None:
     """List the committed checkpoints of the run at URL, newest first."""
     with _closing(store_args.open(url, writable=False)) as store:
         latest, from_records = _load_for_reading(store)
+        below = _runs_below(store) if latest is None and not as_json else []
     doc = _ls_doc(store.url, latest, from_records)
     if as_json:
         emit_json(doc)
+        return
+    if below:
+        shown = ", ".join(below[:5]) + (f" and {len(below) - 5} more" if len(below) > 5 else "")
+        info(
+            f"{store.url}: not a run, but it holds {len(below)} run(s) below it ({shown}); "
+            f"list them with `cloudckpt runs {store.url}`"
+        )
         return
     if latest is None:
         info(f"{store.url}: no checkpoints (nothing was ever committed here)")
         return
     _print_ls(doc)
+
+
+def _runs_below(store: Store) -> list[str]:
+    """The paths of the runs up to two directories below ``store``'s root (for ``ls``
+    pointed at a prefix of runs)."""
+    from cloudckpt.catalog import list_runs
+
+    return [r.path for r in list_runs(store, depth=2) if r.path]
 
 
 def _ls_doc(url: str, latest: Any, from_records: bool) -> dict[str, Any]:
@@ -457,6 +473,9 @@ def push_cmd(
         "seq": result.seq,
         "num_files": result.num_files,
         "total_bytes": result.total_bytes,
+        "bytes_uploaded": result.bytes_uploaded,
+        "bytes_reused": result.bytes_reused,
+        "bytes_resumed": result.bytes_resumed,
         "metadata": dict(result.metadata),
         "fenced_writer": previous.to_dict() if previous is not None else None,
         "seconds": round(time.perf_counter() - started, 3),
@@ -469,6 +488,21 @@ def push_cmd(
         f"{result.num_files} files, {human_bytes(result.total_bytes)} "
         f"in {doc['seconds']:.1f}s (writer epoch {result.epoch})"
     )
+    click.echo(f"  {transfer_summary(result)}")
+
+
+def transfer_summary(result: CommitInfo) -> str:
+    """``uploaded 1.0 GiB, reused 3.0 GiB already in the run (512.0 MiB from an interrupted
+    save of this step)``: what a save sent, and what it named where it already lay."""
+    uploaded, reused, resumed = (
+        result.bytes_uploaded or 0,
+        result.bytes_reused or 0,
+        result.bytes_resumed or 0,
+    )
+    text = f"uploaded {human_bytes(uploaded)}, reused {human_bytes(reused)} already in the run"
+    if resumed:
+        text += f" ({human_bytes(resumed)} from an interrupted save of this step)"
+    return text
 
 
 def _check_push_takeover(store: Store, step: int, force: bool) -> Any:

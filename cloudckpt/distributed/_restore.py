@@ -41,6 +41,7 @@ from cloudckpt.reader import (
 )
 from cloudckpt.restore import (
     RestoreResult,
+    apply_modes,
     check_space,
     out_of_space,
     place,
@@ -286,6 +287,7 @@ class NodeReader:
                 manifest.chunk_size,
                 self.progress,
             )
+            apply_modes(tmp, entries)  # after every file verified
         except OSError as exc:
             full = out_of_space(exc, record.step, need, tmp.parent)
             if full is None:

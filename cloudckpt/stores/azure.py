@@ -518,6 +518,22 @@ class AzureStore(Store):
             if not key.startswith(INTERNAL_PREFIX):
                 yield ObjectInfo(key, b.size, b.etag, _utc(b.last_modified))
 
+    def list_dirs(self, prefix: str = "") -> Sequence[str]:
+        """``Store.list_dirs`` by a delimiter listing (``walk_blobs``' blob prefixes)."""
+        from azure.storage.blob import BlobPrefix
+
+        self._check_open(None)
+        found = []
+        try:
+            for item in self._container.walk_blobs(name_starts_with=self._root + prefix):
+                if isinstance(item, BlobPrefix):
+                    rel = item.name[len(self._root) :]
+                    if rel and not rel.startswith(INTERNAL_PREFIX):
+                        found.append(rel[len(prefix) :])
+        except AzureError as exc:
+            self._raise(exc, None, write=False)
+        return sorted(found)
+
     # --- multipart (staged blocks + Put Block List) ----------------------------------
 
     def _marker(self, upload_id: str) -> Any:

@@ -180,6 +180,18 @@ class Store(abc.ABC):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object whose key starts with ``prefix``, in key order."""
 
+    def list_dirs(self, prefix: str = "") -> Sequence[str]:
+        """The "directories" right below ``prefix`` (``""`` or ending in ``/``): each
+        ``name/`` such that some key starts with ``prefix + name + "/"``, sorted; never
+        ``.cloudckpt/`` at the root. Backends with a delimiter listing override this (one
+        request per page); this default lists every key below ``prefix``."""
+        found = set()
+        for obj in self.list(prefix):
+            head, sep, _ = obj.key[len(prefix) :].partition("/")
+            if sep and head:
+                found.add(head + "/")
+        return sorted(found)
+
     def exists(self, key: str) -> bool:
         """Whether ``key`` exists (a HEAD)."""
         from cloudckpt.errors import ObjectNotFoundError

@@ -418,6 +418,23 @@ class GCSStore(Store):
                 return items
             params["pageToken"] = page["nextPageToken"]
 
+    async def _list_prefixes(self, prefix: str) -> list[str]:
+        """The full names of the "directories" right below the full name ``prefix``
+        (objects.list with a delimiter: its ``prefixes``)."""
+        found: list[str] = []
+        params = {"prefix": prefix, "delimiter": "/", "fields": "prefixes,nextPageToken"}
+        while True:
+            r = await self._send("GET", self._objects_url, params=params)
+            if r.status == 404:  # objects.list 404s only when the bucket is missing
+                raise BucketNotFoundError(f"GCS bucket {self._bucket!r} does not exist")
+            if r.status != 200:
+                raise await self._error(r, None, write=False)
+            page = r.json()
+            found.extend(page.get("prefixes", []))
+            if not page.get("nextPageToken"):
+                return found
+            params["pageToken"] = page["nextPageToken"]
+
     async def _delete(self, name: str, key: str | None, generation: str | None = None) -> None:
         params = {"ifGenerationMatch": generation} if generation else {}
         r = await self._send("DELETE", self._object_url(name), params=params)
@@ -621,6 +638,12 @@ class GCSStore(Store):
             key = obj["name"][len(self._root) :]
             if not key.startswith(INTERNAL_PREFIX):
                 yield self._info(key, obj)
+
+    def list_dirs(self, prefix: str = "") -> Sequence[str]:
+        """``Store.list_dirs`` by a delimiter listing. Uncached."""
+        names = self._run(self._list_prefixes, self._root + prefix, write=False)
+        rels = (n[len(self._root) :] for n in names)
+        return sorted(r[len(prefix) :] for r in rels if r and not r.startswith(INTERNAL_PREFIX))
 
     # --- multipart (parallel composite upload) ---------------------------------------
 

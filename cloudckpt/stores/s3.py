@@ -816,6 +816,23 @@ class S3Store(Store):
                 if rel and not rel.startswith(INTERNAL_PREFIX):
                     yield self._info(rel, obj)
 
+    def list_dirs(self, prefix: str = "") -> Sequence[str]:
+        """``Store.list_dirs`` by a delimiter listing (the common prefixes).
+        Raises BucketNotFoundError, TransientStoreError, ..."""
+        paginator = self._client.get_paginator("list_objects_v2")
+        params = self._with_extra(
+            "ListObjectsV2",
+            {"Bucket": self.bucket, "Prefix": self._prefix + prefix, "Delimiter": "/"},
+        )
+        found = []
+        with self._errors("list_objects_v2", prefix):
+            for page in paginator.paginate(**params):
+                for common in page.get("CommonPrefixes", []):
+                    rel = common["Prefix"][len(self._prefix) :]
+                    if rel and not rel.startswith(INTERNAL_PREFIX):
+                        found.append(rel[len(prefix) :])
+        return sorted(found)
+
     # --- multipart ------------------------------------------------------------------
 
     def create_multipart(self, key: str) -> MultipartUpload:

@@ -57,6 +57,9 @@ class Checker:
         self.failed_keys: set[str] = set()  # sim keys of saves that failed definitely
         self.first_write: dict[str, dt.datetime] = {}  # prefix -> store time
         self.gc_deleted: set[str] = set()  # prefixes GC deleted (some of)
+        # Unreferenced prefixes older than grace when GC wrote a sweep: GC may delete them
+        # from then on, so no later commit may name their chunks (docs/design.md §11).
+        self.gc_owned: set[str] = set()
         self.verified: set[str] = set()  # referenced prefixes verified complete
         self.chunk_users: dict[str, set[str]] = collections.defaultdict(set)  # owner -> ckpts
         self._manifests: dict[str, protocol.Manifest | None] = {}  # commit_id -> parsed
@@ -132,6 +135,21 @@ class Checker:
                 state.dropped_at = now
         for rec in new.retained():
             self.records[rec.commit_id].dropped_at = None
+        if new.op == "gc-sweep":
+            self._swept(new, now)
+
+    def _swept(self, swept: Latest, now: dt.datetime) -> None:
+        """GC wrote a sweep: every unreferenced attempt older than grace (by its oldest
+        object, GC's own measure) is GC's from now on."""
+        referenced = swept.referenced_prefixes()
+        born: dict[str, dt.datetime] = {}
+        for obj in self.raw.list(protocol.CKPT_PREFIX):
+            prefix = prefix_of(obj.key)
+            if prefix is None or prefix in referenced or obj.last_modified is None:
+                continue
+            born[prefix] = min(born.get(prefix, obj.last_modified), obj.last_modified)
+        grace = swept.settings.gc_grace_s
+        self.gc_owned.update(p for p, t in born.items() if (now - t).total_seconds() > grace)
 
     def _transition(self, prev: Latest, new: Latest, actor: Actor | None) -> None:
         """I3-I7 on one applied LATEST write: a legal step from ``prev`` to ``new``."""
@@ -184,8 +202,31 @@ class Checker:
             key = new.current.metadata.get("sim")
             if key in self.failed_keys:
                 self.fail(f"I6: save {key} was reported failed, yet it was committed by {who}")
+            self._names_no_chunk_gc_may_own(prev, new, who)
         elif (new.current and new.current.commit_id) != (prev.current and prev.current.commit_id):
             self.fail(f"I3: a {op} by {who} changed the current checkpoint")
+
+    def _names_no_chunk_gc_may_own(self, prev: Latest, new: Latest, who: str) -> None:
+        """I7: a commit names only chunks GC cannot own: its own attempt's, those a
+        manifest GC must keep names (in the LATEST it replaces: retained checkpoints and
+        pending tombstones), and those of an unreferenced attempt (an interrupted save it
+        resumed) that was not older than grace at any GC sweep before this commit (GC
+        deletes orphans only after a sweep, judged old before it: ``_swept``)."""
+        manifest = self.manifest_of(new.current)
+        if manifest is None:
+            return  # I2 reports an unreadable manifest
+        named = self.named_chunks(prev)
+        for entry in manifest.files:
+            for chunk in entry.chunks or ():
+                if chunk.owner == new.current.ckpt or chunk.key in named:
+                    continue
+                if chunk.owner in self.gc_owned or chunk.owner in self.gc_deleted:
+                    self.fail(
+                        f"I7: the commit of {new.current.ckpt} by {who} names chunk "
+                        f"{chunk.key} of an unreferenced attempt that was older than grace "
+                        "at a GC sweep, which GC may own"
+                    )
+                self.sim.result.counters["resumed_chunks_committed"] += 1
 
     def _retained_change(self, prev: Latest, new: Latest, who: str) -> None:
         """I3: retained -> tombstone only by retention (a commit or an unpin), never a

@@ -43,6 +43,10 @@ class Profile:
     # A host suspended (VM hibernated or paused): the store's clock jumps, the host's
     # monotonic clock does not, and the host makes no call while it sleeps.
     p_suspend: float = 0.0
+    # Deterministic training: what a writer saves at a step depends on the step only, so
+    # a writer restarted after a crash saves the same files again and resumes the chunks
+    # its interrupted save uploaded (docs/design.md §11, "Resuming an interrupted save").
+    deterministic: bool = False
 
     @classmethod
     def draw(cls, rng: random.Random) -> Profile:
@@ -68,6 +72,7 @@ class Profile:
             big_files=rng.random() < 0.03,
             weights={n: rng.uniform(0.2, 1.0) for n in ("A", "B", "gc", "restorer", "pinner")},
             p_suspend=rate(0, 0.002, 0.005, 0.01),
+            deterministic=rng.random() < 0.5,
         )
 
     def rules(self, rng: random.Random) -> list[Rule]:
@@ -111,8 +116,12 @@ class Profile:
         return [r for r in rules if r.probability > 0]
 
     def content(self, key: str) -> dict[str, bytes]:
-        """The files of save ``key`` (derived from the key, so any copy can be checked)."""
-        rng = random.Random(key)
+        """The files of save ``key`` (derived from the key, so any copy can be checked).
+        A writer's save ``<writer>.<incarnation>.<step>.<i>`` of a deterministic profile
+        depends on the writer and the step only."""
+        parts = key.split(".")
+        same = self.deterministic and len(parts) == 4 and all(p.isdigit() for p in parts[1:])
+        rng = random.Random(f"{parts[0]}@{parts[2]}" if same else key)
         names = rng.sample(["model.bin", "optim/state.bin", "rng.pt", "meta/trainer.json"], rng.randint(1, 3))  # fmt: skip
         files = {}
         for name in sorted(names):

@@ -168,4 +168,5 @@ def one_save(actor: Actor, mgr: CheckpointManager, step: int, key: str) -> bool:
         sim.result.counters["acks"] += 1
         if mgr.last_upload is not None:
             sim.result.counters["chunks_reused"] += mgr.last_upload.chunks_reused
+            sim.result.counters["chunks_resumed"] += mgr.last_upload.chunks_resumed
     return True
