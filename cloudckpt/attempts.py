@@ -54,6 +54,7 @@ from cloudckpt.errors import (
 from cloudckpt.failpoints import hit as failpoint
 from cloudckpt.protocol import FileEntry, Latest, Manifest
 from cloudckpt.reader import fetch_manifest
+from cloudckpt.retention import clean_metrics
 from cloudckpt.retry import IDEMPOTENT_RETRY, call_with_retries
 from cloudckpt.stores import CREATE, OVERWRITE, Store
 from cloudckpt.transfer import MemoryFile, ProgressCallback, TransferEngine
@@ -93,6 +94,7 @@ class CommitInfo:
     blocking_seconds: float
     commit_seconds: float
     metadata: Mapping[str, Any]
+    metrics: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(
@@ -117,6 +119,7 @@ class CommitInfo:
             blocking_seconds=blocking_seconds,
             commit_seconds=commit_seconds,
             metadata=metadata,
+            metrics=dict(manifest.metrics),
         )
 
 
@@ -192,6 +195,8 @@ class AttemptWriter:
         files: Files,
         metadata: Mapping[str, Any],
         before_commit: Callable[[], object] | None = None,
+        *,
+        metrics: Mapping[str, Any] | None = None,
     ) -> tuple[BegunAttempt, Latest, Manifest]:
         """Begin an attempt, upload ``files`` into it, run ``before_commit`` and commit.
         If a checkpoint whose chunks it reuses left retention meanwhile (an unpin, another
@@ -208,7 +213,9 @@ class AttemptWriter:
                 failpoint("save.after_upload")
                 if before_commit is not None:
                     before_commit()
-                latest, manifest = self.finish(begun, entries, metadata, requires=requires)
+                latest, manifest = self.finish(
+                    begun, entries, metadata, requires=requires, metrics=metrics
+                )
                 return begun, latest, manifest
             except ReusedChunkMissingError as exc:
                 if retry:
@@ -311,10 +318,12 @@ class AttemptWriter:
         metadata: Mapping[str, Any],
         *,
         requires: Callable[[Latest], None] | None = None,
+        metrics: Mapping[str, Any] | None = None,
     ) -> tuple[Latest, Manifest]:
         """Check that every file and chunk the manifest will name is stored whole (one
         listing per prefix), write the manifest (create-only) and commit it with the
         fenced compare-and-swap of LATEST. A ``FencedError`` is kept (``fenced``).
+        ``metrics``: numbers recorded with the checkpoint (``retention.clean_metrics``).
 
         Raises: StoreError, ReusedChunkMissingError, FencedError, CommitConflictError,
         CommitStateUnknownError, StaleAttemptError, NeedsRepairError.
@@ -333,6 +342,7 @@ class AttemptWriter:
             created_at=protocol.iso(now),
             files=tuple(entries),
             metadata=metadata,
+            metrics=clean_metrics(metrics),
         )
         body = manifest.to_bytes()
         self._put_create(prefix + protocol.MANIFEST_NAME, body)

@@ -74,8 +74,9 @@ class AttemptAge:
     born: dt.datetime
     max_age_s: float
 
-    def check(self, store: Store, step: int) -> None:
+    def check(self, store: Store, step: int) -> dt.datetime:
         """Read the store's clock; raise StaleAttemptError if the attempt is too old.
+        Returns the store's time read (the commit's ``committed_at``).
 
         Raises: StaleAttemptError; StoreError if the clock cannot be read (after retries).
         """
@@ -88,6 +89,7 @@ class AttemptAge:
                 "may have been suspended, or the upload was slow); it was not committed, "
                 "since garbage collection may already own its files"
             )
+        return now
 
 
 _SETTING_FIELDS = frozenset(f.name for f in dataclasses.fields(Settings))
@@ -187,6 +189,15 @@ class Committer:
     def epoch(self) -> int | None:
         return self._mine.latest.writer.epoch if self._mine else None
 
+    def update_settings(self, **changes: object) -> None:
+        """Commit with these settings from now on (also when the run is claimed later: the
+        fields changed here are no longer inherited from the run).
+
+        Raises: ConfigurationError (an invalid combination; nothing changes).
+        """
+        self.settings = dataclasses.replace(self.settings, **changes)  # type: ignore[arg-type]
+        self._inherit = self._inherit - set(changes)
+
     @property
     def latest(self) -> Latest | None:
         return self._mine.latest if self._mine else None
@@ -285,7 +296,9 @@ class Committer:
         """Make ``record`` current with a compare-and-swap from this writer's last version.
 
         ``age``: checked on the store's clock before every compare-and-swap (see the module
-        docstring): an attempt old enough for GC to own its files is refused.
+        docstring): an attempt old enough for GC to own its files is refused. The store's
+        time read for it becomes the record's ``committed_at``, which time-based retention
+        buckets by (``cloudckpt.retention``): the host's clock is never trusted with that.
         ``requires(base)``: called with every LATEST the commit would replace; raising
         refuses the commit.
 
@@ -306,7 +319,8 @@ class Committer:
             if age is not None:
                 # After ``base`` was read or written, before the write that replaces it.
                 try:
-                    age.check(self.store, record.step)
+                    store_now = age.check(self.store, record.step)
+                    record = dataclasses.replace(record, committed_at=protocol.iso(store_now))
                 except StaleAttemptError:
                     raise
                 except StoreError as exc:
