@@ -233,9 +233,11 @@ class RetentionPolicy:
             not isinstance(metric, str) or not metric or len(metric) > MAX_METRIC_NAME
         ):
             raise ConfigurationError(f"best_metric must be a metric name, not {metric!r}")
-        if (self.keep_best is None) != (metric is None):
+        if (self.keep_best is None) != (metric is None) or (
+            self.keep_best is None and self.best_mode != "min"
+        ):
             raise ConfigurationError(
-                "keep_best and best_metric go together"
+                "keep_best, best_metric and best_mode go together"
                 + (f" (keep_best={self.keep_best} names no metric)" if metric is None else ""),
                 hint='Say which metric and direction: keep_best=1, best_metric="eval_loss", '
                 'best_mode="min"; or keep_best=None to turn it off',

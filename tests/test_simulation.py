@@ -70,6 +70,8 @@ def test_seeds():
     assert c["bit_flips_detected"] == c["bit_flips"] > 0
     # Checkpoints share chunks, GC had to keep some, and flips of chunks were caught.
     assert c["chunks_reused"] > 0 and c["chunk_flips"] > 0
+    # Keep-best and one-per-period retention kept checkpoints that keep_last would drop.
+    assert c["kept_by_best"] > 0 and c["kept_by_period"] > 0
     # Hosts were suspended, and writers that woke too late were refused.
     assert c["host_suspends"] > 0 and c["save_failed:StaleAttemptError"] > 0
     assert set(summary["faults_injected"]) >= {
