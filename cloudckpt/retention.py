@@ -191,6 +191,28 @@ def clean_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float | str]:
     return out
 
 
+def logged_eval_metrics(log_history: Any, step: int) -> dict[str, float | str]:
+    """The evaluation metrics (``eval_*`` numbers) a transformers ``Trainer`` logged at
+    ``step``: its ``TrainerState.log_history``, as ``trainer_state.json`` holds it. What a
+    checkpoint-N saved right after an evaluation at step N is recorded with. Malformed
+    entries are skipped (the file is the trainer's, not ours)."""
+    found: dict[str, Any] = {}
+    for entry in log_history if isinstance(log_history, list) else ():
+        if not isinstance(entry, dict) or entry.get("step") != step:
+            continue
+        for name, value in entry.items():
+            if (
+                isinstance(name, str)
+                and name.startswith("eval_")
+                and len(name) <= MAX_METRIC_NAME
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and len(found) < MAX_METRICS
+            ):
+                found[name] = value
+    return clean_metrics(found)
+
+
 def metric_value(metrics: Mapping[str, Any], name: str) -> float | None:
     """The finite value of metric ``name`` in a record's metrics, or None (missing, not a
     number, NaN or infinite: such a checkpoint is never among the best)."""
