@@ -249,3 +249,51 @@ def test_two_ranks_barrier_resume_and_one_rank_sigterm(moto_server, tmp_path):
     assert all(e["preempted"] for e in ends)
     current = _current(url, options)
     assert current.step == ends[0]["global_step"] and current.metadata["emergency"] is True
+
+
+def test_the_best_checkpoint_survives_a_kill_and_a_resume_on_a_fresh_directory(
+    moto_server, tmp_path
+):
+    """load_best_model_at_end + save_total_limit=2 + keep_last=2, the best checkpoint the
+    oldest (step 3): killed after the commit of step 9, resumed on a fresh directory. The
+    callback keeps the best in the store too (metric_for_best_model), resume() restores it
+    beside the current one, and the Trainer still knows its best model at the end."""
+    url, options = _bucket(moto_server, "hf-best")
+    common = (
+        f"--url={url}", "--max-steps=15", "--save-steps=3", "--load-best", "--keep-last=2",
+        "--scores=3:0.2,6:0.5,9:0.6,12:0.7,15:0.8",
+    )  # fmt: skip
+    killed = _start(tmp_path, "killed", *common, "--upload-latency=0.3", options=options)
+    resumed = _start(tmp_path, "fresh", *common, "--resume", f"--wait-for={tmp_path / 'go'}",
+                     options=options)  # fmt: skip
+    try:
+        killed.wait_until(
+            lambda: (c := _current(url, options)) is not None and c.step >= 9, 300, "step 9"
+        )
+        killed.kill()
+        killed.wait(10)
+        at_kill = _current(url, options)
+        (tmp_path / "go").touch()
+        assert resumed.wait(300) == 0, resumed.log_tail()
+    finally:
+        killed.kill()
+        resumed.kill()
+    fresh = tmp_path / "fresh"
+    assert resumed.events("resumed")[0]["path"] == str(fresh / f"checkpoint-{at_kill.step}")
+    end = resumed.events("end")[0]
+    assert end["best_model_checkpoint"] == str(fresh / "checkpoint-3")
+    assert end["best_metric"] == 0.2
+    log = resumed.log_tail(1_000_000)
+    assert "no longer retained" not in log and "does not exist anymore" not in log
+
+    store = open_store(url, options)
+    try:
+        latest, _ = load_latest_for_reading(store)
+    finally:
+        store.close()
+    assert [r.step for r in latest.retained()] == [15, 12, 3]
+    best = latest.retained()[-1]
+    assert best.metrics["eval_score"] == 0.2 and "eval_loss" in best.metrics
+    assert best.metadata["best_step"] == 3 and best.metadata["metric_for_best_model"] == "score"
+    s = latest.settings
+    assert (s.keep_last, s.keep_best, s.best_metric, s.best_mode) == (2, 1, "eval_score", "min")
