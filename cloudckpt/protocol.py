@@ -319,7 +319,15 @@ class Settings:
 
     @classmethod
     def from_dict(cls, s: Mapping[str, Any], what: str) -> Settings:
-        """Raises CorruptRecordError (a wrong type) or ConfigurationError (a bad policy)."""
+        """Raises CorruptRecordError (a wrong type, or a setting this version does not
+        know: a rule it would ignore, dropping what the rule keeps) or ConfigurationError
+        (a bad policy)."""
+        unknown = sorted(set(s) - _SETTINGS_KEYS)
+        if unknown:
+            raise CorruptRecordError(
+                f"{what}: settings has {unknown[0]!r}, which this cloudckpt does not know "
+                "(written by a newer version? upgrade cloudckpt to use this run)"
+            )
         keep_periods = s.get("keep_periods") or []
         if not isinstance(keep_periods, list) or not all(
             isinstance(p, list) and len(p) == 2 and all(type(x) is int for x in p)
@@ -335,6 +343,9 @@ class Settings:
             best_mode=s.get("best_mode", "min"),
             keep_periods=tuple((p[0], p[1]) for p in keep_periods),
         )
+
+
+_SETTINGS_KEYS = frozenset(f.name for f in dataclasses.fields(Settings))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -297,3 +297,40 @@ def test_the_best_checkpoint_survives_a_kill_and_a_resume_on_a_fresh_directory(
     assert best.metadata["best_step"] == 3 and best.metadata["metric_for_best_model"] == "score"
     s = latest.settings
     assert (s.keep_last, s.keep_best, s.best_metric, s.best_mode) == (2, 1, "eval_score", "min")
+
+
+def test_keep_best_follows_the_trainers_metric(memory_target, tmp_path):
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from cloudckpt.errors import ConfigurationError
+    from cloudckpt.integrations.hf import CheckpointCallback
+
+    def retention(*, preset=None, **callback):
+        def settings(**training):
+            args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], **training)
+            ckpt = CheckpointCallback(memory_target.url, preemption=False, **callback)
+            state = TrainerState()
+            if preset:  # the run's settings, as resume() would have claimed them
+                ckpt._manager(args.output_dir).set_retention(**preset)
+            ckpt.on_train_begin(args, state, TrainerControl())
+            s = ckpt.manager.settings
+            ckpt.manager.close()
+            return (s.keep_best, s.best_metric, s.best_mode)
+
+        return settings
+
+    auto = retention()
+    assert auto(metric_for_best_model="loss") == (1, "eval_loss", "min")
+    assert auto(metric_for_best_model="eval_accuracy") == (1, "eval_accuracy", "max")
+    assert auto(metric_for_best_model="bleu", greater_is_better=False) == (1, "eval_bleu", "min")
+    assert auto() == (None, None, "min")  # no metric: the run's setting (none) stays
+    assert retention(keep_best=3)(metric_for_best_model="loss") == (3, "eval_loss", "min")
+    assert retention(keep_best=2, best_metric="eval_f1", best_mode="max")() == (
+        2, "eval_f1", "max",
+    )  # fmt: skip
+    assert retention(keep_best=None)(metric_for_best_model="loss") == (None, None, "min")
+    # "auto" never keeps fewer than the run already keeps by the same metric.
+    preset = {"keep_best": 3, "best_metric": "eval_loss", "best_mode": "min"}
+    assert retention(preset=preset)(metric_for_best_model="loss") == (3, "eval_loss", "min")
+    with pytest.raises(ConfigurationError, match="needs a metric"):
+        retention(keep_best=2)()

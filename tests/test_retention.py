@@ -256,6 +256,14 @@ def test_a_latest_without_them_stays_a_2_body():
     assert all("metrics" not in t["record"] for t in doc["tombstones"])
 
 
+def test_a_setting_this_version_does_not_know_is_refused_not_ignored():
+    # A newer rule that a writer ignored would drop what it keeps (the /2 hazard above).
+    doc = json.loads(_run([(1, None)], Settings(keep_last=1)).to_bytes())
+    body = {**doc, "settings": {**doc["settings"], "keep_tagged": ["release"]}}
+    with pytest.raises(CorruptRecordError, match="keep_tagged"):
+        protocol.parse_latest(protocol._sealed(body))
+
+
 def test_a_malformed_retention_setting_is_corrupt():
     latest = _run([(1, {"loss": 0.1})], BEST_LOSS)
     doc = json.loads(latest.to_bytes())

@@ -410,6 +410,13 @@ def _trainer_best(
     return {"keep_best": keep_best, "best_metric": metric, "best_mode": mode}
 
 
+def _at_least_the_runs(best: Mapping[str, Any], run: Any) -> int:
+    """``keep_best="auto"`` asks for the best one at least: never fewer than the run keeps
+    by the same metric (``run``: its settings, the run's own once claimed by resume())."""
+    same = (run.best_metric, run.best_mode) == (best["best_metric"], best["best_mode"])
+    return max(best["keep_best"], run.keep_best or 0) if same else int(best["keep_best"])
+
+
 def _best_metadata(args: TrainingArguments, state: TrainerState) -> dict[str, Any]:
     """What the Trainer believes best when it saves: recorded in the metadata."""
     out: dict[str, Any] = {}
@@ -540,6 +547,8 @@ class CheckpointCallback(TrainerCallback):
         if state.is_world_process_zero:
             mgr = self._manager(args.output_dir)
             best = _trainer_best(args, *self._best)
+            if best and self._best[0] == "auto":
+                best["keep_best"] = _at_least_the_runs(best, mgr.settings)
             if best:
                 mgr.set_retention(**best)
 
