@@ -57,6 +57,7 @@ from cloudckpt.errors import (
 from cloudckpt.failpoints import hit as failpoint
 from cloudckpt.protocol import FileEntry, Latest, Manifest
 from cloudckpt.reader import fetch_manifest
+from cloudckpt.retention import clean_metrics
 from cloudckpt.retry import IDEMPOTENT_RETRY, call_with_retries
 from cloudckpt.stores import CREATE, OVERWRITE, Store
 from cloudckpt.transfer import MemoryFile, ProgressCallback, TransferEngine
@@ -103,6 +104,7 @@ class CommitInfo:
     bytes_uploaded: int | None = None
     bytes_reused: int | None = None
     bytes_resumed: int | None = None
+    metrics: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(
@@ -132,6 +134,7 @@ class CommitInfo:
             bytes_uploaded=None if stats is None else stats.bytes_uploaded,
             bytes_reused=None if stats is None else stats.bytes_reused,
             bytes_resumed=None if stats is None else stats.bytes_resumed,
+            metrics=dict(manifest.metrics),
         )
 
 
@@ -232,6 +235,8 @@ class AttemptWriter:
         files: Files,
         metadata: Mapping[str, Any],
         before_commit: Callable[[], object] | None = None,
+        *,
+        metrics: Mapping[str, Any] | None = None,
     ) -> tuple[BegunAttempt, Latest, Manifest]:
         """Begin an attempt, upload ``files`` into it, run ``before_commit`` and commit
         (``run`` with ``upload``).
@@ -239,7 +244,11 @@ class AttemptWriter:
         Raises: as ``run``.
         """
         return self.run(
-            step, lambda begun, index: self.upload(begun, files, index), metadata, before_commit
+            step,
+            lambda begun, index: self.upload(begun, files, index),
+            metadata,
+            before_commit,
+            metrics=metrics,
         )
 
     def run(
@@ -248,6 +257,8 @@ class AttemptWriter:
         upload: Upload,
         metadata: Mapping[str, Any],
         before_commit: Callable[[], object] | None = None,
+        *,
+        metrics: Mapping[str, Any] | None = None,
     ) -> tuple[BegunAttempt, Latest, Manifest]:
         """Begin an attempt, ``upload`` into it, run ``before_commit`` and commit. If a
         checkpoint whose chunks it reuses left retention meanwhile (an unpin, another
@@ -268,7 +279,12 @@ class AttemptWriter:
                 if before_commit is not None:
                     before_commit()
                 latest, manifest = self.finish(
-                    begun, entries, metadata, requires=stats.requires, resumed=stats.resumed_born
+                    begun,
+                    entries,
+                    metadata,
+                    requires=stats.requires,
+                    resumed=stats.resumed_born,
+                    metrics=metrics,
                 )
                 return begun, latest, manifest
             except ReusedChunkMissingError as exc:
@@ -395,13 +411,15 @@ class AttemptWriter:
         *,
         requires: Callable[[Latest], None] | None = None,
         resumed: dt.datetime | None = None,
+        metrics: Mapping[str, Any] | None = None,
     ) -> tuple[Latest, Manifest]:
         """Check that every file and chunk the manifest will name is stored whole (one
         listing per prefix), write the manifest (create-only) and commit it with the
         fenced compare-and-swap of LATEST. A ``FencedError`` is kept (``fenced``).
         ``requires``: the check every LATEST the commit replaces must pass;
         ``resumed``: the birth of the oldest interrupted attempt whose chunks the entries
-        name (the commit is bounded by its age too: ``AttemptAge.resuming``).
+        name (the commit is bounded by its age too: ``AttemptAge.resuming``);
+        ``metrics``: numbers recorded with the checkpoint (``retention.clean_metrics``).
 
         Raises: StoreError, ReusedChunkMissingError, FencedError, CommitConflictError,
         CommitStateUnknownError, StaleAttemptError, ResumedChunksTooOldError,
@@ -421,6 +439,7 @@ class AttemptWriter:
             created_at=protocol.iso(now),
             files=tuple(entries),
             metadata=metadata,
+            metrics=clean_metrics(metrics),
         )
         body = manifest.to_bytes()
         self._put_create(prefix + protocol.MANIFEST_NAME, body)

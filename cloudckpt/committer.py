@@ -90,9 +90,10 @@ class AttemptAge:
         oldest = born if self.resumed is None else min(self.resumed, born)
         return dataclasses.replace(self, resumed=oldest)
 
-    def check(self, store: Store, step: int) -> None:
+    def check(self, store: Store, step: int) -> dt.datetime:
         """Read the store's clock; raise if the attempt, or an interrupted attempt whose
-        chunks it names, is too old.
+        chunks it names, is too old. Returns the store's time read (the commit's
+        ``committed_at``).
 
         Raises: StaleAttemptError (this attempt); ResumedChunksTooOldError (an interrupted
         one: the save can be retried without its chunks); StoreError if the clock cannot
@@ -116,6 +117,7 @@ class AttemptAge:
                     f"{self.max_age_s:.0f} s the run's GC grace period allows; it was not "
                     "committed, since garbage collection may already own those chunks"
                 )
+        return now
 
 
 _SETTING_FIELDS = frozenset(f.name for f in dataclasses.fields(Settings))
@@ -215,6 +217,15 @@ class Committer:
     def epoch(self) -> int | None:
         return self._mine.latest.writer.epoch if self._mine else None
 
+    def update_settings(self, **changes: object) -> None:
+        """Commit with these settings from now on (also when the run is claimed later: the
+        fields changed here are no longer inherited from the run).
+
+        Raises: ConfigurationError (an invalid combination; nothing changes).
+        """
+        self.settings = dataclasses.replace(self.settings, **changes)  # type: ignore[arg-type]
+        self._inherit = self._inherit - set(changes)
+
     @property
     def latest(self) -> Latest | None:
         return self._mine.latest if self._mine else None
@@ -313,7 +324,9 @@ class Committer:
         """Make ``record`` current with a compare-and-swap from this writer's last version.
 
         ``age``: checked on the store's clock before every compare-and-swap (see the module
-        docstring): an attempt old enough for GC to own its files is refused.
+        docstring): an attempt old enough for GC to own its files is refused. The store's
+        time read for it becomes the record's ``committed_at``, which time-based retention
+        buckets by (``cloudckpt.retention``): the host's clock is never trusted with that.
         ``requires(base)``: called with every LATEST the commit would replace; raising
         refuses the commit.
 
@@ -334,7 +347,8 @@ class Committer:
             if age is not None:
                 # After ``base`` was read or written, before the write that replaces it.
                 try:
-                    age.check(self.store, record.step)
+                    store_now = age.check(self.store, record.step)
+                    record = dataclasses.replace(record, committed_at=protocol.iso(store_now))
                 except StaleAttemptError:
                     raise
                 except StoreError as exc:

@@ -46,12 +46,12 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from cloudckpt import chunks, protocol
+from cloudckpt import chunks, protocol, retention
 from cloudckpt.attempts import AttemptWriter, BegunAttempt, CommitInfo
 from cloudckpt.committer import Committer
 from cloudckpt.errors import (
@@ -110,6 +110,7 @@ class CheckpointInfo:
     metadata: Mapping[str, Any]
     current: bool
     pins: tuple[str, ...] = ()
+    metrics: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, latest: Latest, record: CheckpointRecord) -> CheckpointInfo:
@@ -124,6 +125,7 @@ class CheckpointInfo:
             metadata=dict(record.metadata),
             current=latest.current is not None and latest.current.commit_id == record.commit_id,
             pins=tuple(p.label for p in latest.pins if p.commit_id == record.commit_id),
+            metrics=dict(record.metrics),
         )
 
 
@@ -137,10 +139,17 @@ class SaveHandle:
     ``save()``, ``wait()`` and ``close()`` do not raise it again (module docstring).
     """
 
-    def __init__(self, manager: CheckpointManager, step: int, metadata: Mapping[str, Any]):
+    def __init__(
+        self,
+        manager: CheckpointManager,
+        step: int,
+        metadata: Mapping[str, Any],
+        metrics: Mapping[str, Any] | None = None,
+    ):
         self._manager = manager
         self.step = step
         self.metadata = dict(metadata)
+        self.metrics = dict(metrics or {})
         self._future: cf.Future[CommitInfo] = cf.Future()
         self._attempt: Attempt | None = None
         self.blocking_seconds = 0.0  # time spent in save()'s enter and exit, not the caller's
@@ -281,19 +290,56 @@ def _check_options(
     return chunking
 
 
+def _best_settings(keep_best: Any, best_metric: Any, best_mode: Any) -> dict[str, Any]:
+    """keep_best, best_metric and best_mode as one unit: all inherited ({}), or all set.
+
+    Raises: ConfigurationError (a metric or mode without keep_best, keep_best without a
+    metric).
+    """
+    if keep_best is INHERIT:
+        if best_metric is not INHERIT or best_mode is not INHERIT:
+            raise ConfigurationError(
+                "best_metric and best_mode need keep_best (how many best checkpoints to keep)",
+                hint='E.g. keep_best=1, best_metric="eval_loss", best_mode="min"',
+            )
+        return {}
+    if keep_best is None:
+        return {"keep_best": None, "best_metric": None, "best_mode": "min"}
+    if best_metric is INHERIT or best_metric is None:
+        raise ConfigurationError(
+            f"keep_best={keep_best!r} needs best_metric: which metric ranks the checkpoints",
+            hint='E.g. keep_best=1, best_metric="eval_loss", best_mode="min" (lower is '
+            "better); record it with save(..., metrics={...})",
+        )
+    mode = "min" if best_mode is INHERIT else best_mode
+    return {"keep_best": keep_best, "best_metric": best_metric, "best_mode": mode}
+
+
 def _run_settings(
-    keep_last: int | None, keep_every: int | None, gc_grace: float
+    keep_last: Any = INHERIT,
+    keep_every: Any = INHERIT,
+    gc_grace: Any = INHERIT,
+    keep_best: Any = INHERIT,
+    best_metric: Any = INHERIT,
+    best_mode: Any = INHERIT,
+    keep_periods: Any = INHERIT,
 ) -> tuple[Settings, set[str]]:
     """The run settings a writer commits with, and the names of those left unset (which
     keep the run's current values). Raises ConfigurationError (a bad retention policy)."""
-    given = {
+    given: dict[str, Any] = {
         "keep_last": keep_last,
         "keep_every": keep_every,
         "gc_grace_s": gc_grace if gc_grace is INHERIT else int(gc_grace),
+        "keep_periods": (
+            keep_periods if keep_periods is INHERIT else retention.periods(keep_periods)
+        ),
+        "keep_best": INHERIT,
+        "best_metric": INHERIT,
+        "best_mode": INHERIT,
     }
+    given.update(_best_settings(keep_best, best_metric, best_mode))
     explicit = {k: v for k, v in given.items() if v is not INHERIT}
-    settings = dataclasses.replace(Settings(), **explicit)
-    protocol.RetentionPolicy(settings.keep_last, settings.keep_every)  # validates
+    settings = dataclasses.replace(Settings(), **explicit)  # validates
     return settings, set(given) - set(explicit)
 
 
@@ -308,10 +354,20 @@ class CheckpointManager:
             Default: a fresh temporary directory (no crash recovery across restarts).
         keep_last: keep the newest N committed checkpoints (None: keep all).
         keep_every: also keep every checkpoint whose step is a multiple of K.
-            keep_last, keep_every and gc_grace are run settings stored in LATEST: left
+        keep_best, best_metric, best_mode: also keep the best K checkpoints by the metric
+            ``best_metric`` recorded with each save (``save(..., metrics={...})``),
+            ``best_mode="min"`` (default: lower is better) or ``"max"``. A checkpoint
+            without that metric, or with NaN/inf, is never among the best; ties keep the
+            older one. Set together (``keep_best=None`` turns it off).
+        keep_periods: also keep one checkpoint per period for a window of time, e.g.
+            ``[("1h", "1d"), ("1d", "30d")]``: the newest of each hour for the last day
+            and of each day for the last 30 days (seconds or ``s/m/h/d/w`` strings),
+            on the store's clock (docs/design.md §8). ``None`` or ``[]`` turns it off.
+            The retention options and gc_grace are run settings stored in LATEST: left
             unset, they keep the run's current values (defaults for a new run: keep_last=3,
-            keep_every=None, gc_grace=2 h), so restarting a job with default arguments
-            never changes how much of its history is kept.
+            nothing else, gc_grace=2 h), so restarting a job with default arguments never
+            changes how much of its history is kept. Retention keeps the union of what
+            each rule keeps, plus the current checkpoint and pins.
         storage_options: passed to the store as fsspec users pass them (credentials,
             ``endpoint_url``, ``client_kwargs``, ``profile``, ``token``...).
         gc_grace: seconds before unreferenced data may be deleted; also the longest a save
@@ -339,6 +395,10 @@ class CheckpointManager:
         staging_dir: str | os.PathLike[str] | None = None,
         keep_last: int | None = INHERIT,
         keep_every: int | None = INHERIT,
+        keep_best: int | None = INHERIT,
+        best_metric: str | None = INHERIT,
+        best_mode: retention.BestMode = INHERIT,
+        keep_periods: Sequence[tuple[float | str, float | str]] | None = INHERIT,
         storage_options: Mapping[str, Any] | None = None,
         gc_grace: float = INHERIT,
         auto_gc: bool = True,
@@ -358,7 +418,9 @@ class CheckpointManager:
             else url
         )
         self.url = self.store.url
-        settings, inherit = _run_settings(keep_last, keep_every, gc_grace)
+        settings, inherit = _run_settings(
+            keep_last, keep_every, gc_grace, keep_best, best_metric, best_mode, keep_periods
+        )
         self._tmp_staging = None
         if staging_dir is None:
             self._tmp_staging = tempfile.TemporaryDirectory(prefix="cloudckpt-staging-")
@@ -420,6 +482,33 @@ class CheckpointManager:
         """The run settings this writer commits with (the run's own once it has claimed)."""
         return self.committer.settings
 
+    def set_retention(
+        self,
+        *,
+        keep_last: int | None = INHERIT,
+        keep_every: int | None = INHERIT,
+        keep_best: int | None = INHERIT,
+        best_metric: str | None = INHERIT,
+        best_mode: retention.BestMode = INHERIT,
+        keep_periods: Sequence[tuple[float | str, float | str]] | None = INHERIT,
+    ) -> None:
+        """Change the run's retention from this writer's next commit on (the options as in
+        the constructor; those not given stay as they are). Nothing is dropped until a
+        commit applies it, and what is dropped waits out the GC grace period.
+
+        Raises: ConfigurationError (an invalid policy; nothing changes).
+        """
+        settings, inherit = _run_settings(
+            keep_last, keep_every, INHERIT, keep_best, best_metric, best_mode, keep_periods
+        )
+        changes = {
+            f.name: getattr(settings, f.name)
+            for f in dataclasses.fields(Settings)
+            if f.name not in inherit
+        }
+        with self.attempts.commit_lock:
+            self.committer.update_settings(**changes)
+
     # ---------------------------------------------------------------- public API
 
     def resume(
@@ -455,27 +544,42 @@ class CheckpointManager:
             self.store, into, self.engine, step=step, overwrite=overwrite, progress=self.progress
         )
 
-    def save(self, step: int, metadata: Mapping[str, Any] | None = None) -> SaveHandle:
+    def save(
+        self,
+        step: int,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        metrics: Mapping[str, Any] | None = None,
+    ) -> SaveHandle:
         """Start a save. Use as a context manager; write the checkpoint's files into the
         directory it yields. Leaving the block hands them to the background uploader::
 
-            with mgr.save(step=100, metadata={"loss": 0.3}) as d:
+            with mgr.save(step=100, metadata={"note": "lr 3e-4"}, metrics={"loss": 0.3}) as d:
                 (d / "model.safetensors").write_bytes(...)
+
+        ``metrics``: numbers recorded with the checkpoint (``keep_best`` ranks by them;
+        ``list()`` and ``cloudckpt ls --json`` show them); NaN and infinities are recorded
+        as "nan"/"inf" and never rank as best.
 
         Raises (at once): the exception of an earlier save that failed in the background
         and that no one has been told of yet (module docstring; this call then starts
-        nothing); ConfigurationError (bad step/metadata). On entering: FencedError (a newer
-        writer owns the run), StagingError (staging disk).
+        nothing); ConfigurationError (bad step, metadata or metrics). On entering:
+        FencedError (a newer writer owns the run), StagingError (staging disk).
         """
         self.check_open()
         self._raise_earlier_failure()
         metadata = dict(metadata or {})
         protocol.ckpt_prefix(step, 0, "x-0")  # validates step early
         protocol.canonical_json(metadata)  # validates metadata early
-        return SaveHandle(self, step, metadata)
+        return SaveHandle(self, step, metadata, retention.clean_metrics(metrics))
 
     def save_dir(
-        self, step: int, src: str | os.PathLike[str], metadata: Mapping[str, Any] | None = None
+        self,
+        step: int,
+        src: str | os.PathLike[str],
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        metrics: Mapping[str, Any] | None = None,
     ) -> SaveHandle:
         """Save an existing directory (e.g. a Trainer's ``checkpoint-N``). Its files are
         hard-linked into staging (copied across filesystems) before this returns, so the
@@ -491,7 +595,7 @@ class CheckpointManager:
         started = time.perf_counter()
         if Path(src).is_dir() and not holds_files(src):
             log.warning("save_dir: %s holds no files; step %d is saved empty", src, step)
-        handle = self.save(step, metadata)
+        handle = self.save(step, metadata, metrics=metrics)
         handle.__enter__()
         try:
             self.staging.snapshot(src, handle._attempt)
@@ -688,7 +792,9 @@ class CheckpointManager:
             self._open[handle] = threading.get_ident()
         try:
             attempt_id = protocol.new_attempt_id(dt.datetime.now(dt.timezone.utc))
-            return self.staging.new_attempt(attempt_id, handle.step, handle.metadata)
+            return self.staging.new_attempt(
+                attempt_id, handle.step, handle.metadata, handle.metrics
+            )
         except BaseException:
             with self._cv:
                 self._reserved -= 1
@@ -828,7 +934,7 @@ class CheckpointManager:
         for attempt in self._leftovers:
             if attempt.state == DURABLE and attempt.step > committed_step:
                 log.warning("recovering step %d staged by a crashed process", attempt.step)
-                handle = SaveHandle(self, attempt.step, attempt.metadata)
+                handle = SaveHandle(self, attempt.step, attempt.metadata, attempt.metrics)
                 handle.handed_over_at = time.perf_counter()
                 job = QueuedSave(handle, attempt, recovered=True)
                 jobs.append(job)
@@ -863,7 +969,11 @@ class CheckpointManager:
         try:
             try:
                 begun, latest, manifest = self.attempts.save(
-                    handle.step, attempt.list_files(), handle.metadata, flushed.result
+                    handle.step,
+                    attempt.list_files(),
+                    handle.metadata,
+                    flushed.result,
+                    metrics=handle.metrics,
                 )
             finally:
                 cf.wait([flushed])  # never remove or reuse files still being flushed
@@ -902,7 +1012,9 @@ class CheckpointManager:
 
         staged = _run_in_thread(stage, f"cloudckpt-stage-{handle.step}")
         try:
-            begun, latest, manifest = self.attempts.save(handle.step, files, handle.metadata)
+            begun, latest, manifest = self.attempts.save(
+                handle.step, files, handle.metadata, metrics=handle.metrics
+            )
         except Exception:
             cancelled.set()
             cf.wait([staged])  # never remove files still being written

@@ -39,12 +39,18 @@ from typing import Any
 
 from cloudckpt.digest import ALGORITHM, CHUNK_SIZE
 from cloudckpt.errors import ConfigurationError, CorruptRecordError, UnsafePathError
+from cloudckpt.retention import RetentionPolicy
 
 # LATEST /2: records may carry ``owned_bytes`` and manifests may be chunked (/2). An older
 # cloudckpt must not read (and above all not garbage-collect) a run whose checkpoints share
-# chunks, so every LATEST this version writes is /2; /1 is still read.
+# chunks, so every LATEST this version writes is /2 at least; /1 is still read.
 LATEST_FORMAT = "cloudckpt.latest/2"
-LATEST_FORMATS_READ = ("cloudckpt.latest/1", LATEST_FORMAT)
+# LATEST /3: settings may keep the best checkpoints by a metric or one per period of time,
+# and records may carry ``metrics``. A /2 writer would ignore those rules (and drop the
+# metrics when it rewrites LATEST), then apply plain keep_last and drop the best checkpoint:
+# a LATEST that uses any of it is written as /3, which /2 versions refuse to read.
+LATEST_FORMAT_RETENTION = "cloudckpt.latest/3"
+LATEST_FORMATS_READ = ("cloudckpt.latest/1", LATEST_FORMAT, LATEST_FORMAT_RETENTION)
 # Manifest formats. A new field that an older reader may safely ignore (a file's ``mode``:
 # an older cloudckpt restores the file with its default permissions) is added without a
 # new format; one an older reader must not ignore (chunks: it would restore nothing of a
@@ -184,12 +190,18 @@ class CheckpointRecord:
     # first); the rest of ``total_bytes`` is shared with older checkpoints. None: unknown
     # (a record written before chunking existed).
     owned_bytes: int | None = None
+    # Numbers recorded with the checkpoint (``retention.clean_metrics``): what keep-best
+    # retention ranks by. Only in /3 LATESTs (absent: none).
+    metrics: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["metadata"] = dict(self.metadata)
+        d["metrics"] = dict(self.metrics)
         if self.owned_bytes is None:
             del d["owned_bytes"]
+        if not self.metrics:
+            del d["metrics"]
         return d
 
     @classmethod
@@ -208,6 +220,7 @@ class CheckpointRecord:
             num_files=_get(d, "num_files", int, what),
             metadata=_get(d, "metadata", dict, what),
             owned_bytes=None if d.get("owned_bytes") is None else _get(d, "owned_bytes", int, what),
+            metrics=_get(d, "metrics", dict, what) if "metrics" in d else {},
         )
         if parse_ckpt_prefix(rec.ckpt) is None:
             raise CorruptRecordError(f"{what}: {rec.ckpt!r} is not a checkpoint prefix")
@@ -256,24 +269,6 @@ class Tombstone:
         }
 
 
-@dataclasses.dataclass(frozen=True)
-class RetentionPolicy:
-    """Which committed checkpoints LATEST keeps. Pins are kept regardless.
-
-    ``keep_last``: the newest N (including current); None keeps everything.
-    ``keep_every``: also keep every checkpoint whose step is a multiple of K.
-    """
-
-    keep_last: int | None = 3
-    keep_every: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("keep_last", "keep_every"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ConfigurationError(f"{name} must be a positive int or None, got {value!r}")
-
-
 class _Inherit:
     """Default of a run setting: keep what the run's LATEST says (or the default for a new
     run), so a writer that does not say otherwise never silently changes retention."""
@@ -287,15 +282,79 @@ INHERIT: Any = _Inherit()
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """Run-wide settings every writer and GC honour, carried in LATEST."""
+    """Run-wide settings every writer and GC honour, carried in LATEST. The retention
+    fields are those of ``retention.RetentionPolicy``.
+
+    Raises (constructor): ConfigurationError for an invalid retention policy.
+    """
 
     keep_last: int | None = 3
     keep_every: int | None = None
     gc_grace_s: int = 2 * 3600
+    keep_best: int | None = None
+    best_metric: str | None = None
+    best_mode: str = "min"
+    keep_periods: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        self.retention  # noqa: B018 - validates
 
     @property
     def retention(self) -> RetentionPolicy:
-        return RetentionPolicy(self.keep_last, self.keep_every)
+        return RetentionPolicy(
+            keep_last=self.keep_last,
+            keep_every=self.keep_every,
+            keep_best=self.keep_best,
+            best_metric=self.best_metric,
+            best_mode=self.best_mode,
+            keep_periods=self.keep_periods,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """As LATEST holds them: the /3 rules only where they are used, so that a LATEST
+        without them stays a /2 body an older cloudckpt reads."""
+        d: dict[str, Any] = {
+            "keep_last": self.keep_last,
+            "keep_every": self.keep_every,
+            "gc_grace_s": self.gc_grace_s,
+        }
+        if self.keep_best is not None:
+            d.update(
+                keep_best=self.keep_best, best_metric=self.best_metric, best_mode=self.best_mode
+            )
+        if self.keep_periods:
+            d["keep_periods"] = [list(p) for p in self.keep_periods]
+        return d
+
+    @classmethod
+    def from_dict(cls, s: Mapping[str, Any], what: str) -> Settings:
+        """Raises CorruptRecordError (a wrong type, or a setting this version does not
+        know: a rule it would ignore, dropping what the rule keeps) or ConfigurationError
+        (a bad policy)."""
+        unknown = sorted(set(s) - _SETTINGS_KEYS)
+        if unknown:
+            raise CorruptRecordError(
+                f"{what}: settings has {unknown[0]!r}, which this cloudckpt does not know "
+                "(written by a newer version? upgrade cloudckpt to use this run)"
+            )
+        keep_periods = s.get("keep_periods") or []
+        if not isinstance(keep_periods, list) or not all(
+            isinstance(p, list) and len(p) == 2 and all(type(x) is int for x in p)
+            for p in keep_periods
+        ):
+            raise CorruptRecordError(f"{what}: settings.keep_periods is malformed")
+        return cls(
+            keep_last=s.get("keep_last"),
+            keep_every=s.get("keep_every"),
+            gc_grace_s=_get(s, "gc_grace_s", int, what),
+            keep_best=s.get("keep_best"),
+            best_metric=s.get("best_metric"),
+            best_mode=s.get("best_mode", "min"),
+            keep_periods=tuple((p[0], p[1]) for p in keep_periods),
+        )
+
+
+_SETTINGS_KEYS = frozenset(f.name for f in dataclasses.fields(Settings))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,9 +375,17 @@ class Latest:
 
     # -- serialisation --
 
+    @property
+    def format(self) -> str:
+        """The oldest LATEST format that carries everything in this one (module constants)."""
+        records = [*self.retained(), *(t.record for t in self.tombstones)]
+        if self.settings.retention.extended or any(r.metrics for r in records):
+            return LATEST_FORMAT_RETENTION
+        return LATEST_FORMAT
+
     def to_dict(self) -> dict[str, Any]:
         return {
-            "format": LATEST_FORMAT,
+            "format": self.format,
             "seq": self.seq,
             "parent_seq": self.parent_seq,
             "writer": dataclasses.asdict(self.writer),
@@ -326,7 +393,7 @@ class Latest:
             "history": [r.to_dict() for r in self.history],
             "pins": [dataclasses.asdict(p) for p in self.pins],
             "tombstones": [t.to_dict() for t in self.tombstones],
-            "settings": dataclasses.asdict(self.settings),
+            "settings": self.settings.to_dict(),
             "op": self.op,
             "updated_at": self.updated_at,
             "nonce": self.nonce,
@@ -375,13 +442,7 @@ def parse_latest(data: bytes, what: str = "LATEST") -> Latest:
             _get(w, "epoch", int, what), _get(w, "id", str, what), _get(w, "claimed_at", str, what)
         )
         cur = body.get("current")
-        s = _get(body, "settings", dict, what)
-        settings = Settings(
-            keep_last=s.get("keep_last"),
-            keep_every=s.get("keep_every"),
-            gc_grace_s=_get(s, "gc_grace_s", int, what),
-        )
-        RetentionPolicy(settings.keep_last, settings.keep_every)  # validates
+        settings = Settings.from_dict(_get(body, "settings", dict, what), what)
         latest = Latest(
             seq=_get(body, "seq", int, what),
             parent_seq=_get(body, "parent_seq", int, what),
@@ -462,16 +523,11 @@ def _apply_retention(
     settings: Settings,
     dropped_seq: int,
 ) -> tuple[tuple[CheckpointRecord, ...], tuple[Tombstone, ...]]:
-    pinned = base.pinned_ids()
-    policy = settings.retention
-    keep, drop = [], []
-    slots = None if policy.keep_last is None else policy.keep_last - (1 if current else 0)
-    for rec in history:
-        recent = slots is None or slots > 0
-        if recent and slots is not None:
-            slots -= 1
-        milestone = policy.keep_every is not None and rec.step % policy.keep_every == 0
-        (keep if recent or milestone or rec.commit_id in pinned else drop).append(rec)
+    """Split ``history`` into what ``settings``' retention keeps (with ``current`` and the
+    pins) and new tombstones, dated by ``dropped_seq`` (``cloudckpt.retention``)."""
+    kept = settings.retention.kept(current, history, base.pinned_ids())
+    keep = [r for r in history if r.commit_id in kept]
+    drop = [r for r in history if r.commit_id not in kept]
     tombstones = base.tombstones + tuple(Tombstone(r, dropped_seq) for r in drop)
     return tuple(keep), tombstones
 
@@ -606,6 +662,9 @@ class Manifest:
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     algorithm: str = ALGORITHM
     chunk_size: int = CHUNK_SIZE
+    # ``retention.clean_metrics``; absent from the body when empty (then byte-identical
+    # to a manifest written before metrics existed, which an older cloudckpt reads).
+    metrics: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -628,6 +687,8 @@ class Manifest:
         extra: dict[str, Any] = {}
         if self.chunked:
             extra["chunk_owners"] = sorted(owners, key=owners.__getitem__)
+        if self.metrics:
+            extra["metrics"] = dict(self.metrics)
         return _sealed(
             {
                 **extra,
@@ -659,6 +720,7 @@ class Manifest:
             num_files=len(self.files),
             metadata=dict(self.metadata),
             owned_bytes=self.owned_bytes,
+            metrics=dict(self.metrics),
         )
 
 
@@ -789,6 +851,7 @@ def parse_manifest(data: bytes, record: CheckpointRecord | None = None) -> Manif
         metadata=_get(body, "metadata", dict, what),
         algorithm=_get(digest, "algorithm", str, what),
         chunk_size=_get(digest, "chunk_size", int, what),
+        metrics=_get(body, "metrics", dict, what) if "metrics" in body else {},
     )
     if manifest.algorithm != ALGORITHM or not 0 < manifest.chunk_size <= 1 << 30:
         raise CorruptRecordError(f"{what}: unsupported digest {manifest.algorithm!r}")

@@ -68,6 +68,7 @@ class Attempt:
     metadata: dict[str, Any]
     state: str = OPEN
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def files_dir(self) -> Path:
@@ -84,6 +85,7 @@ class Attempt:
                 "id": self.id,
                 "step": self.step,
                 "metadata": self.metadata,
+                "metrics": self.metrics,
                 "state": state,
                 "extra": self.extra,
             },
@@ -190,8 +192,20 @@ class StagingArea:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    def new_attempt(self, attempt_id: str, step: int, metadata: dict[str, Any]) -> Attempt:
-        attempt = Attempt(self.attempts_dir / attempt_id, attempt_id, step, dict(metadata))
+    def new_attempt(
+        self,
+        attempt_id: str,
+        step: int,
+        metadata: dict[str, Any],
+        metrics: dict[str, Any] | None = None,
+    ) -> Attempt:
+        attempt = Attempt(
+            self.attempts_dir / attempt_id,
+            attempt_id,
+            step,
+            dict(metadata),
+            metrics=dict(metrics or {}),
+        )
         try:
             attempt.files_dir.mkdir(parents=True)
         except OSError as exc:
@@ -243,6 +257,7 @@ class StagingArea:
                     body.get("metadata", {}),
                     body["state"],
                     body.get("extra", {}),
+                    body.get("metrics", {}),
                 )
             except (OSError, ValueError, KeyError, TypeError):
                 log.warning("abandoning unreadable staging attempt %s", path.name)

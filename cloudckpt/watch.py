@@ -83,6 +83,7 @@ from cloudckpt.committer import read_latest, refuse_foreign_data, run_has_data
 from cloudckpt.errors import CloudCkptError, ConfigurationError, FencedError, NeedsRepairError
 from cloudckpt.manager import CheckpointManager, SaveHandle
 from cloudckpt.protocol import CorruptRecordError, Latest
+from cloudckpt.retention import logged_eval_metrics
 from cloudckpt.stores import Store, open_store
 
 log = logging.getLogger("cloudckpt.watch")
@@ -596,7 +597,7 @@ class Watcher:
         """Snapshot ``c`` into a save and queue it. False if it changed or vanished."""
         metadata = {"watch": {"source": c.source, "kind": c.kind}}
         try:
-            handle = self.manager.save(c.step, metadata)
+            handle = self.manager.save(c.step, metadata, metrics=_metrics(c))
             with handle as staging:
                 _link_snapshot(c, sig, staging)
         except _Changed as exc:
@@ -834,6 +835,21 @@ def _leftover(c: Candidate, where: Path, reason: str) -> dict[str, Any]:
 
 class _Changed(Exception):
     """The checkpoint changed between the stability check and the snapshot."""
+
+
+def _metrics(c: Candidate) -> dict[str, Any]:
+    """What to record as the checkpoint's metrics: for a Hugging Face ``checkpoint-N``, the
+    evaluation metrics the Trainer logged at step N (``trainer_state.json``'s
+    ``log_history``; the snapshot that follows fails if the file changes meanwhile)."""
+    if c.kind != "hf" or c.step is None:
+        return {}
+    try:
+        state = json.loads((c.path / "trainer_state.json").read_bytes())
+    except (OSError, ValueError):
+        return {}
+    return logged_eval_metrics(
+        state.get("log_history") if isinstance(state, dict) else None, c.step
+    )
 
 
 def _link_snapshot(c: Candidate, sig: Signature, staging: Path) -> None:

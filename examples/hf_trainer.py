@@ -7,6 +7,8 @@ resume on any host, clean stop on preemption.
 
 Kill the first run at any point (Ctrl-C, ``kill -9``): the second resumes from the newest
 *committed* checkpoint. ``kill -TERM`` instead saves at the next step and exits with 0.
+With ``load_best_model_at_end`` the store keeps the best checkpoint by ``eval_loss`` too
+(beside ``keep_last``), so the new host gets it back and ends with the best model.
 
 ``CLOUDCKPT_URL`` picks the store (default: a local ``file://`` directory; use
 ``s3://bucket/prefix`` or ``gs://...`` for real runs). No downloads: the model is built from
@@ -49,6 +51,9 @@ def main(output_dir: str) -> int:
         save_strategy="steps",
         save_steps=10,
         save_total_limit=2,  # local rotation; the store keeps keep_last=3 independently
+        eval_strategy="steps",
+        eval_steps=10,
+        load_best_model_at_end=True,  # metric_for_best_model="loss": the store keeps the best
         logging_steps=10,
         seed=42,
         data_seed=42,
@@ -65,9 +70,13 @@ def main(output_dir: str) -> int:
         model=GPT2LMHeadModel(config),
         args=args,
         train_dataset=RandomTokens(),
+        eval_dataset=RandomTokens(n=32),
         callbacks=[ckpt],
     )
     trainer.train(resume_from_checkpoint=resume_from)
+    print(
+        f"best model: {trainer.state.best_model_checkpoint} (eval_loss {trainer.state.best_metric})"
+    )
     if ckpt.last_commit is not None:
         print(f"newest committed checkpoint: step {ckpt.last_commit.step} in {URL}")
     if ckpt.preempted:

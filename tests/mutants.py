@@ -120,6 +120,7 @@ def _age_on_the_hosts_clock(setattr_: Callable[[Any, str, Any], None]) -> None:
         def check(self, store, step):
             if time.monotonic() - self.started > self.max_age_s:
                 raise StaleAttemptError(f"step {step} is stale")
+            return store.now()
 
     setattr_(attempts, "AttemptAge", HostClockAge)
 
@@ -179,6 +180,38 @@ def _modes_unmasked(setattr_: Callable[[Any, str, Any], None]) -> None:
     setattr_(restore, "safe_mode", lambda mode, umask: mode)
 
 
+def _retention_ignores_keep_best(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """Retention that forgets the keep-best rule: only keep_last, keep_every, periods and
+    pins keep a checkpoint."""
+    from cloudckpt import retention
+
+    setattr_(retention, "best", lambda candidates, metric, mode: [])
+
+
+def _retention_ignores_periods(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """Retention that forgets the one-per-period rule."""
+    from cloudckpt import retention
+
+    setattr_(retention, "one_per_period", lambda candidates, period, window: [])
+
+
+def _committed_at_on_the_hosts_clock(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A commit dated by the host's clock instead of the store's (time-based retention
+    then buckets by a clock that may be skewed, or stopped while the VM slept)."""
+    import datetime as dt
+
+    from cloudckpt import committer
+
+    check = committer.AttemptAge.check
+
+    def host_dated(self, store, step):
+        check(self, store, step)
+        return dt.datetime.now(dt.timezone.utc)
+
+    setattr_(committer.AttemptAge, "check", host_dated)
+
+
+_RETENTION = "tests/test_retention.py::"
 _WRONG_ORDER = "tests/test_restore.py::test_valid_chunks_in_the_wrong_order_never_restore"
 
 MUTANTS = {
@@ -298,6 +331,38 @@ MUTANTS = {
             ),
             range(0, 100),
             "consistent forgery",
+        ),
+        Mutant(
+            "retention-ignores-keep-best",
+            "a checkpoint among the best keep_best by its metric is never dropped",
+            _retention_ignores_keep_best,
+            (
+                f"{_RETENTION}test_keep_best_keeps_the_best_beside_the_newest",
+                f"{_RETENTION}test_the_kept_set_is_exactly_the_union_of_the_rules",
+                f"{_RETENTION}test_the_manager_keeps_the_best_and_a_new_host_restores_it[s3]",
+            ),
+            range(0, 40),
+            "while among the best",
+        ),
+        Mutant(
+            "retention-ignores-periods",
+            "the newest checkpoint of each period in the window is never dropped",
+            _retention_ignores_periods,
+            (
+                f"{_RETENTION}test_one_per_hour_for_the_last_day",
+                f"{_RETENTION}test_the_kept_set_is_exactly_the_union_of_the_rules",
+                f"{_RETENTION}test_committed_at_and_periods_are_on_the_stores_clock",
+            ),
+            range(0, 40),
+            "the only checkpoint of its",
+        ),
+        Mutant(
+            "committed-at-on-the-hosts-clock",
+            "a commit is dated (committed_at) by the store's clock",
+            _committed_at_on_the_hosts_clock,
+            (f"{_RETENTION}test_committed_at_and_periods_are_on_the_stores_clock",),
+            range(0, 5),
+            "not the store's time",
         ),
     ]
 }

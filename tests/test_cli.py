@@ -151,7 +151,7 @@ def test_push_ls_show_restore_verify_pin_gc(cloud, tmp_path):
     assert listing["writer"]["epoch"] == 2 and listing["from_commit_records"] is False
     assert set(listing["checkpoints"][0]) == {
         "step", "commit_id", "ckpt", "epoch", "committed_at", "num_files", "total_bytes",
-        "owned_bytes", "shared_bytes", "current", "pins", "metadata",
+        "owned_bytes", "shared_bytes", "current", "pins", "metadata", "metrics",
     }  # fmt: skip
     for c in listing["checkpoints"]:  # chunked by default: what it stores + what it names
         assert c["owned_bytes"] + c["shared_bytes"] == c["total_bytes"]

@@ -35,6 +35,7 @@ def _free_port() -> int:
 # example -> (arguments, extra environment)
 EXAMPLES = {
     "torch_loop.py": ([], {}),
+    "keep_best.py": ([], {}),
     "hf_trainer.py": (["out"], {}),
     "lightning_trainer.py": (["run"], {}),
     "compose_trainer.py": ([], {"TOTAL_STEPS": "30", "SAVE_EVERY": "10", "STEP_SLEEP": "0"}),

@@ -249,3 +249,88 @@ def test_two_ranks_barrier_resume_and_one_rank_sigterm(moto_server, tmp_path):
     assert all(e["preempted"] for e in ends)
     current = _current(url, options)
     assert current.step == ends[0]["global_step"] and current.metadata["emergency"] is True
+
+
+def test_the_best_checkpoint_survives_a_kill_and_a_resume_on_a_fresh_directory(
+    moto_server, tmp_path
+):
+    """load_best_model_at_end + save_total_limit=2 + keep_last=2, the best checkpoint the
+    oldest (step 3): killed after the commit of step 9, resumed on a fresh directory. The
+    callback keeps the best in the store too (metric_for_best_model), resume() restores it
+    beside the current one, and the Trainer still knows its best model at the end."""
+    url, options = _bucket(moto_server, "hf-best")
+    common = (
+        f"--url={url}", "--max-steps=15", "--save-steps=3", "--load-best", "--keep-last=2",
+        "--scores=3:0.2,6:0.5,9:0.6,12:0.7,15:0.8",
+    )  # fmt: skip
+    killed = _start(tmp_path, "killed", *common, "--upload-latency=0.3", options=options)
+    resumed = _start(tmp_path, "fresh", *common, "--resume", f"--wait-for={tmp_path / 'go'}",
+                     options=options)  # fmt: skip
+    try:
+        killed.wait_until(
+            lambda: (c := _current(url, options)) is not None and c.step >= 9, 300, "step 9"
+        )
+        killed.kill()
+        killed.wait(10)
+        at_kill = _current(url, options)
+        (tmp_path / "go").touch()
+        assert resumed.wait(300) == 0, resumed.log_tail()
+    finally:
+        killed.kill()
+        resumed.kill()
+    fresh = tmp_path / "fresh"
+    assert resumed.events("resumed")[0]["path"] == str(fresh / f"checkpoint-{at_kill.step}")
+    end = resumed.events("end")[0]
+    assert end["best_model_checkpoint"] == str(fresh / "checkpoint-3")
+    assert end["best_metric"] == 0.2
+    log = resumed.log_tail(1_000_000)
+    assert "no longer retained" not in log and "does not exist anymore" not in log
+
+    store = open_store(url, options)
+    try:
+        latest, _ = load_latest_for_reading(store)
+    finally:
+        store.close()
+    assert [r.step for r in latest.retained()] == [15, 12, 3]
+    best = latest.retained()[-1]
+    assert best.metrics["eval_score"] == 0.2 and "eval_loss" in best.metrics
+    assert best.metadata["best_step"] == 3 and best.metadata["metric_for_best_model"] == "score"
+    s = latest.settings
+    assert (s.keep_last, s.keep_best, s.best_metric, s.best_mode) == (2, 1, "eval_score", "min")
+
+
+def test_keep_best_follows_the_trainers_metric(memory_target, tmp_path):
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from cloudckpt.errors import ConfigurationError
+    from cloudckpt.integrations.hf import CheckpointCallback
+
+    def retention(*, preset=None, **callback):
+        def settings(**training):
+            args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], **training)
+            ckpt = CheckpointCallback(memory_target.url, preemption=False, **callback)
+            state = TrainerState()
+            if preset:  # the run's settings, as resume() would have claimed them
+                ckpt._manager(args.output_dir).set_retention(**preset)
+            ckpt.on_train_begin(args, state, TrainerControl())
+            s = ckpt.manager.settings
+            ckpt.manager.close()
+            return (s.keep_best, s.best_metric, s.best_mode)
+
+        return settings
+
+    auto = retention()
+    assert auto(metric_for_best_model="loss") == (1, "eval_loss", "min")
+    assert auto(metric_for_best_model="eval_accuracy") == (1, "eval_accuracy", "max")
+    assert auto(metric_for_best_model="bleu", greater_is_better=False) == (1, "eval_bleu", "min")
+    assert auto() == (None, None, "min")  # no metric: the run's setting (none) stays
+    assert retention(keep_best=3)(metric_for_best_model="loss") == (3, "eval_loss", "min")
+    assert retention(keep_best=2, best_metric="eval_f1", best_mode="max")() == (
+        2, "eval_f1", "max",
+    )  # fmt: skip
+    assert retention(keep_best=None)(metric_for_best_model="loss") == (None, None, "min")
+    # "auto" never keeps fewer than the run already keeps by the same metric.
+    preset = {"keep_best": 3, "best_metric": "eval_loss", "best_mode": "min"}
+    assert retention(preset=preset)(metric_for_best_model="loss") == (3, "eval_loss", "min")
+    with pytest.raises(ConfigurationError, match="needs a metric"):
+        retention(keep_best=2)()

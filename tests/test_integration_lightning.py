@@ -164,3 +164,59 @@ def test_sigterm_mid_epoch_commits_an_emergency_checkpoint_and_exits_zero(runs):
     emergency = [r for r in latest.retained() if r.metadata["filename"].startswith("preempted-")]
     assert [r.step for r in emergency] == [end["global_step"]]
     assert "preemption notice (signal): received SIGTERM" in run.log_tail(100_000)
+
+
+def test_save_top_k_best_checkpoints_stay_in_the_store_across_a_kill_and_a_fresh_host(
+    moto_server, tmp_path
+):
+    """ModelCheckpoint(monitor="val_loss", save_top_k=2) locally, keep_last=1 + keep_best=2
+    by val_loss in the store. The run is killed after epoch 2's commit and resumed on a
+    fresh directory, where Lightning forgets its top k (another dirpath) and saves worse
+    checkpoints as its new "best": the store still keeps the true best two (epochs 2 and
+    0), each recorded with its score, and a fresh host loads the old best_model_path from
+    the store."""
+    from cloudckpt.integrations.lightning import CloudCheckpointIO
+
+    url, options = _bucket(moto_server, "pl-best")
+    common = (f"--url={url}", f"--max-epochs={MAX_EPOCHS}", "--val-losses=0.3,0.5,0.2,0.6,0.7,0.8",
+              "--top-k=2", "--keep-best=2", "--keep-last=1")  # fmt: skip
+    killed = _start(tmp_path, "killed", *common, "--upload-latency=0.2", options=options)
+    resumed = _start(tmp_path, "fresh", *common, "--resume", f"--wait-for={tmp_path / 'go'}",
+                     options=options)  # fmt: skip
+    try:
+        killed.wait_until(
+            lambda: (
+                (c := _latest(url, options)) is not None
+                and c.current is not None
+                and c.current.step >= 3 * STEPS_PER_EPOCH
+            ),
+            240,
+            "epoch 2 committed",
+        )
+        killed.kill()
+        killed.wait(10)
+        (tmp_path / "go").touch()
+        assert resumed.wait(300) == 0, resumed.log_tail()
+    finally:
+        killed.kill()
+        resumed.kill()
+    assert resumed.events("end")[0]["global_step"] == MAX_EPOCHS * STEPS_PER_EPOCH
+
+    latest = _latest(url, options)
+    kept = [(r.step, r.metadata["filename"], r.metrics) for r in latest.retained()]
+    # The newest (keep_last=1) is epoch 4's: at epoch 5 (0.8, no top k) Lightning only
+    # links last.ckpt to it. Then the best two by val_loss over the whole run.
+    assert kept == [
+        (20, "epoch=4-step=20.ckpt", {"val_loss": pytest.approx(0.7)}),
+        (12, "epoch=2-step=12.ckpt", {"val_loss": pytest.approx(0.2)}),
+        (4, "epoch=0-step=4.ckpt", {"val_loss": pytest.approx(0.3)}),
+    ]
+    # What `ckpt_path="best"` on a new machine does: load the best_model_path the killed
+    # run's ModelCheckpoint recorded; no local file, so it comes from the store, verified.
+    old_best = str(tmp_path / "killed" / "checkpoints" / "epoch=2-step=12.ckpt")
+    io = CloudCheckpointIO(url, storage_options=options)
+    try:
+        loaded = io.load_checkpoint(old_best)
+    finally:
+        io.teardown()
+    assert loaded["global_step"] == 12 and loaded["epoch"] == 2

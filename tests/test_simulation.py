@@ -72,6 +72,8 @@ def test_seeds():
     assert c["chunks_reused"] > 0 and c["chunk_flips"] > 0
     # Interrupted saves were resumed: commits named chunks of unreferenced attempts.
     assert c["resumed_chunks_committed"] > 0
+    # Keep-best and one-per-period retention kept checkpoints that keep_last would drop.
+    assert c["kept_by_best"] > 0 and c["kept_by_period"] > 0
     # Hosts were suspended, and writers that woke too late were refused.
     assert c["host_suspends"] > 0 and c["save_failed:StaleAttemptError"] > 0
     assert set(summary["faults_injected"]) >= {

@@ -38,6 +38,7 @@ from cloudckpt.cli._common import (
     two_stage_interrupts,
     warn,
 )
+from cloudckpt.cli._retention import format_metrics, parse_metrics, retention_options
 from cloudckpt.errors import CheckpointNotFoundError, ConfigurationError, CorruptionError
 
 if TYPE_CHECKING:
@@ -114,6 +115,9 @@ def _record_dict(latest: Any, record: Any) -> dict[str, Any]:
         "current": latest.current is not None and latest.current.commit_id == record.commit_id,
         "pins": [p.label for p in latest.pins if p.commit_id == record.commit_id],
         "metadata": dict(record.metadata),
+        # Numbers recorded with the checkpoint (keep-best ranks by them); NaN and
+        # infinities as the strings "nan", "inf", "-inf".
+        "metrics": dict(record.metrics),
     }
 
 
@@ -199,11 +203,7 @@ def _ls_doc(url: str, latest: Any, from_records: bool) -> dict[str, Any]:
             "id": latest.writer.id,
             "claimed_at": latest.writer.claimed_at,
         },
-        "settings": {
-            "keep_last": latest.settings.keep_last,
-            "keep_every": latest.settings.keep_every,
-            "gc_grace_s": latest.settings.gc_grace_s,
-        },
+        "settings": _settings_doc(latest.settings),
         "from_commit_records": from_records,
         "checkpoints": [_record_dict(latest, r) for r in latest.retained()],
         "tombstones": [
@@ -215,6 +215,21 @@ def _ls_doc(url: str, latest: Any, from_records: bool) -> dict[str, Any]:
                 "dropped_seq": t.dropped_seq,
             }
             for t in latest.tombstones
+        ],
+    }
+
+
+def _settings_doc(settings: Any) -> dict[str, Any]:
+    """A run's settings as ``ls --json`` shows them (every field, set or not)."""
+    return {
+        "keep_last": settings.keep_last,
+        "keep_every": settings.keep_every,
+        "gc_grace_s": settings.gc_grace_s,
+        "keep_best": settings.keep_best,
+        "best_metric": settings.best_metric,
+        "best_mode": settings.best_mode if settings.keep_best is not None else None,
+        "keep_periods": [
+            {"period_s": period, "window_s": window} for period, window in settings.keep_periods
         ],
     }
 
@@ -278,6 +293,8 @@ def show_cmd(url: RunURL, step: int | None, store_args: StoreArgs, as_json: bool
     )
     if doc["pins"]:
         console.print(f"  {'pins':<13}{', '.join(doc['pins'])}")
+    if doc["metrics"]:
+        console.print(f"  {'metrics':<13}{format_metrics(doc['metrics'])}")
     if doc["metadata"]:
         import json
 
@@ -385,6 +402,14 @@ def _restore_size(store: Store, step: int | None) -> int | None:
     help="User metadata to record (repeatable; KEY:=JSON for numbers and objects).",
 )
 @click.option(
+    "--metric",
+    "metrics",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="A number to record with the checkpoint (repeatable), e.g. --metric eval_loss=0.31: "
+    "what --keep-best ranks by.",
+)
+@click.option(
     "--force",
     is_flag=True,
     help="Claim the run even though its writer wrote LATEST within the last hour.",
@@ -393,6 +418,7 @@ def _restore_size(store: Store, step: int | None) -> int | None:
     "--keep-last", type=int, help="Retention to set (default: keep the run's current setting)."
 )
 @click.option("--keep-every", type=int, help="Also keep every K-th step (default: the run's).")
+@retention_options
 @click.option(
     "--staging-dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -407,9 +433,11 @@ def push_cmd(
     url: RunURL,
     step: int,
     metadata: tuple[str, ...],
+    metrics: tuple[str, ...],
     force: bool,
     keep_last: int | None,
     keep_every: int | None,
+    retention: dict[str, Any],
     staging_dir: Path | None,
     chunking: str,
     store_args: StoreArgs,
@@ -426,6 +454,7 @@ def push_cmd(
     from cloudckpt.staging import holds_files
 
     user_metadata = parse_key_values(metadata, "--metadata")
+    user_metrics = parse_metrics(metrics)
     if not holds_files(src_dir):  # before the store is touched: nothing is claimed
         raise ConfigurationError(
             f"{src_dir} holds no files: there is nothing to push",
@@ -434,7 +463,8 @@ def push_cmd(
         )
     files = [p for p in src_dir.rglob("*") if p.is_file()]
     total = sum(p.stat().st_size for p in files)
-    settings: dict[str, Any] = {}  # unset: the manager keeps the run's retention and grace
+    # Unset: the manager keeps the run's retention and grace.
+    settings: dict[str, Any] = dict(retention)
     if keep_last is not None:
         settings["keep_last"] = keep_last
     if keep_every is not None:
@@ -457,7 +487,8 @@ def push_cmd(
                 )
                 try:
                     result = _wait_for_push(
-                        lambda: mgr.save_dir(step, src_dir, user_metadata), own_staging
+                        lambda: mgr.save_dir(step, src_dir, user_metadata, metrics=user_metrics),
+                        own_staging,
                     )
                 finally:
                     mgr.close()
@@ -477,6 +508,7 @@ def push_cmd(
         "bytes_reused": result.bytes_reused,
         "bytes_resumed": result.bytes_resumed,
         "metadata": dict(result.metadata),
+        "metrics": dict(result.metrics),
         "fenced_writer": previous.to_dict() if previous is not None else None,
         "seconds": round(time.perf_counter() - started, 3),
     }

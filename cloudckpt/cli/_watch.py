@@ -29,6 +29,7 @@ from cloudckpt.cli._common import (
     warn,
 )
 from cloudckpt.cli._main import cli
+from cloudckpt.cli._retention import retention_options
 from cloudckpt.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -129,6 +130,7 @@ def _describe(event: dict[str, Any]) -> str | None:
 )
 @click.option("--keep-last", type=int, help="Retention (default: the run's current setting).")
 @click.option("--keep-every", type=int, help="Also keep every K-th step (default: the run's).")
+@retention_options
 @chunking_option
 @store_options
 @json_lines_option
@@ -145,6 +147,7 @@ def watch_cmd(
     staging_dir: Path | None,
     keep_last: int | None,
     keep_every: int | None,
+    retention: dict[str, Any],
     chunking: str,
     store_args: StoreArgs,
     as_json: bool,
@@ -179,7 +182,11 @@ def watch_cmd(
     own_staging = None
     if staging_dir is None:  # ours, so that an abandoned upload can be cleaned up
         own_staging = Path(tempfile.mkdtemp(prefix="cloudckpt-watch-"))
-    options: dict[str, Any] = {"staging_dir": staging_dir or own_staging, "chunking": chunking}
+    options: dict[str, Any] = {
+        "staging_dir": staging_dir or own_staging,
+        "chunking": chunking,
+        **retention,
+    }
     if keep_last is not None:
         options["keep_last"] = keep_last
     if keep_every is not None:

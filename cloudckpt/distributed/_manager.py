@@ -150,18 +150,24 @@ class DistributedCheckpointManager(CheckpointManager):
 
     # ---------------------------------------------------------------- public API
 
-    def save(self, step: int, metadata: Mapping[str, Any] | None = None) -> SaveHandle:
+    def save(
+        self,
+        step: int,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        metrics: Mapping[str, Any] | None = None,
+    ) -> SaveHandle:
         """Start this rank's part of a save (every rank calls it, for the same steps in the
         same order). Files written into the yielded directory are stored under
         ``rank-<rank>/`` (or as written, with ``per_rank_dirs=False``). The coordinator's
-        ``metadata`` is recorded. ``handle.result()`` returns the same ``CommitInfo`` on
+        ``metadata`` and ``metrics`` are recorded. ``handle.result()`` returns the same ``CommitInfo`` on
         every rank, or raises the same error (``RankFailedError``, ``FencedError``,
         ``CollectiveError``...). Unlike ``CheckpointManager.save()``, it does not raise an
         earlier save's failure (see ``_raise_earlier_failure``): ``wait()`` and ``close()``
         do, on every rank.
         """
         self._comm.check_usable()
-        return super().save(step, metadata)
+        return super().save(step, metadata, metrics=metrics)
 
     def resume(
         self,

@@ -143,6 +143,7 @@ def save(
         blocking_seconds=handle.blocking_seconds,
         commit_seconds=time.perf_counter() - handle.handed_over_at,
         metadata=handle.metadata,
+        metrics=handle.metrics,
     )
     if comm.is_coordinator:
         log.info(
@@ -262,7 +263,7 @@ def _commit(
         try:
             every = [e for report in reports for e in report]
             metadata = {**handle.metadata, WORLD_SIZE_KEY: comm.world}
-            latest, manifest = attempts.finish(begun, every, metadata)
+            latest, manifest = attempts.finish(begun, every, metadata, metrics=handle.metrics)
             outcome = Committed(latest.seq, len(manifest.files), manifest.total_bytes)
         except Exception as exc:
             commit_exc = exc

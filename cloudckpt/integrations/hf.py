@@ -8,6 +8,7 @@
     args = TrainingArguments(output_dir="out", save_steps=500, save_total_limit=2, ...)
     ckpt = CheckpointCallback("s3://bucket/runs/exp1", keep_last=3)
     last = ckpt.resume(args.output_dir)                 # None for a new run
+    # With metric_for_best_model (load_best_model_at_end), the store keeps the best too.
     trainer = Trainer(model=model, args=args, callbacks=[ckpt], ...)
     trainer.train(resume_from_checkpoint=last)
     if ckpt.preempted:                                  # stopped early by a notice
@@ -24,6 +25,16 @@ optimizer, scheduler, scaler, ``rng_state*.pth`` and ``trainer_state.json`` into
   it to the background uploader. The links pin the bytes, so a later
   ``save_total_limit`` rotation deleting ``checkpoint-N`` cannot race the upload. Only the
   coordinator claims and commits; the other ranks never touch the store.
+  Each checkpoint is recorded with the evaluation metrics the Trainer logged at its step
+  (the ``eval_*`` numbers of ``state.log_history``) and, in its metadata, what the
+  Trainer believed best then (``best_step``, ``best_metric``, ``metric_for_best_model``,
+  ``greater_is_better``).
+- ``on_train_begin``: with ``metric_for_best_model`` set (``load_best_model_at_end`` sets it
+  to "loss"), the run keeps the best checkpoint by that metric in the store as well
+  (``keep_best=1``, ``best_metric="eval_<name>"``, ``best_mode`` from
+  ``greater_is_better``), beside ``keep_last``: ``save_total_limit`` spares the best
+  checkpoint locally, and so must the store, or a resume on a fresh machine finds no best
+  model (transformers then drops ``best_model_checkpoint``).
 - ``on_step_end``: a save that failed (its upload or commit, after the store calls' own
   retries) is raised here, which stops training at once: a run whose checkpoints do not
   reach the store must not go on for days (a fenced writer stops the same way). Then, if
@@ -62,7 +73,7 @@ import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from cloudckpt.errors import (
     CheckpointNotFoundError,
@@ -77,6 +88,7 @@ from cloudckpt.integrations._pending import (
 )
 from cloudckpt.manager import CheckpointManager, CommitInfo, SaveHandle
 from cloudckpt.preemption import PreemptionWatcher
+from cloudckpt.retention import logged_eval_metrics
 from cloudckpt.stores import Store
 
 try:
@@ -261,7 +273,8 @@ def _restore_best(mgr: CheckpointManager, out: Path, best_step: int) -> None:
     except CheckpointNotFoundError:
         log.warning(
             "the best checkpoint (step %d) is no longer retained in %s; "
-            "load_best_model_at_end will not find it (pin it, or raise keep_last)",
+            "load_best_model_at_end will not find it (set metric_for_best_model so the "
+            "callback keeps the best, or keep_best/best_metric; or pin it)",
             best_step,
             mgr.url,
         )
@@ -353,6 +366,74 @@ def resume(
     return _resume(make, output_dir, step, restore_best, close=True)
 
 
+# ------------------------------------------------------------------------------ best model
+
+
+def _eval_name(name: str) -> str:
+    """The key of ``metric_for_best_model`` in the evaluation metrics (the Trainer's
+    ``_determine_best_metric`` adds the ``eval_`` prefix)."""
+    return name if name.startswith("eval_") else f"eval_{name}"
+
+
+def _best_kwargs(
+    keep_best: int | None, best_metric: str | None, best_mode: str | None
+) -> dict[str, Any]:
+    if keep_best is None:
+        return {"keep_best": None}
+    assert best_metric is not None
+    return {"keep_best": keep_best, "best_metric": best_metric, "best_mode": best_mode or "min"}
+
+
+def _trainer_best(
+    args: TrainingArguments,
+    keep_best: int | str | None,
+    best_metric: str | None,
+    best_mode: str | None,
+) -> dict[str, Any]:
+    """The keep-best options a callback configured with (keep_best, best_metric,
+    best_mode) commits with under ``args``; {} to leave the run's (or the constructor's).
+
+    Raises: ConfigurationError (keep_best given, but no metric to rank by).
+    """
+    trainer_metric = args.metric_for_best_model and _eval_name(args.metric_for_best_model)
+    if keep_best is None or (keep_best != "auto" and best_metric is not None):
+        return {}  # given whole to the constructor
+    if keep_best == "auto":
+        if not trainer_metric and best_metric is None:
+            return {}
+        keep_best = 1
+    metric = best_metric or trainer_metric
+    if not metric:
+        raise ConfigurationError(
+            f"keep_best={keep_best} needs a metric: neither best_metric nor the "
+            "TrainingArguments' metric_for_best_model is set",
+            hint='Pass best_metric="eval_loss" (and best_mode), or set metric_for_best_model',
+        )
+    mode = best_mode or ("max" if args.greater_is_better and metric == trainer_metric else "min")
+    return {"keep_best": keep_best, "best_metric": metric, "best_mode": mode}
+
+
+def _at_least_the_runs(best: Mapping[str, Any], run: Any) -> int:
+    """``keep_best="auto"`` asks for the best one at least: never fewer than the run keeps
+    by the same metric (``run``: its settings, the run's own once claimed by resume())."""
+    same = (run.best_metric, run.best_mode) == (best["best_metric"], best["best_mode"])
+    return max(best["keep_best"], run.keep_best or 0) if same else int(best["keep_best"])
+
+
+def _best_metadata(args: TrainingArguments, state: TrainerState) -> dict[str, Any]:
+    """What the Trainer believes best when it saves: recorded in the metadata."""
+    out: dict[str, Any] = {}
+    if args.metric_for_best_model:
+        out["metric_for_best_model"] = args.metric_for_best_model
+        out["greater_is_better"] = bool(args.greater_is_better)
+    best_step = getattr(state, "best_global_step", None)
+    if isinstance(best_step, int) and best_step > 0:
+        out["best_step"] = best_step
+    if isinstance(state.best_metric, (int, float)) and math.isfinite(state.best_metric):
+        out["best_metric"] = float(state.best_metric)
+    return out
+
+
 # ------------------------------------------------------------------------------ callback
 
 
@@ -366,6 +447,12 @@ class CheckpointCallback(TrainerCallback):
             (same filesystem as the checkpoints, so snapshots are hard links, not copies).
         keep_last, keep_every: retention in the store (independent of
             ``save_total_limit``, which only governs local directories).
+        keep_best, best_metric, best_mode: keep the best checkpoints by a metric in the
+            store too (``CheckpointManager``). ``"auto"`` (default): with
+            ``metric_for_best_model`` set in the ``TrainingArguments``, keep the best one
+            by it (``eval_<name>``, direction from ``greater_is_better``), else leave the
+            run's setting; an int: keep that many, by ``best_metric`` (default: the
+            Trainer's metric); None: do not keep by metric.
         preemption: True (watch SIGTERM and the detected cloud's notices), False, or a
             ``PreemptionWatcher`` you configured (started here if it is not running).
         emergency_timeout: seconds after a notice to wait for the emergency checkpoint's
@@ -387,6 +474,9 @@ class CheckpointCallback(TrainerCallback):
         staging_dir: str | os.PathLike[str] | None = None,
         keep_last: int | None = 3,
         keep_every: int | None = None,
+        keep_best: int | Literal["auto"] | None = "auto",
+        best_metric: str | None = None,
+        best_mode: Literal["min", "max"] | None = None,
         preemption: bool | PreemptionWatcher = True,
         emergency_timeout: float | None = None,
         metadata: Mapping[str, Any] | None = None,
@@ -396,6 +486,10 @@ class CheckpointCallback(TrainerCallback):
         self.storage_options = storage_options
         self.staging_dir = staging_dir
         self.manager_kwargs = {"keep_last": keep_last, "keep_every": keep_every, **manager_kwargs}
+        if keep_best != "auto" and (keep_best is None or best_metric is not None):
+            # Known now: the claim records it (resume() claims before training starts).
+            self.manager_kwargs.update(_best_kwargs(keep_best, best_metric, best_mode))
+        self._best = (keep_best, best_metric, best_mode)
         self.emergency_timeout = emergency_timeout
         self.metadata = dict(metadata or {})
         # A watcher of our own is created at train begin (signal handlers need the main
@@ -454,7 +548,12 @@ class CheckpointCallback(TrainerCallback):
                 self.watcher.start()
                 self._started_watcher = True
         if state.is_world_process_zero:
-            self._manager(args.output_dir)
+            mgr = self._manager(args.output_dir)
+            best = _trainer_best(args, *self._best)
+            if best and self._best[0] == "auto":
+                best["keep_best"] = _at_least_the_runs(best, mgr.settings)
+            if best:
+                mgr.set_retention(**best)
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -513,7 +612,9 @@ class CheckpointCallback(TrainerCallback):
         loss = next((h["loss"] for h in reversed(state.log_history) if "loss" in h), None)
         if isinstance(loss, (int, float)) and math.isfinite(loss):
             metadata["loss"] = loss
-        handle = self._manager(args.output_dir).save_dir(step, ckpt_dir, metadata)
+        metadata.update(_best_metadata(args, state))
+        metrics = logged_eval_metrics(state.log_history, step)
+        handle = self._manager(args.output_dir).save_dir(step, ckpt_dir, metadata, metrics=metrics)
         self._handles.append(handle)
         if emergency:
             self._wait_emergency(handle)

@@ -28,6 +28,10 @@ except ``load_checkpoint``, which every rank calls):
   restored, already verified) is loaded as ``TorchCheckpointIO`` would. Otherwise the
   newest retained checkpoint saved under that file name is restored from the store
   (verified) into a temporary directory and loaded: a fresh node needs no local copy.
+  Each checkpoint that a ``ModelCheckpoint`` with a ``monitor`` saves as one of its top k
+  is recorded with its score as a metric (``{"val_loss": 0.23}``: read from the
+  callback's state in the checkpoint, ``best_k_models[path]``), so the store can keep
+  the best k as well: ``CloudCheckpointIO(..., keep_best=2, best_metric="val_loss")``.
 - ``remove_checkpoint(path)``: deletes the *local* file only, never anything in the store.
   ``ModelCheckpoint`` calls it right after saving a newer checkpoint, while that one may
   still be uploading; deleting the older checkpoint in the store then would leave nothing
@@ -69,7 +73,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -86,6 +90,7 @@ from cloudckpt.integrations._pending import (
 )
 from cloudckpt.manager import CheckpointManager, CommitInfo, SaveHandle
 from cloudckpt.preemption import PreemptionWatcher
+from cloudckpt.protocol import INHERIT
 from cloudckpt.stores import Store
 
 try:
@@ -175,6 +180,10 @@ class CloudCheckpointIO(CheckpointIO):
             (same filesystem as the checkpoints, so the local copy is a hard link).
         keep_last, keep_every: retention in the store. ``ModelCheckpoint(save_top_k=...)``
             governs local files only; pin checkpoints you must keep (``cloudckpt pin``).
+        keep_best, best_metric, best_mode: keep the best K checkpoints in the store by a
+            monitored metric, as ``ModelCheckpoint(monitor=..., mode=..., save_top_k=K)``
+            does locally: pass ``keep_best=mc.save_top_k, best_metric=mc.monitor,
+            best_mode=mc.mode``. Left unset, the run's setting stays.
         keep_local: also place each checkpoint at the path Lightning asked for.
         **manager_kwargs: further ``CheckpointManager`` options.
 
@@ -190,6 +199,9 @@ class CloudCheckpointIO(CheckpointIO):
         staging_dir: str | os.PathLike[str] | None = None,
         keep_last: int | None = 3,
         keep_every: int | None = None,
+        keep_best: int | None = INHERIT,
+        best_metric: str | None = INHERIT,
+        best_mode: Literal["min", "max"] = INHERIT,
         keep_local: bool = True,
         **manager_kwargs: Any,
     ) -> None:
@@ -197,7 +209,14 @@ class CloudCheckpointIO(CheckpointIO):
         self.storage_options = storage_options
         self.staging_dir = staging_dir
         self.keep_local = keep_local
-        self.manager_kwargs = {"keep_last": keep_last, "keep_every": keep_every, **manager_kwargs}
+        self.manager_kwargs = {
+            "keep_last": keep_last,
+            "keep_every": keep_every,
+            "keep_best": keep_best,
+            "best_metric": best_metric,
+            "best_mode": best_mode,
+            **manager_kwargs,
+        }
         self._mgr: CheckpointManager | None = None
         self._reader: CheckpointManager | None = None
         self._handles: list[SaveHandle] = []
@@ -235,7 +254,7 @@ class CloudCheckpointIO(CheckpointIO):
         if isinstance(checkpoint.get("epoch"), int):
             metadata["epoch"] = checkpoint["epoch"]
         mgr = self._manager(os.path.dirname(os.fspath(path)))
-        handle = mgr.save(step, metadata)
+        handle = mgr.save(step, metadata, metrics=_top_k_scores(checkpoint, os.fspath(path)))
         with handle as staged_dir:
             staged = staged_dir / name
             torch.save(checkpoint, staged)
@@ -415,6 +434,23 @@ class CloudCheckpointIO(CheckpointIO):
 
     def _record_commit(self, info: CommitInfo) -> None:
         self.last_commit = info
+
+
+def _top_k_scores(checkpoint: Mapping[str, Any], path: str) -> dict[str, float]:
+    """{monitor: score} of every ``ModelCheckpoint`` that saves ``path`` as one of its top
+    k: it puts the path and its score into ``best_k_models`` just before saving, and its
+    state is in the checkpoint. Other saves (``last.ckpt``, a manual or emergency save)
+    get no score: a callback's ``current_score`` may be an earlier step's."""
+    scores: dict[str, float] = {}
+    states = checkpoint.get("callbacks")
+    for key, state in states.items() if isinstance(states, Mapping) else ():
+        if not str(key).startswith("ModelCheckpoint") or not isinstance(state, Mapping):
+            continue
+        monitor, best_k = state.get("monitor"), state.get("best_k_models")
+        if isinstance(monitor, str) and monitor and isinstance(best_k, Mapping) and path in best_k:
+            with contextlib.suppress(TypeError, ValueError, RuntimeError):
+                scores[monitor] = float(best_k[path])
+    return scores
 
 
 def resume(

@@ -537,7 +537,14 @@ class StateSaver:
         self._last: SaveHandle | None = None
         self._lock = threading.Lock()  # one save_state at a time per saver
 
-    def save(self, step: int, state: Any, metadata: Mapping[str, Any] | None = None) -> SaveHandle:
+    def save(
+        self,
+        step: int,
+        state: Any,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        metrics: Mapping[str, Any] | None = None,
+    ) -> SaveHandle:
         """See ``save_state``."""
         started = time.perf_counter()
         if _numpy() is None:  # checked here: the background writer would fail on every save
@@ -566,7 +573,8 @@ class StateSaver:
             # manager's save() below raises it (and this save starts nothing).
             if self._previous is not None:
                 self._previous.result()  # background() itself raises only on a bug
-            handle = self.manager.save(step, metadata)  # validates step and metadata
+            # Validates step, metadata and metrics.
+            handle = self.manager.save(step, metadata, metrics=metrics)
             handle._background = True  # a failure in background() reaches no caller
             self._last = handle
 
@@ -708,8 +716,12 @@ def save_state(
     step: int,
     state_dict: Any,
     metadata: Mapping[str, Any] | None = None,
+    *,
+    metrics: Mapping[str, Any] | None = None,
 ) -> SaveHandle:
     """Checkpoint a nested state (dicts, lists, tuples, tensors, plain values) as ``step``.
+    ``metrics``: numbers recorded with it (``CheckpointManager.save``; ``keep_best`` ranks
+    by them).
 
     Returns once the tensors are copied into host buffers (see the module docstring); the
     files are written and uploaded in the background. ``handle.result()`` waits for the
@@ -728,7 +740,7 @@ def save_state(
         saver = _savers.get(manager)
         if saver is None:
             saver = _savers[manager] = StateSaver(manager)
-    return saver.save(step, state_dict, metadata)
+    return saver.save(step, state_dict, metadata, metrics=metrics)
 
 
 # ------------------------------------------------------------------------------ loading

@@ -5,6 +5,11 @@ Run by tests/test_integration_hf.py as a child process (so it can be killed or s
     python tests/scripts/hf_train.py --output-dir OUT --events EVENTS.jsonl [--url s3://b/run]
         [--max-steps 12] [--save-steps 3] [--resume] [--upload-latency 0.3] [--no-callback]
         [--wait-for FILE] [--reference-first REF_EVENTS.jsonl]
+        [--scores 3:0.2,6:0.5 --load-best --keep-last 2]
+
+``--scores`` makes each evaluation report ``eval_score`` (lower is better) as scripted per
+step, and ``metric_for_best_model="score"``: a test decides which checkpoint is the best.
+``--load-best`` turns on ``load_best_model_at_end``.
 
 ``--reference-first`` first trains an uninterrupted reference run (no callback, 12 steps,
 saves every 3) in this process and logs it to REF_EVENTS, then does the configured run: one
@@ -63,6 +68,9 @@ def train(
     resume: bool = False,
     upload_latency: float = 0.0,
     wait_for: str | None = None,
+    scores: dict[int, float] | None = None,
+    load_best: bool = False,
+    keep_last: int = 3,
 ) -> int:
     events = open(events_path, "a", buffering=1)  # noqa: SIM115 - closed below
 
@@ -84,7 +92,12 @@ def train(
                     grad_norm=logs.get("grad_norm"),
                 )
             elif logs and "eval_loss" in logs:
-                emit(event="eval", step=state.global_step, eval_loss=logs["eval_loss"])
+                emit(
+                    event="eval",
+                    step=state.global_step,
+                    eval_loss=logs["eval_loss"],
+                    eval_score=logs.get("eval_score"),
+                )
 
         def on_save(self, targs, state, control, **kw):
             emit(event="saved", step=state.global_step)
@@ -109,7 +122,9 @@ def train(
         save_total_limit=2,
         eval_strategy="steps",
         eval_steps=save_steps,
-        metric_for_best_model="eval_loss",
+        metric_for_best_model="score" if scores else "eval_loss",
+        greater_is_better=False,
+        load_best_model_at_end=load_best,
         seed=42,
         data_seed=42,
         full_determinism=True,
@@ -134,7 +149,7 @@ def train(
                 Rule(Latency(upload_latency), ops={"put", "upload_part"}, key="ckpt/*", times=None)
             )
             options = None
-        ckpt = CheckpointCallback(target, storage_options=options, keep_last=3)
+        ckpt = CheckpointCallback(target, storage_options=options, keep_last=keep_last)
         callbacks.insert(0, ckpt)
 
     if wait_for:  # started early to overlap the slow imports; go when told
@@ -150,12 +165,16 @@ def train(
         resume_from = ckpt.resume(output_dir)
         emit(event="resumed", path=resume_from)
 
+    def scripted(_prediction):
+        return {"score": scores[trainer.state.global_step]}
+
     trainer = Trainer(
         model=model,
         args=targs,
         train_dataset=Tokens(32, 0),
         eval_dataset=Tokens(8, 1),
         callbacks=callbacks,
+        compute_metrics=scripted if scores else None,
     )
     trainer.train(resume_from_checkpoint=resume_from)
     emit(
@@ -163,6 +182,8 @@ def train(
         global_step=trainer.state.global_step,
         preempted=bool(ckpt and ckpt.preempted),
         last_commit=ckpt.last_commit.step if ckpt and ckpt.last_commit else None,
+        best_model_checkpoint=trainer.state.best_model_checkpoint,
+        best_metric=trainer.state.best_metric,
     )
     events.close()
     return 0
@@ -180,6 +201,9 @@ def main() -> int:
     p.add_argument("--upload-latency", type=float, default=0.0)
     p.add_argument("--no-callback", action="store_true")
     p.add_argument("--reference-first", metavar="EVENTS", help="train a reference run first")
+    p.add_argument("--scores", help="scripted eval_score per step: 3:0.2,6:0.5,...")
+    p.add_argument("--load-best", action="store_true", help="load_best_model_at_end")
+    p.add_argument("--keep-last", type=int, default=3)
     args = p.parse_args()
     if args.reference_first:
         train(args.output_dir + "-reference", args.reference_first, max_steps=12, save_steps=3)
@@ -192,6 +216,11 @@ def main() -> int:
         resume=args.resume,
         upload_latency=args.upload_latency,
         wait_for=args.wait_for,
+        scores={int(k): float(v) for k, v in (i.split(":") for i in args.scores.split(","))}
+        if args.scores
+        else None,
+        load_best=args.load_best,
+        keep_last=args.keep_last,
     )
 
 

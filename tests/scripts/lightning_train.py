@@ -5,7 +5,11 @@ signalled):
 
     python tests/scripts/lightning_train.py --root DIR --events EVENTS.jsonl [--url s3://b/run]
         [--max-epochs 6] [--resume] [--upload-latency 0.3] [--no-cloud] [--wait-for FILE]
-        [--reference-first REF_EVENTS.jsonl]
+        [--reference-first REF_EVENTS.jsonl] [--val-losses 0.3,0.5,... --top-k 2 --keep-best 2]
+
+``--val-losses`` logs a scripted ``val_loss`` per epoch (validation every epoch) and makes
+the ``ModelCheckpoint`` monitor it (``mode="min"``, ``save_top_k`` from ``--top-k``);
+``--keep-best`` has the store keep that many best by it (``--keep-last`` beside it).
 
 ``--reference-first`` first trains an uninterrupted reference run (no cloudckpt, 6 epochs)
 in this process and logs it to REF_EVENTS, then does the configured run. Storage options
@@ -50,6 +54,10 @@ def train(
     upload_latency: float = 0.0,
     wait_for: str | None = None,
     devices: int = 1,
+    val_losses: list[float] | None = None,
+    top_k: int = 1,
+    keep_best: int | None = None,
+    keep_last: int = 3,
 ) -> int:
     events = open(events_path, "a", buffering=1)  # noqa: SIM115 - closed below
 
@@ -68,6 +76,9 @@ def train(
             lr = self.trainer.optimizers[0].param_groups[0]["lr"]
             emit(event="loss", step=self.global_step, loss=loss.item(), lr=lr)
             return loss
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", torch.tensor(val_losses[self.current_epoch]))
 
         def configure_optimizers(self):
             opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -89,11 +100,11 @@ def train(
     loader = DataLoader(data, batch_size=8, sampler=sampler, num_workers=0)
 
     dirpath = os.path.join(root, "checkpoints")
-    callbacks = [
-        Recorder(),
-        ModelCheckpoint(dirpath=dirpath, every_n_epochs=1, save_top_k=1, save_last="link"),
-        RNGStateCallback(),
-    ]
+    monitored = {"monitor": "val_loss", "mode": "min"} if val_losses else {}
+    best = ModelCheckpoint(
+        dirpath=dirpath, every_n_epochs=1, save_top_k=top_k, save_last="link", **monitored
+    )
+    callbacks = [Recorder(), best, RNGStateCallback()]
     plugins = []
     io = None
     preemption = None
@@ -109,7 +120,10 @@ def train(
                 Rule(Latency(upload_latency), ops={"put", "upload_part"}, key="ckpt/*", times=None)
             )
             options = None
-        io = CloudCheckpointIO(target, storage_options=options, keep_last=3)
+        best_options = {}
+        if keep_best:
+            best_options = {"keep_best": keep_best, "best_metric": "val_loss", "best_mode": "min"}
+        io = CloudCheckpointIO(target, storage_options=options, keep_last=keep_last, **best_options)
         plugins.append(io)
         preemption = PreemptionCallback()
         callbacks.append(preemption)
@@ -142,14 +156,18 @@ def train(
         callbacks=callbacks,
         plugins=plugins,
     )
+    val_loader = None
+    if val_losses:
+        val_loader = DataLoader(TensorDataset(x[:8], x[:8].sum(dim=1, keepdim=True)), batch_size=8)
     try:
-        trainer.fit(Net(), loader, ckpt_path=ckpt_path)
+        trainer.fit(Net(), loader, val_loader, ckpt_path=ckpt_path)
     finally:  # also on Lightning's SIGTERMException (a SystemExit)
         emit(
             event="end",
             global_step=trainer.global_step,
             preempted=bool(preemption and preemption.preempted),
             last_commit=io.last_commit.step if io and io.last_commit else None,
+            best_model_path=best.best_model_path,
         )
         events.close()
     return 0
@@ -167,6 +185,10 @@ def main() -> int:
     p.add_argument("--no-cloud", action="store_true")
     p.add_argument("--reference-first", metavar="EVENTS", help="train a reference run first")
     p.add_argument("--devices", type=int, default=1, help="> 1: DDP on CPU processes")
+    p.add_argument("--val-losses", help="scripted val_loss per epoch: 0.3,0.5,...")
+    p.add_argument("--top-k", type=int, default=1)
+    p.add_argument("--keep-best", type=int)
+    p.add_argument("--keep-last", type=int, default=3)
     args = p.parse_args()
     if args.reference_first:
         train(args.root + "-reference", args.reference_first, max_epochs=6)
@@ -179,6 +201,10 @@ def main() -> int:
         upload_latency=args.upload_latency,
         wait_for=args.wait_for,
         devices=args.devices,
+        val_losses=[float(v) for v in args.val_losses.split(",")] if args.val_losses else None,
+        top_k=args.top_k,
+        keep_best=args.keep_best,
+        keep_last=args.keep_last,
     )
 
 

@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import datetime as dt
 import hashlib
+import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,21 @@ def _ids(records: Iterable[CheckpointRecord]) -> set[str]:
 
 def _tombs(latest: Latest) -> dict[str, Tombstone]:
     return {t.record.commit_id: t for t in latest.tombstones}
+
+
+def _finite(value: object) -> float | None:
+    """A metric's value if it is a finite number (the checker's own reading of the rule)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _epoch(iso_time: str) -> float | None:
+    """Seconds since the Unix epoch of a record's ``committed_at``, or None."""
+    try:
+        return protocol.parse_iso(iso_time).timestamp()
+    except ValueError:
+        return None
 
 
 @dataclasses.dataclass
@@ -124,6 +140,7 @@ class Checker:
             )
         if prev is not None:
             self._transition(prev, new, actor)
+            self._count_extra_keeps(new)
         self.chain.append(new)
         now = self.raw.now()
         for rec in new.retained():
@@ -199,6 +216,7 @@ class Checker:
                 self.fail(f"I5: {new.current.commit_id} committed twice")
             if new.current.ckpt in self.gc_deleted:
                 self.fail(f"I7: {new.current.ckpt} was committed after GC deleted some of it")
+            self._committed_at_on_store_clock(new.current, who)
             key = new.current.metadata.get("sim")
             if key in self.failed_keys:
                 self.fail(f"I6: save {key} was reported failed, yet it was committed by {who}")
@@ -228,20 +246,103 @@ class Checker:
                     )
                 self.sim.result.counters["resumed_chunks_committed"] += 1
 
+    def _count_extra_keeps(self, new: Latest) -> None:
+        """Counters: commits after which a checkpoint that keep_last, keep_every and pins
+        would have dropped is retained, with keep-best or periods on (the soak must
+        exercise them)."""
+        s = new.settings
+        if new.op != "commit" or s.keep_last is None:
+            return
+        pinned = {p.commit_id for p in new.pins}
+        extra = [
+            r
+            for r in new.retained()[s.keep_last :]
+            if r.commit_id not in pinned and not (s.keep_every and r.step % s.keep_every == 0)
+        ]
+        counters = self.sim.result.counters
+        if extra and s.keep_best is not None:
+            counters["kept_by_best"] += 1
+        if extra and s.keep_periods:
+            counters["kept_by_period"] += 1
+
+    def _committed_at_on_store_clock(self, rec: CheckpointRecord, who: str) -> None:
+        """A commit's ``committed_at`` is the store's time between the attempt's first
+        write and this write of LATEST: time-based retention buckets by it, and a host's
+        clock (suspended, skewed) must play no part (docs/design.md §6.8)."""
+        t = _epoch(rec.committed_at)
+        born = self.first_write.get(rec.ckpt)
+        now = self.raw.now().timestamp()
+        if t is None or t > now or (born is not None and t < born.timestamp() - 0.001):
+            self.fail(
+                f"I3: {who} committed step {rec.step} with committed_at {rec.committed_at}, "
+                f"not the store's time (attempt begun {born}, LATEST written "
+                f"{protocol.iso(self.raw.now())})"
+            )
+
     def _retained_change(self, prev: Latest, new: Latest, who: str) -> None:
         """I3: retained -> tombstone only by retention (a commit or an unpin), never a
-        pinned checkpoint, a milestone, or while fewer than ``keep_last`` remain."""
+        pinned checkpoint, a milestone, while fewer than ``keep_last`` remain, while among
+        the best ``keep_best``, or while the only one of its period in the window."""
         op, new_ret, new_tomb = new.op, _ids(new.retained()), _tombs(new)
         for cid in _ids(prev.retained()) - new_ret:
             if cid not in new_tomb or op not in ("commit", "unpin"):
                 self.fail(f"I3: {cid} left the retained set by a {op} of {who}")
             if cid in {p.commit_id for p in new.pins}:
                 self.fail(f"I3: pinned {cid} was dropped by retention")
-            step = self.records[cid].record.step
+            record = self.records[cid].record
+            step = record.step
             if new.settings.keep_every and step % new.settings.keep_every == 0:
                 self.fail(f"I3: milestone step {step} dropped despite keep_every")
             if new.settings.keep_last is not None and len(new_ret) < new.settings.keep_last:
                 self.fail(f"I3: {cid} dropped with only {len(new_ret)} retained")
+            self._best_kept(record, new, who)
+            self._period_kept(record, new, who)
+
+    def _best_kept(self, dropped: CheckpointRecord, new: Latest, who: str) -> None:
+        """I3, keep-best: a checkpoint with a finite value of the metric leaves only if at
+        least ``keep_best`` retained ones are as good or better (whatever the tie rule)."""
+        s = new.settings
+        if s.keep_best is None or s.best_metric is None:
+            return
+        value = _finite(dropped.metrics.get(s.best_metric))
+        if value is None:
+            return  # no (finite) value: never among the best
+        as_good = [
+            r.step
+            for r in new.retained()
+            if (v := _finite(r.metrics.get(s.best_metric))) is not None
+            and (v <= value if s.best_mode == "min" else v >= value)
+        ]
+        if len(as_good) < s.keep_best:
+            self.fail(
+                f"I3: step {dropped.step} ({s.best_metric}={value}) dropped by a {new.op} of "
+                f"{who} while among the best {s.keep_best} ({s.best_mode}); as good or "
+                f"better and retained: {as_good}"
+            )
+
+    def _period_kept(self, dropped: CheckpointRecord, new: Latest, who: str) -> None:
+        """I3, one per period: a checkpoint inside a window leaves only if another retained
+        one lies in the same period bucket of that window (times: ``committed_at``, on the
+        store's clock; "now": the current checkpoint's)."""
+        t, now = _epoch(dropped.committed_at), new.current and _epoch(new.current.committed_at)
+        if t is None or not now:
+            return
+        for period, window in new.settings.keep_periods:
+            if t <= now - window:
+                continue
+            bucket = t // period
+            others = [
+                r.step
+                for r in new.retained()
+                if (rt := _epoch(r.committed_at)) is not None
+                and rt > now - window
+                and rt // period == bucket
+            ]
+            if not others:
+                self.fail(
+                    f"I3: step {dropped.step} dropped by a {new.op} of {who} though it was "
+                    f"the only checkpoint of its {period} s period in the last {window} s"
+                )
 
     def _tombstone_change(self, prev: Latest, new: Latest, who: str) -> None:
         """I3, I7: tombstone -> retained only by a pin of a pending tombstone; pending ->

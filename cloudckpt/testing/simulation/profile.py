@@ -47,9 +47,59 @@ class Profile:
     # a writer restarted after a crash saves the same files again and resumes the chunks
     # its interrupted save uploaded (docs/design.md §11, "Resuming an interrupted save").
     deterministic: bool = False
+    # Retention by metric and by time (``cloudckpt.retention``), drawn from a generator of
+    # their own (``draw_retention``) so that every other draw of a seed stays as it was.
+    keep_best: int | None = None
+    # (metric, mode) of writer A and of writer B: they differ in some seeds (the metric
+    # changes with every claim); B may also leave them unset (inheriting the run's).
+    best: tuple[tuple[str, str], tuple[str, str] | None] = (("loss", "min"), ("loss", "min"))
+    keep_periods: tuple[tuple[int, int], ...] = ()
 
     @classmethod
-    def draw(cls, rng: random.Random) -> Profile:
+    def draw(cls, rng: random.Random, retention_rng: random.Random | None = None) -> Profile:
+        profile = cls._draw(rng)
+        return profile.draw_retention(retention_rng) if retention_rng is not None else profile
+
+    def draw_retention(self, rng: random.Random) -> Profile:
+        """The retention rules by metric and by time: keep-best of 1-3 by "loss" (min) or
+        "acc" (max), sometimes a different one per writer; one per period for a window, in
+        periods from seconds to the grace period (time passes 0.5 s a tick, and jumps)."""
+        g = self.grace
+        a = rng.choice([("loss", "min"), ("acc", "max")])
+        b: tuple[str, str] | None = rng.choice([a, a, ("acc", "max"), ("loss", "min"), None])
+        return dataclasses.replace(
+            self,
+            keep_best=rng.choice([None, None, 1, 2, 3]),
+            best=(a, b),
+            keep_periods=rng.choice(
+                [(), (), ((5, 30),), ((g // 4, g),), ((g, 4 * g),), ((5, 20), (g // 2, 3 * g))]
+            ),
+        )
+
+    def retention_options(self, writer: str) -> dict[str, object]:
+        """The manager options of writer ``writer`` for the rules by metric and by time."""
+        options: dict[str, object] = {"keep_periods": self.keep_periods}
+        best = self.best[0] if writer == "A" else self.best[1]
+        if best is not None:
+            metric, mode = best
+            options.update(keep_best=self.keep_best, best_metric=metric, best_mode=mode)
+            if self.keep_best is None:
+                options.update(best_metric=None)
+        return options
+
+    def metrics(self, key: str) -> dict[str, float]:
+        """The metrics recorded with save ``key``: few distinct values (ties), NaN, an
+        infinity, or missing."""
+        rng = random.Random(f"{key}/metrics")
+        out = {}
+        for name in ("loss", "acc"):
+            value = rng.choice([0.1, 0.2, 0.3, 0.3, 0.5, 0.8, float("nan"), float("inf"), None])
+            if value is not None:
+                out[name] = value if rng.random() < 0.9 else -value
+        return out
+
+    @classmethod
+    def _draw(cls, rng: random.Random) -> Profile:
         def rate(*choices: float) -> float:
             return rng.choice(choices)
 

@@ -46,7 +46,7 @@ class Simulation:
         self.seed = seed
         self.steps = steps
         self.rng = random.Random(seed)
-        self.profile = Profile.draw(self.rng)
+        self.profile = Profile.draw(self.rng, random.Random(f"{seed}/retention"))
         self.sched_rng = random.Random(f"{seed}/scheduler")
         self.crash_rng = random.Random(f"{seed}/crash")
         self.id_rng = random.Random(f"{seed}/ids")

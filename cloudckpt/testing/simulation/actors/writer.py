@@ -51,9 +51,13 @@ def run(actor: Actor) -> None:
             sim.pause(actor, actor.rng.randint(1, 40))
 
 
-def new_manager(sim: Simulation, port: Store, staging: Path, **kw: Any) -> CheckpointManager:
-    """A real ``CheckpointManager`` with the seed's settings, saving in the calling thread."""
+def new_manager(
+    sim: Simulation, port: Store, staging: Path, writer: str = "A", **kw: Any
+) -> CheckpointManager:
+    """A real ``CheckpointManager`` with the seed's settings (``writer``'s rules by metric
+    and by time), saving in the calling thread."""
     p = sim.profile
+    kw = {**p.retention_options(writer), **kw}
     mgr = CheckpointManager(
         port,
         staging_dir=staging,
@@ -75,7 +79,7 @@ def new_manager(sim: Simulation, port: Store, staging: Path, **kw: Any) -> Check
 def _life(actor: Actor, port: Store, staging: Path) -> None:
     """One process: resume (mostly), then a few saves; returns once fenced."""
     sim = actor.sim
-    mgr = new_manager(sim, port, staging)
+    mgr = new_manager(sim, port, staging, actor.name)
     actor.writer_id = mgr.writer_id
     try:
         actor.op += 1
@@ -130,7 +134,7 @@ def one_save(actor: Actor, mgr: CheckpointManager, step: int, key: str) -> bool:
     c = sim.checker
     files = sim.profile.content(key)
     try:
-        handle = mgr.save(step=step, metadata={"sim": key})
+        handle = mgr.save(step=step, metadata={"sim": key}, metrics=sim.profile.metrics(key))
         directory = handle.__enter__()
     except FencedError:
         return False
