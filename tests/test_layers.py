@@ -12,9 +12,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "cloudckpt"
 # docs/design.md §10, bottom up. A name covers the module and everything below it.
 LAYERS: list[tuple[str, list[str]]] = [
     ("ground", ["errors", "_version", "_install", "failpoints", "retry", "digest"]),
-    ("records and stores", ["protocol", "stores"]),
+    ("records and stores", ["protocol", "retention", "stores"]),
     ("protocol", ["committer", "attempts", "reader", "transfer", "chunks", "staging",
-                  "restore", "verify", "gc", "repair", "admin", "retention", "copying"]),
+                  "restore", "verify", "gc", "repair", "admin", "copying"]),
     ("library", ["manager", "distributed", "watch", "preemption", "catalog"]),
     ("integrations", ["integrations"]),
     ("top and test tools", ["", "cli", "demo", "_demo_train", "testing"]),
