@@ -161,15 +161,15 @@ def test_the_loop_waits_only_for_the_copy_and_buffers_are_reused(
     mgr = manager_factory(s3_target)
     weights = {"w": torch.full((256, 256), 1.0), "b": torch.zeros(256)}
 
-    real_read = MemoryFile.read
+    real_view = MemoryFile.view
     reading = threading.Event()
 
-    def slow_read(self, offset, length):
+    def slow_view(self, offset, length):
         reading.set()
         time.sleep(0.3)  # a slow upload, straight from the host buffers
-        return real_read(self, offset, length)
+        return real_view(self, offset, length)
 
-    monkeypatch.setattr(MemoryFile, "read", slow_read)
+    monkeypatch.setattr(MemoryFile, "view", slow_view)
     first = save_state(mgr, 1, weights)
     # Returned before anything was uploaded; the tensors may change at once.
     assert first.blocking_seconds < 0.3
