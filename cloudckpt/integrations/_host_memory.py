@@ -213,8 +213,10 @@ def host_buffer(nbytes: int, *, pin: bool = True) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class HostMemoryStats:
-    """What a ``HostArena`` holds: bytes per kind, how many blocks it has allocated so far,
-    and the bytes the last carve asked for (``used_*``: the slots themselves)."""
+    """What a ``HostArena`` holds: bytes per kind (``pinned_bytes``: registered with CUDA
+    for copies from GPUs; ``pageable_bytes``), the bytes the last carve of each kind spans
+    (``used_*``: the slots, aligned), how many blocks it has allocated so far, how many
+    pins CUDA refused, and (from a saver) ``state_bytes``, the tensors themselves."""
 
     pinned_bytes: int
     pageable_bytes: int
@@ -222,6 +224,7 @@ class HostMemoryStats:
     used_pageable_bytes: int
     allocations: int
     pin_failures: int
+    state_bytes: int = 0  # filled by the saver: the tensors of its last save or reserve
 
     @property
     def total_bytes(self) -> int:
@@ -245,9 +248,12 @@ class HostArena:
 
     def _block(self, nbytes: int, pin: bool) -> HostBlock | None:
         """A block of the kind able to hold ``nbytes`` (allocated or replaced as needed)."""
-        if nbytes == 0:
-            return self._blocks[pin]
         block = self._blocks[pin]
+        if nbytes == 0:  # this save has nothing of the kind: do not hold memory for it
+            if block is not None:
+                block.close()
+                self._blocks[pin] = None
+            return None
         if block is not None and block.nbytes >= nbytes >= SHRINK_BELOW * block.nbytes:
             return block
         if block is not None:
