@@ -428,6 +428,7 @@ class CloudckptSaver(Saver):
             "durable = committed (every byte hashed, fsynced in the store)"
         )
         self.last: str | None = None
+        self.previous: str | None = None
 
     def save(self, r: int) -> dict[str, float]:
         from cloudckpt.integrations.torch import save_state
@@ -441,8 +442,10 @@ class CloudckptSaver(Saver):
         return {"stall": t1 - t0, "durable": t2 - t0}
 
     def after(self, r: int) -> None:
-        if r < self.bench.last_round and self.last is not None:
-            self.bench.drop("ck", self.last)
+        # Keep the newest checkpoint (the restores read it), drop the one before.
+        if self.previous is not None:
+            self.bench.drop("ck", self.previous)
+        self.previous = self.last
 
     def host_memory(self) -> dict[str, Any]:
         from cloudckpt.integrations.torch import host_memory_stats
@@ -474,10 +477,7 @@ class TorchSaver(Saver):
         return {"stall": t1 - t0, "durable": t1 - t0}
 
     def after(self, r: int) -> None:
-        if r < self.bench.last_round:
-            self.path(r).unlink(missing_ok=True)
-        else:
-            os.replace(self.path(r), self.bench.work / "torch-last.pt")
+        os.replace(self.path(r), self.bench.work / "torch-last.pt")  # the restores read it
 
 
 def _dcp_options(device: Any) -> dict[str, Any]:
@@ -529,11 +529,8 @@ class DCPAsyncSaver(Saver):
         return {"returned": t1 - t0, "stall": t2 - t0, "durable": t3 - t0}
 
     def after(self, r: int) -> None:
-        if r < self.bench.last_round:
-            shutil.rmtree(self.dir(r), ignore_errors=True)
-        else:
-            shutil.rmtree(self.bench.work / "dcp-last", ignore_errors=True)
-            os.replace(self.dir(r), self.bench.work / "dcp-last")
+        shutil.rmtree(self.bench.work / "dcp-last", ignore_errors=True)
+        os.replace(self.dir(r), self.bench.work / "dcp-last")  # the restores read it
 
     def host_memory(self) -> dict[str, Any]:
         """What the stager keeps between saves (its cached, pinned storages)."""
@@ -616,7 +613,6 @@ class GPUBench:
         self.trainer.sync()
         self.state = self.trainer.state()
         self.nbytes = state_bytes(self.state)
-        self.last_round = args.warmup + args.rounds - 1
 
     def store_url(self, name: str) -> str:
         if self.endpoint is not None:
@@ -624,11 +620,12 @@ class GPUBench:
         return f"file://{self.work / ('store-' + name)}"
 
     def drop(self, name: str, ckpt: str) -> None:
-        """Delete one committed checkpoint's objects (unmeasured; run.py does the same)."""
+        """Delete one committed checkpoint's objects (``ckpt``: its prefix, ``ckpt/<id>/``;
+        unmeasured; run.py does the same)."""
         if self.endpoint is not None:
-            self.endpoint.reset(f"bench/{name}/ckpt/{ckpt}")
+            self.endpoint.reset(f"bench/{name}/{ckpt}")
         else:
-            shutil.rmtree(self.work / f"store-{name}" / "ckpt" / ckpt, ignore_errors=True)
+            shutil.rmtree(self.work / f"store-{name}" / ckpt)
 
     def close(self) -> None:
         if self.endpoint is not None:
@@ -656,7 +653,6 @@ class GPUBench:
             measured = r >= self.args.warmup
             if measured and r > self.args.warmup and self.budget.left() < 0:
                 self.rec.append("save", "cut", f"rounds {r - self.args.warmup + 1}+ (budget)")
-                self.last_round = r - 1
                 break
             self.trainer.step()  # every weight and moment changes between checkpoints
             self.trainer.sync()

@@ -151,7 +151,12 @@ def read_into(path: Path, offset: int, buf: memoryview) -> None:
     try:
         got = 0
         while got < len(buf):
-            n = os.preadv(fd, [buf[got:]], offset + got)
+            if hasattr(os, "preadv"):
+                n = os.preadv(fd, [buf[got:]], offset + got)
+            else:  # (platforms without preadv: one copy more)
+                chunk = os.pread(fd, len(buf) - got, offset + got)
+                n = len(chunk)
+                buf[got : got + n] = chunk
             if not n:
                 raise StagingError(f"staged file {path} shrank while it was being uploaded")
             got += n

@@ -97,7 +97,7 @@ def test_pinned_host_memory_is_the_state_reserved_ahead_and_not_torch_rounded(
 ):
     mgr = manager_factory(file_target)
     state = _state(96)  # 3 x 96 MiB + odd tensors: torch's allocator would round to 128s
-    caching_before = torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0)
+    caching_before = torch.cuda.host_memory_stats()["allocated_bytes.current"]
     held = reserve_host_memory(mgr, state)
     assert held.allocations == 2  # one pinned block, one pageable (the CPU step counter)
     assert held.pin_failures == 0 and held.pinned_bytes > 0
@@ -115,7 +115,7 @@ def test_pinned_host_memory_is_the_state_reserved_ahead_and_not_torch_rounded(
     saver = ct._savers[mgr]
     assert saver.arena.is_pinned()
     # None of it came from torch's caching host allocator.
-    caching_after = torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0)
+    caching_after = torch.cuda.host_memory_stats()["allocated_bytes.current"]
     assert caching_after - caching_before < MiB
     assert _equal(load_state(mgr.restore(into=tmp_path / "r")), state)
     mgr.close()

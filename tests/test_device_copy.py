@@ -164,8 +164,6 @@ def test_copy_kinds_and_pieces():
     assert dc.kind_of(t) == "memcpy"
     assert dc.kind_of(t.t()) == "blocking"  # not contiguous: Tensor.copy_
     assert dc.kind_of(torch.empty(3, device="meta")) == "blocking"
-    if not torch.cuda.is_available():
-        assert dc.kind_of(t) != "dma"
 
     # Contiguous: cut anywhere; not contiguous: along the first dimension (so the GPU's
     # contiguous temporary is one piece); together they cover the tensor exactly.
@@ -249,3 +247,25 @@ def test_a_copy_that_fails_after_the_upload_started_stores_nothing_and_is_raised
     monkeypatch.undo()
     assert save_state(mgr, 2, {"x": torch.ones(3)}).result(timeout=60).step == 2
     mgr.close()
+
+
+def test_host_memory_reserved_before_the_first_save_is_the_memory_it_uses(
+    memory_target, manager_factory, tmp_path
+):
+    import numpy as np
+
+    mgr = manager_factory(memory_target)
+    state = {
+        "w": torch.ones(300_000),
+        "b": torch.zeros(7, dtype=torch.bfloat16),
+        "rng": np.arange(10),  # copied when the state is walked: needs no host memory
+        "step": 4,
+    }
+    held = ct.reserve_host_memory(mgr, state)
+    assert held.allocations == 1 and held.state_bytes == 300_000 * 4 + 7 * 2
+    assert held.state_bytes <= held.pageable_bytes <= held.state_bytes + 2 * 4096
+    save_state(mgr, 1, state).result(timeout=60)
+    after = ct.host_memory_stats(mgr)
+    assert after.allocations == 1 and after.used_pageable_bytes <= after.pageable_bytes
+    loaded = load_state(mgr.restore(into=tmp_path / "r"))
+    assert torch.equal(loaded["w"], state["w"]) and (loaded["rng"] == state["rng"]).all()

@@ -60,7 +60,7 @@ KINDS = ("dma", "memcpy", "blocking", "ready")
 
 def kind_of(t: torch.Tensor) -> str:
     """How ``t`` is copied into host memory (see ``KINDS``)."""
-    if t.device.type == "cuda" and torch.cuda.is_available():
+    if t.device.type == "cuda":
         return "dma"
     if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
         return "memcpy"
