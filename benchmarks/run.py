@@ -259,6 +259,10 @@ def _run_group(group: Group, pairs: int, warmup: int, profile_dir: Path | None) 
         s = _median(m.get("s", []))
         if group.nbytes and s > 0:
             rec["gib_per_s"] = group.nbytes / GiB / s
+        if group.nbytes and m.get("cpu_client_s"):
+            # Client CPU-seconds per GiB moved (copy, hashing, upload, all threads): what a
+            # training host's data loaders lose to the checkpoint (issue 24 item 7).
+            rec["cpu_client_s_per_gib"] = _median(m["cpu_client_s"]) / (group.nbytes / GiB)
         contenders[c.name] = rec
     comparisons = []
     for cmp in group.comparisons:
@@ -707,6 +711,10 @@ class Bench:
                     1.0,
                     label="save-to-commit vs DCP async_save to S3 (s3torchconnector)",
                 ),
+                Comparison("cpu_client_s", "DCP async_save", None, label="client CPU"),
+                Comparison(
+                    "cpu_client_s", "DCP async_save S3StorageWriter", None, label="client CPU"
+                ),
             ],
             servers={"server": s3.pid},
             info={"signing": signing, "endpoint": s3.kind},
@@ -915,6 +923,12 @@ class Bench:
                 Comparison("s", "boto3 upload_file", 1.5),
                 Comparison("s", "s3fs put", 1.5),
                 *(Comparison("s", name, 1.0) for name, *_ in peer_rows),
+                *(
+                    # CPU-s per GiB, hashing included, at most 2x obstore's (issue 24).
+                    Comparison("cpu_client_s", name, 0.5, label="client CPU")
+                    for name, *_ in peer_rows
+                    if name == "obstore"
+                ),
             ],
             servers={"server": s3.pid},
             info={"signing": signing, "endpoint": s3.kind, **_limit(s3, "http put (sink)")},
@@ -1179,7 +1193,7 @@ def table(results: list[dict[str, Any]]) -> str:
         lines.append(g["title"])
         lines.append(
             f"  {'contender':<32} {'median s':>9} {'GiB/s':>6} {'of limit':>8} {'cpu client':>10} "
-            f"{'cpu server':>10}   other medians"
+            f"{'cpu/GiB':>8} {'cpu server':>10}   other medians"
         )
         if g.get("limit_gib_per_s"):
             lines[-2] += f"  [limit: {g['limit']}, {g['limit_gib_per_s']:.2f} GiB/s]"
@@ -1197,6 +1211,7 @@ def table(results: list[dict[str, Any]]) -> str:
                 f"{'' if gib is None else f'{gib:.2f}':>6} "
                 f"{'' if frac is None else f'{frac:.0%}':>8} "
                 f"{_fmt_s(m['cpu_client_s']['median']):>10} "
+                f"{_fmt_s(c.get('cpu_client_s_per_gib', float('nan'))):>8} "
                 f"{_fmt_s(m.get('cpu_server_s', {}).get('median', float('nan'))):>10}   {other}"
             )
         for cmp in g["comparisons"]:

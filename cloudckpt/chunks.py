@@ -50,7 +50,6 @@ import struct
 import threading
 import zipfile
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Literal
 
@@ -327,11 +326,10 @@ class _Uploader:
         self._lock = threading.Lock()
         self._claimed: set[str] = set()
 
-    def _put(self, sha: str, data: bytes) -> None:
+    def _put(self, sha: str, data: memoryview) -> None:
         key = f"{self.prefix}{protocol.CHUNKS_DIR}{sha}"
-        known = digest.known_sha256(data, bytes.fromhex(sha)) if type(data) is bytes else None
         try:
-            with known or nullcontext():
+            with digest.known_sha256(data, bytes.fromhex(sha)):
                 self.engine.retry(lambda: self.store.put(key, data, mode=CREATE), f"upload {key}")
         except PreconditionFailedError:
             pass  # content-addressed and create-only: whoever won wrote these bytes
@@ -340,11 +338,11 @@ class _Uploader:
     def span(self, source: Path | MemoryFile, offset: int, pieces: list[tuple[int, int]]):
         """One leaf: read it, hash it and its chunks, upload the chunks the index lacks."""
         length = sum(n for _, n in pieces)
-        data = (
-            source.read(offset, length)
-            if isinstance(source, MemoryFile)
-            else (read_at(source, offset, length))
-        )
+        with self.engine.reading(source, offset, length) as data:
+            return self._span(data, offset, pieces)
+
+    def _span(self, data: memoryview, offset: int, pieces: list[tuple[int, int]]):
+        length = len(data)
         leaf = digest.leaf(data)
         refs = []
         for off, n in pieces:

@@ -72,13 +72,15 @@ _known_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def known_sha256(data: bytes, sha256: bytes) -> Iterator[None]:
+def known_sha256(data: bytes | bytearray | memoryview, sha256: bytes) -> Iterator[None]:
     """While the block runs, ``sha256_if_known(data)`` answers ``sha256`` for exactly this
     object (by identity, never by value). The transfer engine registers a one-chunk part's
     leaf (which is the part's SHA-256) around its upload, so a store that signs payloads
-    need not hash the same bytes again. ``data`` must be immutable (``bytes``)."""
-    if type(data) is not bytes or len(sha256) != 32:
-        raise TypeError("known_sha256 takes bytes and a 32-byte SHA-256")
+    need not hash the same bytes again. The caller guarantees that ``data`` does not change
+    while the block runs (``bytes``; or a part's reused buffer or view, which nothing
+    writes before its upload returns)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)) or len(sha256) != 32:
+        raise TypeError("known_sha256 takes a bytes-like part and a 32-byte SHA-256")
     key = id(data)
     with _known_lock:
         _known[key] = (data, sha256)

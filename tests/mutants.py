@@ -212,6 +212,24 @@ def _committed_at_on_the_hosts_clock(setattr_: Callable[[Any, str, Any], None]) 
 
 
 _RETENTION = "tests/test_retention.py::"
+
+
+def _copy_waits_for_no_other_stream(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """save_state copies from a CUDA device without waiting for the device's other
+    streams (as it once waited for the current stream only)."""
+    from cloudckpt.integrations import _device_copy
+
+    setattr_(_device_copy, "wait_for_writers", lambda ops, devices: None)
+
+
+def _upload_reads_ahead_of_the_copy(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The upload of save_state's host memory reads bytes the copy has not reached yet."""
+    from cloudckpt.integrations import _device_copy
+
+    setattr_(_device_copy.Watermark, "wait", lambda self, upto: None)
+
+
+_COPY_TESTS = "tests/test_device_copy.py"
 _WRONG_ORDER = "tests/test_restore.py::test_valid_chunks_in_the_wrong_order_never_restore"
 
 MUTANTS = {
@@ -363,6 +381,27 @@ MUTANTS = {
             (f"{_RETENTION}test_committed_at_and_periods_are_on_the_stores_clock",),
             range(0, 5),
             "not the store's time",
+        ),
+        Mutant(
+            "copy-waits-for-no-other-stream",
+            "a copy from a CUDA device waits for every stream of the device first",
+            _copy_waits_for_no_other_stream,
+            (
+                f"{_COPY_TESTS}::test_every_stream_is_waited_for_then_pieces_land_in_order_behind_the_watermark",
+                f"{_COPY_TESTS}::test_the_upload_reads_the_first_pieces_while_later_ones_are_still_copying",
+            ),
+            why_not_simulated="the simulation saves files, not tensors on a device",
+        ),
+        Mutant(
+            "upload-reads-ahead-of-the-copy",
+            "save_state's upload reads host memory only where the copy has landed",
+            _upload_reads_ahead_of_the_copy,
+            (
+                f"{_COPY_TESTS}::test_every_stream_is_waited_for_then_pieces_land_in_order_behind_the_watermark",
+                f"{_COPY_TESTS}::test_the_upload_reads_the_first_pieces_while_later_ones_are_still_copying",
+                f"{_COPY_TESTS}::test_a_failed_copy_stops_the_readers_and_leaves_no_copy_running",
+            ),
+            why_not_simulated="the simulation saves files, not tensors on a device",
         ),
     ]
 }

@@ -161,27 +161,27 @@ def test_the_loop_waits_only_for_the_copy_and_buffers_are_reused(
     mgr = manager_factory(s3_target)
     weights = {"w": torch.full((256, 256), 1.0), "b": torch.zeros(256)}
 
-    real_read = MemoryFile.read
+    real_view = MemoryFile.view
     reading = threading.Event()
 
-    def slow_read(self, offset, length):
+    def slow_view(self, offset, length):
         reading.set()
         time.sleep(0.3)  # a slow upload, straight from the host buffers
-        return real_read(self, offset, length)
+        return real_view(self, offset, length)
 
-    monkeypatch.setattr(MemoryFile, "read", slow_read)
+    monkeypatch.setattr(MemoryFile, "view", slow_view)
     first = save_state(mgr, 1, weights)
     # Returned before anything was uploaded; the tensors may change at once.
     assert first.blocking_seconds < 0.3
     weights["w"].fill_(2.0)
     weights["b"].fill_(2.0)
     saver = ct._savers[mgr]
-    allocations = saver.pool.allocations
+    allocations = saver.arena.stats().allocations
     # The second save reuses the buffers, which the first save's upload reads: it must
     # wait for that upload before copying (otherwise step 1 would get step 2's values).
     second = save_state(mgr, 2, weights)
     assert reading.is_set() and first.done()
-    assert saver.pool.allocations == allocations == 2
+    assert saver.arena.stats().allocations == allocations == 1  # one block, reused
     first.result(timeout=60)
     second.result(timeout=60)
 
@@ -190,9 +190,10 @@ def test_the_loop_waits_only_for_the_copy_and_buffers_are_reused(
     assert torch.all(one["w"] == 1.0) and torch.all(one["b"] == 0.0)
     assert torch.all(two["w"] == 2.0) and torch.all(two["b"] == 2.0)
 
-    # A state whose shapes changed: new buffers; the unused ones are freed.
+    # A state that shrank: a block of its own size replaces the old one.
     save_state(mgr, 3, {"w": torch.ones(3)}).result(timeout=60)
-    assert saver.pool.nbytes == 3 * 4
+    held = ct.host_memory_stats(mgr)
+    assert held.state_bytes == 3 * 4 and held.total_bytes == held.pageable_bytes == 4096
 
 
 def test_the_upload_reads_the_host_buffers_and_the_staged_copy_is_written_beside_it(
@@ -280,7 +281,7 @@ def test_a_private_saver_can_be_closed(s3_target, manager_factory, tmp_path):
     saver = StateSaver(mgr)
     handle = saver.save(9, {"t": torch.arange(4)})
     saver.close()
-    assert saver.pool.nbytes == 0
+    assert saver.host_memory().total_bytes == 0
     assert handle.result(timeout=60).step == 9
     assert torch.equal(load_state(mgr.restore(into=tmp_path / "r"))["t"], torch.arange(4))
 

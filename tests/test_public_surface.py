@@ -57,7 +57,8 @@ SURFACE = {
         "PreemptionSource", "PreemptionWatcher", "detect_clouds",
     ],
     "cloudckpt.integrations.torch": [
-        "FORMAT", "HostBufferPool", "StateSaver", "load_state", "save_state",
+        "FORMAT", "HostMemoryStats", "StateSaver", "host_memory_stats", "load_state",
+        "reserve_host_memory", "save_state",
     ],
     "cloudckpt.integrations.hf": ["CheckpointCallback", "fix_trainer_state", "resume"],
     "cloudckpt.integrations.lightning": [

@@ -23,25 +23,36 @@ What ``save_state`` does, and what the training loop waits for:
    ``optimizer.state_dict()``), lists and tuples; tensors; plain values.
 2. (caller) Wait for the previous ``save_state`` of this manager to be done with its host
    buffers (uploaded and committed, or failed), because they are about to be reused.
-3. (caller) Copy every tensor into a reused host buffer (pinned when the tensor is on a GPU,
-   with one stream synchronisation at the end). This copy is all the loop waits for; after
-   it the tensors may change freely.
-4. (background) Describe the files in memory: ``tensors.safetensors`` laid out as its
-   header followed by the host buffers themselves (no copy, ``transfer.MemoryFile``), a
-   small ``state.json`` describing the structure and the plain values, and, only if some
-   leaf is neither a tensor nor a plain value, ``objects.pt``. The manager uploads them
-   straight from memory and commits; the staged copy on local disk, which only a crash
-   before the commit would need, is written and fsynced beside the upload (the commit does
-   not wait for it) and dropped once the commit lands. A buffer safetensors' own layout
-   cannot describe here (a big-endian host) falls back to writing the files first.
+3. (caller) Copy every tensor into reused host memory (``HostArena``: one block per kind,
+   carved per save, kept between saves). From a CUDA device: first wait for every stream
+   of the device (``torch.cuda.synchronize(device)``: a tensor last written on a side
+   stream is copied after that write), then copy into pinned memory on a copy stream of
+   the saver's own, in pieces of at most 64 MiB with an event after each. This copy is
+   all the loop waits for; after it the tensors may change freely.
+4. (background, from the first piece on) Describe the files in memory:
+   ``tensors.safetensors`` laid out as its header followed by the host memory itself (no
+   copy, ``transfer.MemoryFile``), a small ``state.json`` describing the structure and the
+   plain values, and, only if some leaf is neither a tensor nor a plain value,
+   ``objects.pt``. The manager uploads them straight from memory and commits: the upload
+   reads (hashes, sends) each piece as soon as it has landed, while later pieces are
+   still being copied from the GPU (``_device_copy``). The staged copy on local disk,
+   which only a crash before the commit would need, is written and fsynced beside the
+   upload (the commit does not wait for it) and dropped once the commit lands. A buffer
+   safetensors' own layout cannot describe here (a big-endian host) falls back to writing
+   the files once the copy is done.
 
-Buffer policy: one set of host buffers per manager, keyed by (shape, dtype, pinned) and kept
-between saves, so steady-state saves allocate nothing and pin nothing (pinning is slow).
-Host memory is therefore about one copy of the state. A second ``save_state`` issued while
-the first is still uploading waits for that upload (step 2) rather than allocate a second
-set: checkpoints are minutes apart and an upload takes seconds, so the wait is almost
-always zero, and host RAM is usually what is short. Buffers a save no longer needs
-(the state changed shape) are freed after it. ``StateSaver(manager).close()`` frees them all.
+Host memory: pinned (registered with CUDA with ``cudaHostRegister``, as DCP's stager does)
+for tensors on CUDA devices, pageable for the rest, each kind one page-aligned block sized
+to the state (slots aligned to 64 bytes, 4 KiB for tensors of 1 MiB or more; torch's
+``pin_memory=True`` would round every tensor up to a power of two: 1.3-2x the state). So
+host memory is one copy of the state plus at most a page per large tensor, allocated and
+pinned by the first save (inside its stall) or ahead of it by ``reserve_host_memory``;
+steady-state saves allocate and pin nothing. A second ``save_state`` issued while the
+first is still uploading waits for that upload rather than allocate a second copy:
+checkpoints are minutes apart and an upload takes seconds, so the wait is almost always
+zero, and host RAM is usually what is short. A state that grows gets a larger block (the
+old one is released first); one that shrinks below 80% of the block gets a smaller one.
+``host_memory_stats(manager)`` reports it; ``StateSaver(manager).close()`` frees it.
 
 File format (``cloudckpt.torch/1``):
 
@@ -74,6 +85,7 @@ import base64
 import collections
 import concurrent.futures as cf
 import contextlib
+import dataclasses
 import io
 import json
 import logging
@@ -96,6 +108,15 @@ from cloudckpt.errors import (
     CorruptionError,
     MissingDependencyError,
 )
+from cloudckpt.integrations._device_copy import (
+    COPY_THREADS,
+    CudaOps,
+    Item,
+    Watermark,
+    copy_items,
+    kind_of,
+)
+from cloudckpt.integrations._host_memory import HostArena, HostMemoryStats
 from cloudckpt.manager import CheckpointManager, SaveHandle
 from cloudckpt.restore import RestoreResult
 from cloudckpt.transfer import MemoryFile
@@ -112,9 +133,11 @@ except ImportError as _exc:  # pragma: no cover - exercised only without the ext
 
 __all__ = [
     "FORMAT",
-    "HostBufferPool",
+    "HostMemoryStats",
     "StateSaver",
+    "host_memory_stats",
     "load_state",
+    "reserve_host_memory",
     "save_state",
 ]
 
@@ -156,51 +179,6 @@ _NP_TO_TORCH_OK = {
 # ------------------------------------------------------------------------------ buffers
 
 
-class HostBufferPool:
-    """Host tensors reused across saves, keyed by (shape, dtype, pinned).
-
-    ``begin()`` starts a round; ``take()`` hands out the next buffer of a kind (allocating
-    only when the pool has too few); ``end()`` frees buffers the round did not use.
-    Not thread-safe: one round at a time (``StateSaver`` guarantees it).
-    """
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[Any, ...], list[torch.Tensor]] = collections.defaultdict(list)
-        self._used: dict[tuple[Any, ...], int] = collections.Counter()
-        self.allocations = 0  # buffers allocated so far (for tests and tuning)
-
-    def begin(self) -> None:
-        self._used = collections.Counter()
-
-    def take(self, shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-        key = (tuple(shape), dtype, pin)
-        index = self._used[key]
-        self._used[key] += 1
-        buffers = self._free[key]
-        if index < len(buffers):
-            return buffers[index]
-        buf = torch.empty(tuple(shape), dtype=dtype, pin_memory=pin)
-        buffers.append(buf)
-        self.allocations += 1
-        return buf
-
-    def end(self) -> None:
-        for key in list(self._free):
-            keep = self._used.get(key, 0)
-            if keep == 0:
-                del self._free[key]
-            else:
-                del self._free[key][keep:]
-
-    def clear(self) -> None:
-        self._free.clear()
-        self._used = collections.Counter()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for bufs in self._free.values() for b in bufs)
-
-
 # ------------------------------------------------------------------------------ encoding
 
 
@@ -211,7 +189,8 @@ def _escape(component: str) -> str:
 class _Flattener:
     """Turn a nested state into (JSON tree, named tensors, pickled leftovers)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sizing: bool = False) -> None:
+        self.sizing = sizing  # only to size host memory: copy nothing
         self.tensors: dict[str, torch.Tensor] = {}  # name -> source tensor (dense)
         self.arrays: dict[str, Any] = {}  # name -> numpy array (copied at once)
         self.objects: list[Any] = []
@@ -306,7 +285,7 @@ class _Flattener:
                 return {"__np__": [value.dtype.name, self.leaf(value.item(), path)]}
             if type(value) is np.ndarray and not as_key and _array_ok(value):
                 name = self._name(path)
-                self.arrays[name] = np.array(value, copy=True, order="C")
+                self.arrays[name] = value if self.sizing else np.array(value, copy=True, order="C")
                 return {"__ndarray__": name}
         if as_key:
             raise ConfigurationError(
@@ -330,6 +309,8 @@ class _Flattener:
             and not t.is_nested
         )
         if not dense:
+            if self.sizing:
+                return self.obj(None, path)
             return self.obj(t.clone() if t.device.type == "cpu" else t.cpu(), path)
         storage = t.untyped_storage()
         view = (
@@ -425,38 +406,6 @@ def _decode(node: Any, tensors: Mapping[str, torch.Tensor], objects: list[Any]) 
 # ------------------------------------------------------------------------------ saving
 
 
-_COPY_SLICE = 32 * 1024 * 1024  # bytes per memcpy handed to a copier thread
-# Four copier threads per core: memcpy is memory-bound, so on an idle host two threads
-# already saturate it, but on a busy one (data loaders, other jobs: the --hogs benchmark)
-# the scheduler shares the CPU per thread, and more threads get the copy a larger share.
-_COPY_THREADS = max(2, min(32, 4 * (os.cpu_count() or 1)))
-
-
-def _memcpy(dst: torch.Tensor, src: torch.Tensor, copiers: cf.Executor | None = None) -> list:
-    """Copy a contiguous CPU tensor with plain memcpys (through numpy, which releases the
-    GIL); big tensors are cut into slices for ``copiers``. Returns the futures to wait on.
-
-    ``Tensor.copy_`` splits large CPU copies over the intra-op thread pool; on a busy or
-    oversubscribed host (the training process's own threads, data loaders) those threads
-    spin and wait, and the copy was measured 3-10x slower than a single memcpy. A few
-    plain threads, each copying 32 MiB slices, were measured 1.5-1.7x faster than one
-    memcpy on 2 cores (one thread does not saturate memory bandwidth).
-    """
-    np = _numpy()
-    if np is None or src.numel() == 0:
-        dst.copy_(src)
-        return []
-    to = dst.reshape(-1).view(torch.uint8).numpy()
-    frm = src.reshape(-1).view(torch.uint8).numpy()
-    if copiers is None or len(frm) <= _COPY_SLICE:
-        np.copyto(to, frm)
-        return []
-    return [
-        copiers.submit(np.copyto, to[i : i + _COPY_SLICE], frm[i : i + _COPY_SLICE])
-        for i in range(0, len(frm), _COPY_SLICE)
-    ]
-
-
 _ST_NAMES = {dtype: name for name, dtype in getattr(_st, "_TYPES", {}).items()}
 
 
@@ -485,11 +434,13 @@ def _memory_files(
     buffers: Mapping[str, torch.Tensor],
     flat: _Flattener,
     objects_blob: bytes | None,
+    copied: Watermark | None = None,
 ) -> list[tuple[str, MemoryFile]] | None:
     """The checkpoint's files as in-memory buffers, to upload without writing them first:
     ``tensors.safetensors`` laid out here (an 8-byte little-endian header length, the JSON
     header padded with spaces to 8 bytes, then every tensor's bytes back to back, in name
     order) over the host buffers themselves, no copy; ``state.json``; ``objects.pt``.
+    With ``copied``, reads of the tensors' bytes wait until the copy has reached them.
     None when a buffer cannot be laid out so (a dtype without a safetensors name, a
     big-endian host): the caller then writes the files with safetensors as before."""
     if sys.byteorder != "little":
@@ -513,7 +464,15 @@ def _memory_files(
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    files = [(TENSORS_FILE, MemoryFile([len(head).to_bytes(8, "little"), head, *segments]))]
+    ready = None
+    if copied is not None:
+        data_start = 8 + len(head)
+
+        def ready(end: int) -> None:
+            if end > data_start:
+                copied.wait(end - data_start)
+
+    files = [(TENSORS_FILE, MemoryFile([len(head).to_bytes(8, "little"), head, *segments], ready))]
     if objects_blob is not None:
         files.append((OBJECTS_FILE, MemoryFile([objects_blob])))
     doc = json.dumps(_state_doc(tree, flat), allow_nan=False, sort_keys=True).encode()
@@ -522,17 +481,21 @@ def _memory_files(
 
 
 class StateSaver:
-    """Saves state dicts through one ``CheckpointManager`` with one reused buffer set.
+    """Saves state dicts through one ``CheckpointManager`` with one reused host arena.
 
     ``save_state(manager, ...)`` uses one ``StateSaver`` per manager, created on first
-    use; make your own only to control its lifetime (``close()`` frees the buffers).
+    use; make your own only to control its lifetime (``close()`` frees the host memory).
+    ``arena`` is its ``HostArena``; ``reserve(state)`` allocates (and pins) it ahead of the
+    first save; ``host_memory()`` reports it.
     """
 
     def __init__(self, manager: CheckpointManager) -> None:
         self.manager = manager
-        self.pool = HostBufferPool()
+        self.arena = HostArena()
+        self.state_bytes = 0  # bytes of tensors in the last save (or reserve)
         self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloudckpt-state")
-        self._copiers = cf.ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="cloudckpt-copy")
+        self._copiers = cf.ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="cloudckpt-copy")
+        self._cuda: CudaOps | None = None
         self._previous: cf.Future[None] | None = None
         self._last: SaveHandle | None = None
         self._lock = threading.Lock()  # one save_state at a time per saver
@@ -573,15 +536,16 @@ class StateSaver:
             # manager's save() below raises it (and this save starts nothing).
             if self._previous is not None:
                 self._previous.result()  # background() itself raises only on a bug
+            items, buffers = self._plan(flat)  # may allocate (and pin) host memory
             # Validates step, metadata and metrics.
             handle = self.manager.save(step, metadata, metrics=metrics)
             handle._background = True  # a failure in background() reaches no caller
             self._last = handle
-
+            # The upload starts while the copy runs and reads each piece once it has
+            # landed (module docstring of _device_copy).
+            copied = Watermark(sum(it.nbytes for it in items))
             entered = threading.Event()
-            copied = threading.Event()
-            caller_done = threading.Event()
-            cell: dict[str, Any] = {}
+            cell: dict[str, BaseException] = {}
 
             def background() -> None:
                 try:
@@ -591,77 +555,115 @@ class StateSaver:
                     entered.set()
                     return
                 entered.set()
-                copied.wait()
                 try:
-                    if "copy_error" in cell:
-                        raise cell["copy_error"]
-                    files = _memory_files(tree, cell["buffers"], flat, objects_blob)
+                    files = _memory_files(tree, buffers, flat, objects_blob, copied)
                     if files is None:  # a layout only safetensors' own writer knows
-                        self._write(files_dir, tree, cell["buffers"], flat, objects_blob)
+                        copied.wait(copied.total)
+                        self._write(files_dir, tree, buffers, flat, objects_blob)
                     handle._memory_files = files
                 except BaseException as exc:
-                    if "copy_error" in cell:  # raised to the caller of save(): told
+                    if copied.failed:  # the copy's failure is raised to the caller: told
                         handle._background = False
                     else:
                         log.error("writing the state of step %d failed: %r", step, exc)
                     # The save fails; the next save()/wait()/close() raises it.
                     handle.__exit__(type(exc), exc, exc.__traceback__)
                     return
-                caller_done.wait(60)
-                handle.blocking_seconds = cell.get("blocking", 0.0)
                 try:
-                    handle.__exit__(None, None, None)
+                    handle.__exit__(None, None, None)  # the upload starts, behind the copy
                 except Exception:  # the hand-over failed (staging disk): the handle has it
                     return
-                if files is not None:
-                    # The upload (and the staged copy) read the host buffers until the
-                    # save is done: the next save_state waits for that before reusing them.
-                    cf.wait([handle._future])
+                # The upload (and the staged copy) read the host memory until the save is
+                # done: the next save_state waits for that before reusing it.
+                cf.wait([handle._future])
+                handle._memory_files = None  # let go of this save's views of the arena
+
+            def copy_done() -> None:
+                handle.blocking_seconds = time.perf_counter() - started
 
             future = self._executor.submit(background)
             self._previous = future
             try:
-                cell["buffers"] = self._copy(flat)
-            except BaseException as exc:
-                cell["copy_error"] = exc
+                copy_items(items, copied, self._copiers, self._cuda_ops(items), copy_done)
+            except BaseException:
+                # Raised to the caller here; the save fails (its upload reads behind the
+                # copy and stops at the failure) and is not raised again later.
+                handle._reported = True
                 raise
             finally:
-                copied.set()
                 entered.wait()
-                cell["blocking"] = time.perf_counter() - started
-                caller_done.set()
             if "enter_error" in cell:
                 raise cell["enter_error"]
-            handle.blocking_seconds = cell["blocking"]
+            handle.blocking_seconds = time.perf_counter() - started
             return handle
 
-    def _copy(self, flat: _Flattener) -> dict[str, torch.Tensor]:
-        self.pool.begin()
-        out: dict[str, torch.Tensor] = {}
-        devices: set[torch.device] = set()
-        pending: list[cf.Future] = []
-        try:
-            for name, t in flat.tensors.items():
-                on_accel = t.device.type not in ("cpu", "meta")
-                pin = on_accel and t.device.type == "cuda" and torch.cuda.is_available()
-                buf = self.pool.take(t.shape, t.dtype, pin)
-                if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
-                    pending += _memcpy(buf, t, self._copiers)
-                else:
-                    buf.copy_(t, non_blocking=pin)
-                if pin:
-                    devices.add(t.device)
-                out[name] = buf
-            for future in pending:
-                future.result()
-            for device in devices:
-                torch.cuda.current_stream(device).synchronize()
-            for name, array in flat.arrays.items():
-                out[name] = torch.from_numpy(array)
-        finally:
-            cf.wait(pending)  # even after a failure: no copy outlives the call
-            self.pool.end()
-        return out
+    def _cuda_ops(self, items: list[Item]) -> CudaOps | None:
+        if self._cuda is None and any(it.kind == "dma" for it in items):
+            self._cuda = CudaOps()
+        return self._cuda
+
+    @staticmethod
+    def _sizes(flat: _Flattener) -> tuple[list[str], dict[str, str], list[int], list[int]]:
+        """Names in file order, each tensor's copy kind, and the slot sizes per kind
+        (pinned for copies from CUDA devices, pageable for the rest)."""
+        names = sorted({*flat.tensors, *flat.arrays})
+        kinds: dict[str, str] = {}
+        pinned: list[int] = []
+        pageable: list[int] = []
+        for name in names:
+            t = flat.tensors.get(name)
+            if t is None:
+                continue
+            kinds[name] = kind_of(t)
+            (pinned if kinds[name] == "dma" else pageable).append(t.numel() * t.element_size())
+        return names, kinds, pinned, pageable
+
+    def _plan(self, flat: _Flattener) -> tuple[list[Item], dict[str, torch.Tensor]]:
+        """The copy items in file order and the host tensors they fill (slots of the
+        arena, carved for this save; numpy arrays as they are)."""
+        names, kinds, pinned_sizes, pageable_sizes = self._sizes(flat)
+        slots = {
+            True: iter(self.arena.carve(pinned_sizes, pin=True)),
+            False: iter(self.arena.carve(pageable_sizes, pin=False)),
+        }
+        items: list[Item] = []
+        buffers: dict[str, torch.Tensor] = {}
+        for name in names:
+            if name in flat.arrays:
+                array = torch.from_numpy(flat.arrays[name])
+                items.append(Item(name, None, array, array.numel() * array.element_size(), "ready"))
+                buffers[name] = array
+                continue
+            t = flat.tensors[name]
+            slot = next(slots[kinds[name] == "dma"])
+            dst = slot.view(t.dtype).view(t.shape)
+            items.append(Item(name, t, dst, slot.numel(), kinds[name]))
+            buffers[name] = dst
+        self.state_bytes = sum(pinned_sizes) + sum(pageable_sizes)
+        return items, buffers
+
+    def reserve(self, state: Any) -> HostMemoryStats:
+        """Allocate (and pin, for tensors on CUDA devices) the host memory a save of
+        ``state`` will use, now instead of inside the first save's stall; nothing is
+        copied. Returns ``host_memory()``.
+
+        Raises ConfigurationError (what ``save_state`` would refuse in the state),
+        StagingError (the memory cannot be allocated)."""
+        flat = _Flattener(sizing=True)
+        flat.node(state, ())
+        _, _, pinned_sizes, pageable_sizes = self._sizes(flat)
+        with self._lock:
+            if self._previous is not None:  # a block it reads may be replaced
+                cf.wait([self._previous])
+            self.arena.reserve(pinned_sizes, pin=True)
+            self.arena.reserve(pageable_sizes, pin=False)
+            self.state_bytes = sum(pinned_sizes) + sum(pageable_sizes)
+        return self.host_memory()
+
+    def host_memory(self) -> HostMemoryStats:
+        """The host memory this saver holds (``HostMemoryStats``; ``state_bytes``: the
+        tensors of the last save or reserve)."""
+        return dataclasses.replace(self.arena.stats(), state_bytes=self.state_bytes)
 
     @staticmethod
     def _write(
@@ -701,7 +703,7 @@ class StateSaver:
         finally:
             self._executor.shutdown(wait=True)
             self._copiers.shutdown(wait=True)
-            self.pool.clear()
+            self.arena.release()
             with contextlib.suppress(KeyError, TypeError):
                 if _savers.get(self.manager) is self:
                     del _savers[self.manager]
@@ -736,11 +738,37 @@ def save_state(
     keys, a cycle, bad step or metadata), FencedError, StagingError. Failures after the
     return are raised by ``handle.result()`` too.
     """
+    return _saver(manager).save(step, state_dict, metadata, metrics=metrics)
+
+
+def _saver(manager: CheckpointManager) -> StateSaver:
+    """The ``StateSaver`` ``save_state`` uses for ``manager`` (created on first use)."""
     with _savers_lock:
         saver = _savers.get(manager)
         if saver is None:
             saver = _savers[manager] = StateSaver(manager)
-    return saver.save(step, state_dict, metadata, metrics=metrics)
+    return saver
+
+
+def reserve_host_memory(manager: CheckpointManager, state_dict: Any) -> HostMemoryStats:
+    """Allocate the host memory ``save_state(manager, ...)`` will copy ``state_dict`` into,
+    now: pinned (registered with CUDA) for tensors on CUDA devices, pageable for the rest,
+    each kind one block sized to the state (``HostArena``). Call it once the model and
+    optimizer exist (after a first step, so that the optimizer's state exists too);
+    otherwise the first save pays for it inside its stall (pinning gigabytes takes
+    seconds). Nothing is copied. Returns what is held, as ``host_memory_stats``.
+
+    Raises ConfigurationError (what ``save_state`` would refuse in the state) or
+    StagingError (the memory cannot be allocated).
+    """
+    return _saver(manager).reserve(state_dict)
+
+
+def host_memory_stats(manager: CheckpointManager) -> HostMemoryStats:
+    """The host memory ``save_state`` holds for ``manager``: ``pinned_bytes`` and
+    ``pageable_bytes`` against ``state_bytes`` (the tensors of its last save or reserve),
+    blocks allocated so far, pins CUDA refused."""
+    return _saver(manager).host_memory()
 
 
 # ------------------------------------------------------------------------------ loading

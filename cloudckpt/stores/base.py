@@ -27,8 +27,7 @@ import dataclasses
 import datetime as dt
 from collections.abc import Iterator, Sequence
 
-import google_crc32c
-
+from cloudckpt import _crc32c
 from cloudckpt.errors import ConfigurationError, UnsupportedBackendError
 
 INTERNAL_PREFIX = ".cloudckpt/"
@@ -119,9 +118,10 @@ class Capabilities:
         return missing
 
 
-def crc32c_b64(data: bytes | memoryview) -> str:
-    """CRC32C of ``data`` as base64 of its 4 big-endian bytes (the S3/GCS header form)."""
-    return base64.b64encode(google_crc32c.value(data).to_bytes(4, "big")).decode("ascii")
+def crc32c_b64(data: bytes | bytearray | memoryview) -> str:
+    """CRC32C of ``data`` (any contiguous buffer, not copied: ``cloudckpt._crc32c``) as
+    base64 of its 4 big-endian bytes (the S3/GCS header form)."""
+    return base64.b64encode(_crc32c.value(data).to_bytes(4, "big")).decode("ascii")
 
 
 def validate_key(key: str) -> str:

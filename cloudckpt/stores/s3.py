@@ -276,6 +276,61 @@ def _send_bytes_whole(client: Any) -> None:
         client.meta.events.unregister(f"before-parameter-build.s3.{op}", handler)
 
 
+class _ViewBody(bytearray):
+    """An empty stand-in for a body that lives in memory the caller owns (a ``memoryview``
+    of a reused part buffer or of ``save_state``'s host memory). botocore's parameter
+    validation takes only bytes, bytearray or file-like bodies, and a copy into ``bytes``
+    costs a fresh allocation per part (page faults: more CPU than hashing it). This object
+    passes the validation and is replaced by the view itself when the request is created
+    (``_send_views_whole``), before signing and before Content-Length is computed. Should a
+    botocore version read the body in between, it would see zero bytes, which the CRC32C we
+    send with every body does not match: the store refuses the request, nothing is stored."""
+
+    __slots__ = ("view",)
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self.view = view
+
+
+def _body(data: bytes | bytearray | memoryview) -> bytes | bytearray:
+    """What to hand botocore for ``data``, without copying it."""
+    if isinstance(data, (bytes, bytearray)):
+        return data
+    view = memoryview(data)
+    if not view.c_contiguous:
+        return bytes(view)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return _ViewBody(view)
+
+
+def _no_rewind() -> None:
+    """A view body is sent again whole on a retry: nothing to rewind."""
+
+
+def _send_views_whole(client: Any) -> None:
+    """Put each ``_ViewBody``'s view in its place once the request exists (first, before
+    this client's signer sees it); http.client then sends it with one ``sendall``. Before
+    a retry botocore rewinds the body of the request it sent (``reset_stream``, which
+    refuses anything but bytes, str, bytearray or a seekable stream) and then builds the
+    request anew from the parameters, so the swap happens again: for a view there is
+    nothing to rewind."""
+
+    def swap(request: Any, **kwargs: Any) -> None:
+        if isinstance(request.data, _ViewBody):
+            request.data = request.data.view
+
+    def sent_whole(request: Any, **kwargs: Any) -> None:
+        if isinstance(request.body, memoryview):
+            request.reset_stream = _no_rewind
+        # (None: a before-send handler that returned something would replace the response)
+
+    for op in ("PutObject", "UploadPart"):
+        client.meta.events.register_first(f"request-created.s3.{op}", swap)
+        client.meta.events.register(f"before-send.s3.{op}", sent_whole)
+
+
 def _use_prehashed_payloads(client: Any) -> None:
     """Make this client's plain S3 SigV4 signer a ``_PrehashedS3SigV4Auth`` (only this
     client; other signature versions are left alone; no-op if botocore's internals differ)."""
@@ -458,6 +513,7 @@ class S3Store(Store):
         _check_endpoint(client.meta.endpoint_url, _endpoint_source(kwargs))
         client.meta.events.register_first("needs-retry.s3", _no_retry_on_tls_mismatch)
         _send_bytes_whole(client)
+        _send_views_whole(client)
         _use_prehashed_payloads(client)
         return client
 
@@ -756,13 +812,13 @@ class S3Store(Store):
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = OVERWRITE) -> ObjectInfo:
         """Raises PreconditionFailedError (lost create/compare-and-swap, or Update of a
         missing key), StoreConflictError (409), OutcomeUnknownError, BucketNotFoundError, ..."""
-        body = bytes(data)
+        body = _body(data)  # no copy: the caller keeps data unchanged until this returns
         params: dict[str, Any] = {
             "Key": self._full(key),
             "Body": body,
             # Our own CRC32C: botocore then computes none, and S3 verifies this one.
             "ChecksumAlgorithm": "CRC32C",
-            "ChecksumCRC32C": crc32c_b64(body),
+            "ChecksumCRC32C": crc32c_b64(data),
         }
         if isinstance(mode, Create):
             params["IfNoneMatch"] = "*"
@@ -772,7 +828,7 @@ class S3Store(Store):
         # a lost CAS either way.
         missing = PreconditionFailedError if isinstance(mode, Update) else ObjectNotFoundError
         resp = self._call("put_object", key, write=True, missing=missing, **params)
-        return self._info(key, resp, size=len(body))
+        return self._info(key, resp, size=memoryview(data).nbytes)
 
     def delete(self, key: str) -> None:
         """Deleting a missing key is fine. Raises OutcomeUnknownError, BucketNotFoundError, ..."""
@@ -853,8 +909,8 @@ class S3Store(Store):
     ) -> PartInfo:
         """Raises ChecksumMismatchError (S3 BadDigest; moto never checks),
         ObjectNotFoundError (unknown upload), TransientStoreError (safe to retry), ..."""
-        body = bytes(data)  # the same object when it is bytes already
-        crc = crc32c or crc32c_b64(body)
+        body = _body(data)  # no copy: the caller keeps data unchanged until this returns
+        crc = crc32c or crc32c_b64(data)
         resp = self._call(
             "upload_part",
             upload.key,
@@ -865,7 +921,9 @@ class S3Store(Store):
             ChecksumAlgorithm="CRC32C",
             ChecksumCRC32C=crc,
         )
-        return PartInfo(part_number, resp["ETag"], resp.get("ChecksumCRC32C") or crc, len(body))
+        return PartInfo(
+            part_number, resp["ETag"], resp.get("ChecksumCRC32C") or crc, memoryview(data).nbytes
+        )
 
     def complete_multipart(
         self, upload: MultipartUpload, parts: Sequence[PartInfo], *, mode: PutMode = CREATE

@@ -1,0 +1,317 @@
+"""Copying a state's tensors into host memory for ``save_state``: which streams are waited
+for, how the copies are cut into pieces, and the watermark the upload reads behind.
+
+**The stream rule (issue 24 item 1).** Before the first copy from a CUDA device, the saver
+waits for every stream of that device: ``torch.cuda.synchronize(device)``. A tensor may
+have been written last on any stream (a side-stream optimizer, FSDP's or NCCL's
+communication streams, a user's stream); waiting only for the current stream, as
+``save_state`` did, let a copy read a tensor before such a write landed. Recording events
+where the user says would be cheaper only for a loop that keeps long-running work queued on
+other streams at the moment it saves, and it would put the burden of naming every stream on
+the caller; a missed one is a silently stale checkpoint. Cost: the stall includes whatever
+is still queued on the device when ``save_state`` is called (usually the tail of the
+optimizer step, which the copy of the weights has to wait for anyway). A save called while
+a collective is in flight waits for the collective, which completes once every rank has
+issued it (each rank issues its collectives in the same order, so no rank waits for one
+that another rank issues only after its own save).
+
+**Pieces (item 3).** Device-to-host copies run on a copy stream of each device's own, in
+file order, cut into pieces of at most ``PIECE`` bytes (a tensor that is not contiguous is
+cut along its first dimension, so the contiguous temporary the GPU makes for it is one
+piece, not the whole tensor), with an event recorded after every ``PIECE`` bytes. The
+caller waits for the events in order and advances a ``Watermark`` after each: the upload
+reads and hashes the first pieces while the later ones are still being copied. The caller
+returns once the last piece has landed, as before, so the stall is the copy itself; the
+hashing runs on other cores meanwhile, and a DMA copy needs none. Copies from CPU tensors
+(plain memcpys on the copier threads) are all waited for before the watermark moves: they
+use the very cores the hashing would, so overlapping them would lengthen the stall.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import dataclasses
+import functools
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from cloudckpt.errors import StagingError
+
+MiB = 1024 * 1024
+PIECE = 64 * MiB  # bytes per device-to-host copy between two events
+
+_COPY_SLICE = 32 * MiB  # bytes per memcpy handed to a copier thread
+# Four copier threads per core: memcpy is memory-bound, so on an idle host two threads
+# already saturate it, but on a busy one (data loaders, other jobs: the --hogs benchmark)
+# the scheduler shares the CPU per thread, and more threads get the copy a larger share.
+COPY_THREADS = max(2, min(32, 4 * (os.cpu_count() or 1)))
+
+#: How an item is copied: ``dma`` (from a CUDA device, asynchronously, into pinned
+#: memory), ``memcpy`` (a contiguous CPU tensor, on the copier threads), ``blocking``
+#: (anything else: ``Tensor.copy_`` in the caller's thread), ``ready`` (already in host
+#: memory: a numpy array copied when the state was walked).
+KINDS = ("dma", "memcpy", "blocking", "ready")
+
+
+def kind_of(t: torch.Tensor) -> str:
+    """How ``t`` is copied into host memory (see ``KINDS``)."""
+    if t.device.type == "cuda":
+        return "dma"
+    if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+        return "memcpy"
+    return "blocking"
+
+
+@dataclasses.dataclass
+class Item:
+    """One tensor of the file: ``src`` is copied into ``dst`` (a host tensor of the same
+    shape and dtype, viewing the arena); ``nbytes`` is its size in the file."""
+
+    name: str
+    src: torch.Tensor | None
+    dst: torch.Tensor
+    nbytes: int
+    kind: str
+    source_device: torch.device | None = None  # default: src.device
+
+    @property
+    def device(self) -> torch.device | None:
+        if self.source_device is not None:
+            return self.source_device
+        return None if self.src is None else self.src.device
+
+
+class Watermark:
+    """How many bytes of the file's data section (its tensors, in file order) are in host
+    memory. The copying thread advances it; readers wait for the bytes they need."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self._pos = 0
+        self._error: BaseException | None = None
+        self._cv = threading.Condition()
+
+    @property
+    def position(self) -> int:
+        return self._pos
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def advance(self, upto: int) -> None:
+        with self._cv:
+            self._pos = max(self._pos, min(upto, self.total))
+            self._cv.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        with self._cv:
+            self._error = exc
+            self._cv.notify_all()
+
+    def wait(self, upto: int) -> None:
+        """Return once the first ``upto`` bytes are in host memory.
+
+        Raises StagingError (chained to the cause) if the copy failed."""
+        upto = min(upto, self.total)
+        with self._cv:
+            while self._pos < upto and self._error is None:
+                self._cv.wait()
+            if self._error is not None:
+                raise StagingError(
+                    f"copying the state into host memory failed: {self._error!r}",
+                    hint="save_state raised the cause to its caller; nothing of this step "
+                    "is stored",
+                ) from self._error
+
+
+class CudaOps:
+    """The CUDA calls the copy makes; tests on machines without a GPU stand in for it."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, Any] = {}
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+
+    def stream(self, device: torch.device) -> Any:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def record(self, stream: Any) -> Any:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait(self, event: Any) -> None:
+        event.synchronize()
+
+    def drain(self, stream: Any) -> None:
+        stream.synchronize()
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:  # only without the [torch] extra's numpy
+        return None
+    return numpy
+
+
+def memcpy(dst: torch.Tensor, src: torch.Tensor, copiers: cf.Executor | None = None) -> list:
+    """Copy a contiguous CPU tensor with plain memcpys (through numpy, which releases the
+    GIL); big tensors are cut into slices for ``copiers``. Returns the futures to wait on.
+
+    ``Tensor.copy_`` splits large CPU copies over the intra-op thread pool; on a busy or
+    oversubscribed host (the training process's own threads, data loaders) those threads
+    spin and wait, and the copy was measured 3-10x slower than a single memcpy. A few
+    plain threads, each copying 32 MiB slices, were measured 1.5-1.7x faster than one
+    memcpy on 2 cores (one thread does not saturate memory bandwidth).
+    """
+    np = _numpy()
+    if np is None or src.numel() == 0:
+        dst.copy_(src)
+        return []
+    to = dst.reshape(-1).view(torch.uint8).numpy()
+    frm = src.reshape(-1).view(torch.uint8).numpy()
+    if copiers is None or len(frm) <= _COPY_SLICE:
+        np.copyto(to, frm)
+        return []
+    return [
+        copiers.submit(np.copyto, to[i : i + _COPY_SLICE], frm[i : i + _COPY_SLICE])
+        for i in range(0, len(frm), _COPY_SLICE)
+    ]
+
+
+def pieces(
+    dst: torch.Tensor, src: torch.Tensor, piece: int = PIECE
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+    """(dst part, src part, bytes) covering the tensor in order, each at most ``piece``
+    bytes where the tensor allows: contiguous tensors are cut anywhere, others along
+    their first dimension (a row bigger than ``piece`` is one piece)."""
+    nbytes = src.numel() * src.element_size()
+    if nbytes <= piece or src.dim() == 0:
+        yield dst, src, nbytes
+        return
+    if src.is_contiguous():
+        d, s = dst.reshape(-1), src.reshape(-1)
+        step = max(1, piece // src.element_size())
+        for i in range(0, s.numel(), step):
+            part = s[i : i + step]
+            yield d[i : i + step], part, part.numel() * part.element_size()
+        return
+    rows = src.shape[0]
+    row_bytes = nbytes // rows
+    step = max(1, piece // max(1, row_bytes))
+    for i in range(0, rows, step):
+        part = src[i : i + step]
+        yield dst[i : i + step], part, part.numel() * part.element_size()
+
+
+def _results(futures: list[cf.Future]) -> None:
+    for f in futures:
+        f.result()
+
+
+def _nothing() -> None:
+    pass
+
+
+def wait_for_writers(ops: CudaOps, devices: set[torch.device]) -> None:
+    """The stream rule (module docstring): every stream of every device copied from."""
+    for device in sorted(devices, key=str):
+        ops.synchronize(device)
+
+
+def copy_items(
+    items: Sequence[Item],
+    watermark: Watermark,
+    copiers: cf.Executor | None,
+    ops: CudaOps | None,
+    on_copied: Callable[[], None] | None = None,
+    piece: int = PIECE,
+) -> None:
+    """Copy every item (in file order) and advance ``watermark`` as pieces land (module
+    docstring); ``on_copied`` runs once everything is copied, just before the watermark
+    reaches the end. Returns when every copy has completed; no copy outlives the call,
+    whatever it raises, and on a failure the watermark fails with it.
+
+    Raises what a copy raised (a CUDA error, a KeyboardInterrupt...)."""
+    marks: list[tuple[int, Callable[[], None]]] = []  # (data bytes covered, wait for them)
+    cpu_work: list[cf.Future] = []
+    streams: list[Any] = []
+    try:
+        dma = [it for it in items if it.kind == "dma"]
+        if dma and ops is None:
+            raise RuntimeError("a CUDA tensor to copy without CUDA")
+        if dma:
+            assert ops is not None
+            wait_for_writers(ops, {it.device for it in dma if it.device is not None})
+        pos = 0
+        stream: Any = None  # the stream with copies since its last event
+        unmarked = 0
+
+        def flush() -> None:
+            nonlocal stream, unmarked
+            if stream is not None:
+                assert ops is not None
+                marks.append((pos, functools.partial(ops.wait, ops.record(stream))))
+            stream, unmarked = None, 0
+
+        for it in items:
+            if it.kind == "dma":
+                assert it.src is not None and it.device is not None and ops is not None
+                s = ops.stream(it.device)
+                if stream is not None and s is not stream:
+                    flush()
+                if s not in streams:
+                    streams.append(s)
+                for d, src, n in pieces(it.dst, it.src, piece):
+                    if n:
+                        ops.copy(d, src, s)
+                    stream, unmarked, pos = s, unmarked + n, pos + n
+                    if unmarked >= piece:
+                        flush()
+                continue
+            flush()
+            pos += it.nbytes
+            if it.kind == "memcpy":
+                assert it.src is not None
+                futures = memcpy(it.dst, it.src, copiers)
+                cpu_work += futures
+                marks.append((pos, functools.partial(_results, futures)))
+            elif it.kind == "blocking":
+                assert it.src is not None
+                it.dst.copy_(it.src)
+                marks.append((pos, _nothing))
+            else:
+                marks.append((pos, _nothing))
+        flush()
+        for future in cpu_work:  # see the module docstring: before the watermark moves
+            future.result()
+        for i, (end, wait) in enumerate(marks):
+            wait()
+            if i == len(marks) - 1 and on_copied is not None:
+                on_copied()
+            watermark.advance(end)
+        if not marks and on_copied is not None:
+            on_copied()
+        watermark.advance(watermark.total)
+    except BaseException as exc:
+        cf.wait(cpu_work)
+        for s in streams:
+            # A broken stream (a CUDA error) runs none of its copies either.
+            with contextlib.suppress(Exception):
+                ops.drain(s)  # type: ignore[union-attr]
+        watermark.fail(exc)
+        raise
