@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "cloudckpt"
 
 # docs/design.md §10, bottom up. A name covers the module and everything below it.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("ground", ["errors", "_version", "_install", "failpoints", "retry", "digest"]),
+    ("ground", ["errors", "_version", "_install", "_crc32c", "failpoints", "retry", "digest"]),
     ("records and stores", ["protocol", "retention", "stores"]),
     ("protocol", ["committer", "attempts", "reader", "transfer", "chunks", "staging",
                   "restore", "verify", "gc", "repair", "admin", "copying"]),
