@@ -2,7 +2,8 @@
 item 7), so that the page and the code cannot drift: each command runs against a real store
 (moto S3; a memory:// run on a manual clock where GC needs ages), in the states that fill
 its optional parts (empty run, pins, tombstones, chunks, damage, a rebuilt LATEST, GC that
-deletes), and each document must have exactly the fields its block lists, of their types.
+deletes; the catalog commands with and without a skipped checkpoint, `cp` into a second
+bucket new and then fencing, `runs` of a healthy and a needs-repair run), and each document must have exactly the fields its block lists, of their types.
 Watch events are checked here for a real ``cloudckpt watch`` process (and in
 tests/test_watch.py for every event its tests see); the demo's report in tests/test_demo.py.
 """
@@ -14,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +87,13 @@ class Runner:
         self.flags += ["-o", f"secret={so['secret']}"]
         self.checked: set[str] = set()
 
-    def json(self, *args: Any, code: int = 0, schema: str | None = None) -> dict[str, Any]:
+    def json(
+        self, *args: Any, code: int = 0, schema: str | None = None, store: bool = True
+    ) -> dict[str, Any]:
+        """Run ``args --json`` (with the storage flags unless not ``store``: ``digest``
+        opens no store), expecting exit ``code``; the document, checked."""
         argv = [str(a) for a in args]
-        result = CliRunner().invoke(cli, [*argv, "--json", *self.flags])
+        result = CliRunner().invoke(cli, [*argv, "--json", *(self.flags if store else [])])
         assert result.exit_code == code, (argv, result.output)
         doc = json.loads(result.stdout)
         name = schema or ("error" if "error" in doc and len(doc) == 1 else argv[0])
@@ -103,9 +109,14 @@ def _tree(root: Path, seed: int) -> Path:
     return root
 
 
-def test_each_command_prints_what_its_schema_block_says(s3_target, tmp_path):
+def test_each_command_prints_what_its_schema_block_says(s3_target, moto_server, tmp_path):
     r = Runner(s3_target)
     url = s3_target.url
+    bucket = url.removeprefix("s3://").split("/")[0]
+    # cp's destination: another bucket on the same server
+    copy_bucket = f"s3-copy-{uuid.uuid4().hex[:12]}"
+    moto_server.create_bucket(copy_bucket)
+    copy_url = f"s3://{copy_bucket}/copy"
     empty = r.json("ls", url)
     assert empty["writer"] is None and empty["checkpoints"] == []
 
@@ -127,6 +138,7 @@ def test_each_command_prints_what_its_schema_block_says(s3_target, tmp_path):
     assert r.json("show", url)["manifest"]["chunked"] is False
     assert r.json("verify", url, "--all", "--read-data")["ok"] is True
     r.json("unpin", url, 2)
+    _catalog_commands(r, url, bucket, copy_url, tmp_path)
     r.json("gc", url, "--dry-run")
     assert r.json("repair", url)["action"] == "healthy"
     (tmp_path / "busy").mkdir()
@@ -142,14 +154,65 @@ def test_each_command_prints_what_its_schema_block_says(s3_target, tmp_path):
     assert damaged["checkpoints"][0]["status"] == "damaged"
     restored = r.json("restore", url, tmp_path / "out")
     assert restored["step"] == 2 and restored["skipped"][0]["step"] == 3
+    _catalog_commands_past_damage(r, url, copy_url, tmp_path)
     flip_bit(store, protocol.LATEST_KEY, seed=4)
     assert r.json("ls", url)["from_commit_records"] is True
+    got = r.json("get", url, "config.json", tmp_path / "from-records.json")
+    assert got["from_commit_records"] is True and got["step"] == 3  # its data is intact
+    broken = r.json("runs", f"s3://{bucket}/")["runs"]
+    assert [(x["path"], x["status"]) for x in broken] == [("run", "needs-repair")]
+    assert broken[0]["step"] is None and broken[0]["problem"]
     assert r.json("verify", url, code=6)["needs_repair"] is True
     plan = r.json("repair", url, "--dry-run")
     assert plan["writes"][0]["mode"] == "compare-and-swap" and "version" in plan["writes"][0]
     assert r.json("repair", url)["action"] == "rebuilt"
     store.close()
     assert r.checked >= _json_commands() - {"gc", "watch", "demo"} | {"error"}
+
+
+def _catalog_commands(r: Runner, url: str, bucket: str, copy_url: str, tmp_path: Path) -> None:
+    """runs, diff, digest, get, export and cp on the intact run (steps 3 and 2 retained;
+    2 chunked, 3 stored whole), each document checked against its block."""
+    found = r.json("runs", f"s3://{bucket}/", "--depth", 2)
+    assert [(x["path"], x["status"], x["step"]) for x in found["runs"]] == [("run", "ok", 3)]
+    assert found["runs"][0]["retained"] == 2 and found["runs"][0]["problem"] is None
+    diff = r.json("diff", url, 2, 3)
+    assert diff["summary"]["modified"] == 2 and diff["summary"]["chunks_only_in_b"] == 0
+    assert {f["new_chunks"] for f in diff["files"]} == {None}  # step 3 stores files whole
+    back = r.json("diff", url, 3, 2)  # step 2 is chunked: each file's new chunks
+    assert all(f["new_chunks"] and f["new_bytes"] == f["size_b"] for f in back["files"])
+    digest = r.json("digest", tmp_path / "s2" / "model.safetensors", store=False)
+    manifest = r.json("show", url, "--step", 2)["manifest"]
+    recorded = {f["path"]: f["digest"] for f in manifest["files"]}
+    assert digest["files"][0]["digest"] == recorded["model.safetensors"]
+    got = r.json("get", url, "config.json", tmp_path / "got.json", "--step", 2)
+    assert (tmp_path / "got.json").read_text() == json.dumps({"seed": 2})
+    assert got["step"] == 2 and got["skipped"] == [] and got["digest"] == recorded["config.json"]
+    exported = r.json("export", url, tmp_path / "exported")
+    assert exported["step"] == 3
+    assert sorted(p.name for p in (tmp_path / "exported").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+    ]
+    assert r.json("export", url, f"s3://{bucket}/plain", "--step", 2)["num_files"] == 2
+    copied = r.json("cp", url, copy_url, "--step", 2)
+    assert copied["fenced_writer"] is None and copied["bytes_uploaded"] == copied["total_bytes"]
+
+
+def _catalog_commands_past_damage(r: Runner, url: str, copy_url: str, tmp_path: Path) -> None:
+    """get, export and cp with step 3's data damaged: each skips it for step 2; cp fences
+    the copy before it; a file the checkpoint lacks is an error document."""
+    (tmp_path / "gets").mkdir()
+    got = r.json("get", url, "model.safetensors", tmp_path / "gets")
+    assert got["step"] == 2 and got["skipped"][0]["step"] == 3
+    assert (tmp_path / "gets" / "model.safetensors").read_bytes() == bytes([2]) * 300_000
+    exported = r.json("export", url, tmp_path / "exported-2")
+    assert exported["step"] == 2 and exported["skipped"][0]["step"] == 3
+    copied = r.json("cp", url, copy_url, "--to-step", 4)
+    assert copied["skipped"][0]["step"] == 3 and copied["fenced_writer"]["active"] is False
+    assert copied["bytes_reused"] == copied["total_bytes"]  # the first copy sent them
+    missing = r.json("get", url, "nope.bin", tmp_path / "nope.bin", code=3)
+    assert missing["error"]["type"] == "CheckpointNotFoundError"
 
 
 def test_gc_that_deletes_prints_what_its_schema_block_says(tmp_path):
