@@ -60,6 +60,7 @@ from cloudckpt.errors import (
     SaveDroppedError,
 )
 from cloudckpt.gc import GCReport, collect_garbage
+from cloudckpt.localcopy import LocalCopies, adopt_leftover
 from cloudckpt.protocol import INHERIT, CheckpointRecord, Latest, Manifest, Settings
 from cloudckpt.reader import load_latest_for_reading
 from cloudckpt.restore import RestoreResult, prepare_destination, restore
@@ -327,6 +328,12 @@ class CheckpointManager:
             extra cut points at tensor boundaries of safetensors and ``torch.save`` files;
             ``"fixed"``: 8 MiB chunks only; ``"off"`` (or False): whole files, as before
             (``cloudckpt.chunks``, docs/design.md).
+        keep_local: how many committed checkpoints keep their staged copy in
+            ``staging_dir`` (the local tier, ``cloudckpt.localcopy``), so a restart on this
+            host restores them with no download once they verify. Default: 1 with a
+            ``staging_dir``, 0 with a temporary one (removed by ``close()``).
+        local_budget_bytes: the most bytes the kept copies may take (default: no limit
+            beyond ``keep_local``); a copy larger than this on its own is not kept.
 
     Raises:
         ConfigurationError, UnsupportedBackendError: bad URL or options.
@@ -349,8 +356,14 @@ class CheckpointManager:
         progress: ProgressCallback | None = None,
         unsafe_single_writer: bool = False,
         chunking: chunks.ChunkingMode | bool = "tensor",
+        keep_local: int | None = None,
+        local_budget_bytes: int | None = None,
     ) -> None:
         chunking = _check_options(chunking, backpressure, max_pending, gc_grace)
+        if (keep_local is not None and keep_local < 0) or (
+            local_budget_bytes is not None and local_budget_bytes < 0
+        ):
+            raise ConfigurationError("keep_local and local_budget_bytes must be >= 0")
         self._owns_store = not isinstance(url, Store)
         self.store: Store = (
             open_store(url, storage_options, unsafe_single_writer=unsafe_single_writer)
@@ -365,6 +378,11 @@ class CheckpointManager:
             staging_dir = self._tmp_staging.name
         self.staging = StagingArea(staging_dir)
         self._leftovers = list(self.staging.journaled())
+        if keep_local is None:
+            keep_local = 0 if self._tmp_staging is not None else 1
+        #: The local tier: staged copies of committed checkpoints (``cloudckpt.localcopy``).
+        self.local = LocalCopies(self.staging.root, keep_local, local_budget_bytes)
+        self.local.prune()
         self.writer_id = protocol.new_writer_id()
         self.committer = Committer(self.store, self.writer_id, settings, inherit=inherit)
         #: Called with byte counts as uploads and downloads advance (the argument).
@@ -439,6 +457,28 @@ class CheckpointManager:
         self.check_open()
         # Check the destination before claiming: a bad argument must not fence the writer.
         prepare_destination(Path(into).expanduser().absolute(), overwrite)
+        if self.claim() is None:
+            return None
+        return restore(
+            self.store,
+            into,
+            self.engine,
+            step=step,
+            overwrite=overwrite,
+            progress=self.progress,
+            local=self.local,
+        )
+
+    def claim(self) -> CheckpointInfo | None:
+        """What ``resume()`` does before it restores: claim the run (fencing any older
+        writer) and commit the saves a crashed process staged in ``staging_dir`` that are
+        newer than the committed checkpoint. Returns the committed checkpoint, or None
+        for a new, empty run. Restore it with ``restore()``, or into memory with
+        ``cloudckpt.integrations.torch.resume_state`` (which calls this).
+
+        Raises: NeedsRepairError, StoreError, CommitConflictError.
+        """
+        self.check_open()
         with self.attempts.commit_lock:
             latest = self.committer.claim()
             recovered = self._recover(latest)
@@ -451,9 +491,7 @@ class CheckpointManager:
         latest = self.committer.latest
         if latest is None or latest.current is None:
             return None
-        return restore(
-            self.store, into, self.engine, step=step, overwrite=overwrite, progress=self.progress
-        )
+        return CheckpointInfo.of(latest, latest.current)
 
     def save(self, step: int, metadata: Mapping[str, Any] | None = None) -> SaveHandle:
         """Start a save. Use as a context manager; write the checkpoint's files into the
@@ -580,7 +618,13 @@ class CheckpointManager:
         """
         self.check_open()
         return restore(
-            self.store, into, self.engine, step=step, overwrite=overwrite, progress=self.progress
+            self.store,
+            into,
+            self.engine,
+            step=step,
+            overwrite=overwrite,
+            progress=self.progress,
+            local=self.local,
         )
 
     def pin(self, step: int, label: str = "pinned") -> None:
@@ -832,6 +876,11 @@ class CheckpointManager:
                 handle.handed_over_at = time.perf_counter()
                 job = QueuedSave(handle, attempt, recovered=True)
                 jobs.append(job)
+            elif attempt.state in (STAGED, DURABLE, COMMITTED) and attempt.step == committed_step:
+                # Committed, then the process died before keeping it as a local copy (or
+                # before the journal said so): a candidate copy, proven by content on use
+                # (a staged copy may be incomplete: what does not verify is downloaded).
+                adopt_leftover(self.local, attempt)
             else:
                 if attempt.state != COMMITTED:
                     log.info("abandoning step %d left in staging (%s)", attempt.step, attempt.state)
@@ -872,16 +921,19 @@ class CheckpointManager:
             raise
         # (A BaseException such as SimulatedCrash leaves everything as a dead process would.)
         attempt.set_state(COMMITTED)
-        attempt.remove()
+        self.local.adopt(attempt, begun.commit_id, manifest.to_bytes())
         return self._committed(handle, begun, latest, manifest)
 
     def _save_from_memory(self, job: QueuedSave, files: list[tuple[str, MemoryFile]]) -> CommitInfo:
         """``_save`` for files held in memory (``save_state``'s host buffers): upload them
         straight from memory, no round trip through the staging file system. The staged
         copy, which only a crash before the commit would need, is written and fsynced on a
-        thread of its own beside the upload; the commit does not wait for it, and once the
-        commit lands the copy is cut short and removed (the store holds the checkpoint).
-        A failure to write it (a full staging disk) is logged, not fatal."""
+        thread of its own beside the upload; the commit does not wait for it. Once the
+        commit lands, the copy is kept as the local tier (``keep_local``): the save is
+        reported done when it is on disk too (it reads the host buffers until then), which
+        is usually before the upload ends; with ``keep_local=0`` it is cut short and
+        removed (the store holds the checkpoint). A failure to write it (a full staging
+        disk) is logged, not fatal: there is then no local copy."""
         attempt, handle = job.attempt, job.handle
         cancelled = threading.Event()
 
@@ -908,10 +960,14 @@ class CheckpointManager:
             cf.wait([staged])  # never remove files still being written
             self._fail(attempt)
             raise
-        cancelled.set()
+        if self.local.keep == 0:
+            cancelled.set()  # no local copy is kept: cut the staged write short
         cf.wait([staged])
+        if attempt.state != DURABLE:  # the staged write failed (logged): no local copy
+            attempt.remove()
+            return self._committed(handle, begun, latest, manifest)
         attempt.set_state(COMMITTED)
-        attempt.remove()
+        self.local.adopt(attempt, begun.commit_id, manifest.to_bytes())
         return self._committed(handle, begun, latest, manifest)
 
     def _committed(

@@ -51,7 +51,8 @@ SURFACE = {
         "PreemptionSource", "PreemptionWatcher", "detect_clouds",
     ],
     "cloudckpt.integrations.torch": [
-        "FORMAT", "HostBufferPool", "StateSaver", "load_state", "save_state",
+        "FORMAT", "HostBufferPool", "LoadReport", "StateSaver", "load_state", "resume_state",
+        "save_state",
     ],
     "cloudckpt.integrations.hf": ["CheckpointCallback", "fix_trainer_state", "resume"],
     "cloudckpt.integrations.lightning": [
