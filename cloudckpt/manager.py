@@ -155,6 +155,10 @@ class SaveHandle:
         # Set by save_state: the files as in-memory buffers, uploaded from memory while the
         # staged copy (crash recovery only) is written beside the upload (``_save``).
         self._memory_files: list[tuple[str, MemoryFile]] | None = None
+        # Set (before the commit is reported) when the staged copy of in-memory files is
+        # still being written after the commit, to be kept as the local tier: done once
+        # nothing reads the in-memory buffers any more.
+        self._local_copy: cf.Future[None] | None = None
 
     # -- context manager (save()) --
 
@@ -198,6 +202,13 @@ class SaveHandle:
         if exc is not None:
             self._reported = True
         return exc
+
+    def _wait_until_buffers_free(self) -> None:
+        """Wait until the manager no longer reads this save's in-memory files (its upload
+        is done, and so is the staged copy kept as the local tier). Never raises."""
+        cf.wait([self._future])
+        if self._local_copy is not None:
+            cf.wait([self._local_copy])
 
     def _unreported_failure(self) -> BaseException | None:
         """The save's failure if it is done, failed, and no one has been told yet; a save
@@ -411,6 +422,7 @@ class CheckpointManager:
         self._open: dict[SaveHandle, int] = {}  # those saves -> the thread that entered them
         self._inflight: QueuedSave | None = None
         self._handles: list[SaveHandle] = []
+        self._keeping: list[cf.Future[None]] = []  # local copies still being finished
         self._worker: threading.Thread | None = None
         self._closing = False
         self._closed = False
@@ -710,6 +722,7 @@ class CheckpointManager:
             self._cv.notify_all()
         if self._worker is not None:
             self._worker.join()
+        cf.wait(self._keeping)  # local copies being finished write into staging
         self.engine.close()
         self.staging.close()
         if self._owns_store:
@@ -929,11 +942,11 @@ class CheckpointManager:
         straight from memory, no round trip through the staging file system. The staged
         copy, which only a crash before the commit would need, is written and fsynced on a
         thread of its own beside the upload; the commit does not wait for it. Once the
-        commit lands, the copy is kept as the local tier (``keep_local``): the save is
-        reported done when it is on disk too (it reads the host buffers until then), which
-        is usually before the upload ends; with ``keep_local=0`` it is cut short and
-        removed (the store holds the checkpoint). A failure to write it (a full staging
-        disk) is logged, not fatal: there is then no local copy."""
+        commit lands, the copy is kept as the local tier (``keep_local``): it is finished
+        in the background (``handle._local_copy``; the host buffers are not reused until
+        then, ``close()`` waits for it); with ``keep_local=0`` it is cut short and removed
+        (the store holds the checkpoint). A failure to write it (a full staging disk) is
+        logged, not fatal: there is then no local copy."""
         attempt, handle = job.attempt, job.handle
         cancelled = threading.Event()
 
@@ -962,12 +975,25 @@ class CheckpointManager:
             raise
         if self.local.keep == 0:
             cancelled.set()  # no local copy is kept: cut the staged write short
-        cf.wait([staged])
-        if attempt.state != DURABLE:  # the staged write failed (logged): no local copy
+            cf.wait([staged])
             attempt.remove()
             return self._committed(handle, begun, latest, manifest)
-        attempt.set_state(COMMITTED)
-        self.local.adopt(attempt, begun.commit_id, manifest.to_bytes())
+        body = manifest.to_bytes()
+
+        def keep() -> None:
+            cf.wait([staged])
+            if attempt.state != DURABLE:  # the staged write failed (logged): no local copy
+                attempt.remove()
+                return
+            with contextlib.suppress(CloudCkptError):  # a journal write failing: no copy
+                attempt.set_state(COMMITTED)
+                self.local.adopt(attempt, begun.commit_id, body)
+                return
+            attempt.remove()
+
+        handle._local_copy = _run_in_thread(keep, f"cloudckpt-keep-{handle.step}")
+        with self._cv:
+            self._keeping = [f for f in self._keeping if not f.done()] + [handle._local_copy]
         return self._committed(handle, begun, latest, manifest)
 
     def _committed(

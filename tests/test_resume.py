@@ -363,8 +363,9 @@ def test_a_crash_while_keeping_the_local_copy(memory_target, tmp_path, monkeypat
 
     monkeypatch.setattr(localcopy.os, "rename", dies)
     handle = save_state(first, 1, _state(1))
+    assert handle.result(timeout=60).step == 1  # committed; the copy is kept afterwards
     with pytest.raises(failpoints.SimulatedCrash):
-        handle.result(timeout=60)
+        handle._local_copy.result(timeout=60)  # the process dies while keeping it
     monkeypatch.undo()
     first.staging.close()
     assert moves and list(staging.glob("attempts/*/copy.json"))
@@ -376,28 +377,57 @@ def test_a_crash_while_keeping_the_local_copy(memory_target, tmp_path, monkeypat
     again.close()
 
 
+def test_the_commit_does_not_wait_for_the_local_copy_but_buffer_reuse_does(
+    memory_target, tmp_path, monkeypatch
+):
+    """save_state's staged copy is finished after the commit (it is written at a low
+    priority): the commit is reported at once, the host buffers stay reserved until the
+    copy is on disk, and close() waits for it."""
+    from cloudckpt.integrations import torch as ct
+    from cloudckpt.staging import Attempt
+
+    gate = threading.Event()
+    real = Attempt.write_files
+
+    def held(self, files, cancelled=None):
+        gate.wait(60)
+        return real(self, files, cancelled)
+
+    monkeypatch.setattr(Attempt, "write_files", held)
+    staging = tmp_path / "staging"
+    mgr = CheckpointManager(memory_target.url, staging_dir=staging)
+    handle = save_state(mgr, 1, _state(1))
+    assert handle.result(timeout=60).step == 1  # committed while the copy is held
+    assert not handle._local_copy.done()
+    assert not ct._savers[mgr]._previous.done()  # the buffers are still being read
+    gate.set()
+    handle._local_copy.result(timeout=60)
+    mgr.close()
+    assert [p.name[:12] for p in (staging / COMMITTED_DIR).iterdir()] == ["000000000001"]
+
+
 def test_local_copy_retention_and_budget(memory_target, tmp_path):
     staging = tmp_path / "staging"
     mgr = CheckpointManager(memory_target.url, staging_dir=staging, keep_local=2)
     for step in (1, 2, 3):
         save_state(mgr, step, _state(step)).result(timeout=60)
+    mgr.close()  # waits for the last copy being kept
     names = sorted(p.name[:12] for p in (staging / COMMITTED_DIR).iterdir())
     assert names == ["000000000002", "000000000003"]
-    mgr.close()
     # A budget below one copy keeps none; a manager that keeps none removes them at start.
     small = CheckpointManager(
         memory_target.url, staging_dir=staging, keep_local=2, local_budget_bytes=1000
     )
     assert not list((staging / COMMITTED_DIR).iterdir())
     save_state(small, 4, _state(4)).result(timeout=60)
-    assert not list((staging / COMMITTED_DIR).iterdir())
     small.close()
+    assert not list((staging / COMMITTED_DIR).iterdir())
     none = CheckpointManager(memory_target.url, staging_dir=tmp_path / "other", keep_local=0)
     save_state(none, 5, _state(5)).result(timeout=60)
+    none.close()
     assert not (tmp_path / "other" / COMMITTED_DIR).exists() or not list(
         (tmp_path / "other" / COMMITTED_DIR).iterdir()
     )
-    none.close()
 
 
 # ------------------------------------------------------------------------------ the GPU path

@@ -609,7 +609,7 @@ class StateSaver:
                 if files is not None:
                     # The upload (and the staged copy) read the host buffers until the
                     # save is done: the next save_state waits for that before reusing them.
-                    cf.wait([handle._future])
+                    handle._wait_until_buffers_free()
 
             future = self._executor.submit(background)
             self._previous = future
