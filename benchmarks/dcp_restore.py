@@ -59,7 +59,8 @@ def _s3tc(cfg: dict[str, Any], kind: str) -> Any:
     config = S3ClientConfig(force_path_style=True, part_size=8 * MiB)
     cls = S3StorageWriter if kind == "writer" else S3StorageReader
     obj = cls(region="us-east-1", path=cfg["dcp_path"], s3client_config=config)
-    obj.fs._client = S3Client("us-east-1", endpoint=cfg["endpoint"], s3client_config=config)
+    fs: Any = obj.fs  # its S3FileSystem builds a client for AWS only: give it the endpoint
+    fs._client = S3Client("us-east-1", endpoint=cfg["endpoint"], s3client_config=config)
     return obj
 
 

@@ -338,7 +338,7 @@ class _Reader:
                     leaves = digest.leaves_of(view, self.files[index].leaf_size)
                     break
                 leaves = []
-                if hashlib.sha256(view).hexdigest() == piece.ref.sha256:
+                if _chunk_ok(view, piece.ref):
                     break
                 if local:
                     raise _LocalRejected
@@ -381,6 +381,11 @@ class _Reader:
                 f"{f.entry.path} does not match its digest"
                 + (": its chunks are intact but do not make up the file" if multi else "")
             )
+
+
+def _chunk_ok(data: memoryview, ref: ChunkRef) -> bool:
+    """Whether ``data`` is the chunk ``ref`` names (its SHA-256)."""
+    return hashlib.sha256(data).hexdigest() == ref.sha256
 
 
 def _pread_into(path: Path, offset: int, view: memoryview) -> bool:

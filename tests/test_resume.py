@@ -129,7 +129,7 @@ def test_load_state_of_a_step_and_of_an_empty_run(memory_target, manager_factory
     assert mgr.latest().step == 2
 
 
-@pytest.mark.parametrize("chunking", ["tensor", "off"])
+@pytest.mark.parametrize("chunking", ["tensor", "fixed", "off"])
 def test_a_flipped_byte_falls_back_and_no_damaged_tensor_reaches_the_caller(
     s3_target, manager_factory, chunking
 ):

@@ -780,14 +780,6 @@ def _load_objects(
         ) from exc
 
 
-def _is_run(source: Any) -> bool:
-    """Whether ``load_state``'s source names a run (to read from the store) rather than a
-    restored directory."""
-    return isinstance(source, (CheckpointManager, Store)) or (
-        isinstance(source, str) and "://" in source
-    )
-
-
 def load_state(
     source: RestoreResult | str | os.PathLike[str] | CheckpointManager | Store,
     *,
@@ -822,9 +814,11 @@ def load_state(
     save_state checkpoint), StoreError, and ``torch.load``'s error for a disallowed
     pickled type.
     """
-    if _is_run(source):
+    if isinstance(source, (CheckpointManager, Store)) or (
+        isinstance(source, str) and "://" in source
+    ):
         return _load_from_run(source, step, device, weights_only, storage_options, report)
-    root = _state_dir(source)  # type: ignore[arg-type]
+    root = _state_dir(source)
     doc = json.loads((root / STATE_FILE).read_text())
     _check_format(doc, str(root / STATE_FILE))
     target = "cpu" if device is None else str(device)
