@@ -762,6 +762,7 @@ class Bench:
                 servers={"sink": lim.server.pid},
             )
             self.limits = _run_group(group, self.args.pairs, self.args.warmup, None)
+            self.record()
         finally:
             lim.close()
 
