@@ -16,7 +16,15 @@ Groups (targets on a 2-core machine, from issue 7):
   ``save_state`` vs ``torch.save`` to local disk (target: <= 0.1x) vs DCP ``async_save``
   with its ``FileSystemWriter`` (target: <= 0.5x). save()-to-commit: ``save_state`` until
   LATEST names the checkpoint vs ``torch.save`` followed by boto3 ``upload_file``
-  (target: >= 2x faster).
+  (target: >= 2x faster). Then the resume groups (``benchmarks/resume.py``):
+  ``torch-restore``, the state back into memory on a new host (``load_state`` from the
+  store, verified, vs DCP ``load`` + ``S3StorageReader``, s5cmd + ``torch.load``, obstore
+  ranged reads into buffers, ``download_file`` + ``torch.load``; target >= 1.3x the
+  strongest), and ``torch-resume``, a same-host restart from the verified local copy vs a
+  new host (target >= 5x) and the time from a fresh process to its first training step.
+- ``dcp``: the DCP reader (``CloudStorageReader``) at 2 ranks and resharded 2 -> 3 ranks
+  (gloo, one torchrun job each) vs s3torchconnector's ``S3StorageReader``
+  (``benchmarks/dcp_restore.py``).
 - ``s3-upload``: a 1 GiB checkpoint of 8 files on local disk: cloudckpt ``save_dir`` until
   committed vs boto3 ``upload_file`` per file (default ``TransferConfig``) vs s3fs ``put``
   (targets: >= 1.5x each). Run once per payload-signing setting (``--signing``).
@@ -543,12 +551,19 @@ class Bench:
         self.profile_dir = Path(args.profile) if args.profile else None
         self.results: list[dict[str, Any]] = []
         self.limits: dict[str, Any] | None = None
+        #: Called after every group with the results so far (the JSON is written as it goes).
+        self.on_result: Callable[[], None] | None = None
 
     def close(self) -> None:
         _rm(self.work)
 
     def run(self, group: Group) -> None:
         self.results.append(_run_group(group, self.args.pairs, self.args.warmup, self.profile_dir))
+        self.record()
+
+    def record(self) -> None:
+        if self.on_result is not None:
+            self.on_result()
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -741,101 +756,6 @@ class Bench:
             state.clear()
             gc.collect()
 
-    def torch_restore_group(self, s3: S3Target, signing: str) -> None:
-        """A state dict back into memory on a new host: cloudckpt restore + load_state vs
-        boto3 download_file + torch.load and s3torchconnector's DCP S3StorageReader."""
-        import torch
-        import torch.distributed.checkpoint as dcp
-        from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
-
-        from cloudckpt.integrations.torch import load_state, save_state
-
-        state, n, nbytes = self._torch_state(seed=1)
-        client = s3.boto3_client(signing)
-        disk = self.work / "torch-restore"
-        disk.mkdir()
-        # The three checkpoints, written once, unmeasured.
-        mgr = self.manager(s3.url("torch-restore-ck/"), s3.storage_options(signing), "tr")
-        save_state(mgr, 1, state).result()
-        torch.save(state, disk / "state.pt")
-        pt_key = f"{s3.root}torch-restore-boto3/state.pt"
-        client.upload_file(str(disk / "state.pt"), s3.bucket, pt_key)
-        (disk / "state.pt").unlink()
-        dcp_path = f"s3://{s3.bucket}/{s3.root}torch-restore-dcp/"
-        writer = S3StorageWriter(
-            region=REGION, path=dcp_path, s3client_config=Peers(s3, signing).config()
-        )
-        _dcp_endpoint(writer.fs, s3, signing)
-        with warnings.catch_warnings(), _env_creds(s3):
-            warnings.simplefilter("ignore")
-            dcp.save(state, storage_writer=writer)
-        expected = {k: v.clone() for k, v in state.items()}
-        state.clear()
-
-        def check(loaded: dict[str, Any]) -> None:
-            # Every contender must really return the state (one tensor compared per round).
-            name = next(iter(expected))
-            if not torch.equal(loaded[name], expected[name]):
-                raise AssertionError(f"restored {name} differs")
-
-        def cloudckpt(r: int) -> None:
-            check(load_state(mgr.restore(disk / f"ck-{r}")))
-
-        def torch_load(r: int) -> None:
-            path = disk / f"state-{r}.pt"
-            client.download_file(s3.bucket, pt_key, str(path))
-            check(torch.load(path, weights_only=True))
-
-        def dcp_load(r: int) -> None:
-            reader = S3StorageReader(
-                region=REGION, path=dcp_path, s3client_config=Peers(s3, signing).config()
-            )
-            _dcp_endpoint(reader.fs, s3, signing)
-            target = {k: torch.empty_like(v) for k, v in expected.items()}
-            with warnings.catch_warnings(), _env_creds(s3):
-                warnings.simplefilter("ignore")
-                dcp.load(target, storage_reader=reader)
-            check(target)
-
-        group = Group(
-            name="torch-restore",
-            title=f"state dict back into memory: {nbytes / GiB:.2f} GiB in {n} fp32 tensors "
-            f"(S3 endpoint: {s3.kind}, {signing} payload)",
-            nbytes=nbytes,
-            contenders=[
-                Contender(
-                    "cloudckpt",
-                    cloudckpt,
-                    lambda r: _rm(disk / f"ck-{r}"),
-                    cloudckpt=True,
-                    note="restore (LATEST, manifest, parallel ranged GETs, every byte "
-                    "verified, fsynced) + load_state",
-                ),
-                Contender(
-                    "download_file + torch.load",
-                    torch_load,
-                    lambda r: (disk / f"state-{r}.pt").unlink(),
-                    note="boto3 download_file (default TransferConfig) + torch.load "
-                    "(weights_only); nothing verified",
-                ),
-                Contender(
-                    "DCP load S3StorageReader",
-                    dcp_load,
-                    note="s3torchconnector's DCP storage reader (dcp_optimized) into "
-                    "preallocated tensors; nothing verified",
-                ),
-            ],
-            comparisons=[
-                Comparison("s", "download_file + torch.load", 1.0, label="vs torch.load"),
-                Comparison(
-                    "s", "DCP load S3StorageReader", 1.0, label="vs DCP load (s3torchconnector)"
-                ),
-            ],
-            servers={"server": s3.pid},
-            info={"signing": signing, "endpoint": s3.kind},
-        )
-        self._run_and_release(group, mgr, disk, expected)
-
     # -- limits -------------------------------------------------------------------------
 
     def limits_group(self, mib: int) -> None:
@@ -850,6 +770,7 @@ class Bench:
                 servers={"sink": lim.server.pid},
             )
             self.limits = _run_group(group, self.args.pairs, self.args.warmup, None)
+            self.record()
         finally:
             lim.close()
 
@@ -1285,7 +1206,7 @@ def _machine() -> dict[str, Any]:
 # ----------------------------------------------------------------------------- main
 
 
-GROUPS = ("limits", "torch", "s3", "gcs", "moto")
+GROUPS = ("limits", "torch", "dcp", "s3", "gcs", "moto")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -1299,6 +1220,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tensors", type=int, default=8, help="tensors in the state")
     p.add_argument("--gcs-mib", type=int, default=1024, help="checkpoint size for GCS groups")
     p.add_argument("--moto-mib", type=int, default=256, help="checkpoint size against moto")
+    p.add_argument("--dcp-mib", type=int, default=512, help="state loaded by the dcp group")
     p.add_argument(
         "--signing",
         default="unsigned,signed",
@@ -1343,6 +1265,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.pairs = min(args.pairs, 1) if "--pairs" not in (argv or sys.argv) else args.pairs
         args.warmup = 0
         args.mib = args.state_mib = args.gcs_mib = args.moto_mib = args.limits_mib = 24
+        args.dcp_mib = 24
         args.files = 2
         args.tensors = 2
     return args
@@ -1362,6 +1285,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--signing takes unsigned, signed or both")
     started = time.time()
     bench = Bench(args)
+    bench.on_result = lambda: _write_json(args, argv, signings, started, bench, partial=True)
     hogs = _start_hogs(args.hogs)
     QUIET.exclude = [h.pid for h in hogs]
     print(
@@ -1372,12 +1296,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if "limits" in groups:
             bench.limits_group(args.limits_mib)
-        if "torch" in groups or "s3" in groups:
+        if "torch" in groups or "s3" in groups or "dcp" in groups:
             s3 = S3Target("real", args.s3_url) if args.s3_url else S3Target("bench")
             try:
                 if "torch" in groups:
+                    from benchmarks import resume
+
                     bench.torch_group(s3, signings[0])
-                    bench.torch_restore_group(s3, signings[0])
+                    resume.torch_restore_group(bench, s3, signings[0])
+                    resume.torch_resume_group(bench, s3, signings[0])
+                if "dcp" in groups:
+                    from benchmarks import dcp_restore
+
+                    dcp_restore.dcp_groups(bench, s3, signings[0])
                 if "s3" in groups:
                     for signing in signings:
                         bench.s3_upload_group(s3, signing, args.mib, "s3-upload")
@@ -1401,6 +1332,25 @@ def main(argv: list[str] | None = None) -> int:
         bench.close()
         _stop_hogs(hogs)
 
+    doc = _write_json(args, argv, signings, started, bench, partial=False)
+    print("\n" + limits_table(bench.limits))
+    print("\n" + table(bench.results))
+    print("\n" + summary(bench.results))
+    print(f"\nresults: {args.json}  ({doc['duration_s']:.0f} s)")
+    return 0
+
+
+def _write_json(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    signings: list[str],
+    started: float,
+    bench: Bench,
+    *,
+    partial: bool,
+) -> dict[str, Any]:
+    """Write the results so far to ``args.json`` (after every group, so a killed run keeps
+    what it measured; ``partial`` says the run had not finished)."""
     apply_limits(bench.results, bench.limits)
     doc = {
         "schema": SCHEMA,
@@ -1410,6 +1360,7 @@ def main(argv: list[str] | None = None) -> int:
         "started_at": dt.datetime.fromtimestamp(started, dt.timezone.utc).isoformat(),
         "duration_s": time.time() - started,
         "quick": args.quick,
+        "partial": partial,
         "config": {
             "pairs": args.pairs,
             "warmup": args.warmup,
@@ -1425,6 +1376,7 @@ def main(argv: list[str] | None = None) -> int:
             "hogs": args.hogs,
             "peers": args.peers,
             "limits_mib": args.limits_mib,
+            "dcp_mib": args.dcp_mib,
         },
         "machine": _machine(),
         "idle_wait": {
@@ -1436,12 +1388,8 @@ def main(argv: list[str] | None = None) -> int:
         "limits": bench.limits,
         "groups": bench.results,
     }
-    print("\n" + limits_table(bench.limits))
-    print("\n" + table(bench.results))
-    print("\n" + summary(bench.results))
     Path(args.json).write_text(json.dumps(doc, indent=2, allow_nan=True) + "\n")
-    print(f"\nresults: {args.json}  ({doc['duration_s']:.0f} s)")
-    return 0
+    return doc
 
 
 if __name__ == "__main__":

@@ -91,8 +91,10 @@ def main(config_path: str) -> int:
         transfer=TransferConfig(concurrency=4),
     )
     emit("started", pid=os.getpid(), writer_id=mgr.writer_id)
+    ready = time.time()  # the interpreter, the imports and the manager: process start
     started = time.perf_counter()
     result = mgr.resume(into=cfg["restore_dir"])
+    resumed_at = time.perf_counter()
     if result is None:
         weights, first = initial_weights(size, seed), 1
         emit("claimed", epoch=mgr.committer.epoch, new_run=True)
@@ -100,14 +102,25 @@ def main(config_path: str) -> int:
         data = (result.path / "model.bin").read_bytes()
         digest_ok = hashlib.sha256(data).hexdigest() == result.metadata.get("weights_sha256")
         weights, first = bytearray(data), result.step + 1
+        timings = result.timings
+        spawned = cfg.get("spawned_at", ready)
         emit(
             "resumed",
             epoch=mgr.committer.epoch,
             step=result.step,
             seconds=time.perf_counter() - started,
             bytes=result.total_bytes,
+            bytes_downloaded=result.bytes_downloaded,
+            bytes_local=result.bytes_local,
             digest_ok=digest_ok,
             skipped=[s.step for s in result.skipped],
+            # Time to first step, split (the step itself follows in "first-step").
+            startup_s=ready - spawned,
+            claim_s=(resumed_at - started) - timings.get("total_s", 0.0),
+            listing_s=timings.get("listing_s", 0.0),
+            transfer_s=timings.get("transfer_s", 0.0),
+            verify_s=timings.get("verify_s", 0.0) + timings.get("place_s", 0.0),
+            load_s=time.perf_counter() - resumed_at,
         )
         if not digest_ok:
             return 4
@@ -146,6 +159,9 @@ def main(config_path: str) -> int:
         t0 = time.perf_counter()
         loss = train_step(weights, step, seed)
         compute = time.perf_counter() - t0
+        if step == first and result is not None:
+            spawned = cfg.get("spawned_at", ready)
+            emit("first-step", step=step, step_s=compute, since_spawn_s=time.time() - spawned)
         time.sleep(max(0.0, cfg["step_seconds"] - compute))
         metadata = {"loss": loss, "weights_sha256": hashlib.sha256(weights).hexdigest()}
         handle = mgr.save(step=step, metadata=metadata)

@@ -391,13 +391,28 @@ class AttemptWriter:
         prefix: str,
         files: Files,
         progress: ProgressCallback | None = None,
+        *,
+        chunked: bool = False,
     ) -> list[FileEntry]:
         """Upload ``files`` whole into the attempt at ``prefix`` (a multi-rank save's ranks
         know only its prefix), with each staged file's mode. ``progress``: default, the
-        writer's own.
+        writer's own. ``chunked`` (and chunking not ``"off"``): as content-addressed chunks
+        on the 8 MiB grid instead, all of them (no index: the DCP writer), so a reader can
+        verify any part of a file on its own (``cloudckpt.fetch``).
 
         Raises: StagingError, StoreError.
         """
+        if chunked and self.chunking != "off":
+            entries, _ = chunks.upload_chunked(
+                self.engine,
+                self.store,
+                prefix,
+                files,
+                chunks.ChunkIndex(),
+                "fixed",
+                progress or self.progress,
+            )
+            return with_modes(entries, files)
         entries = self.engine.upload_files(
             self.store, prefix + protocol.FILES_DIR, files, progress or self.progress
         )

@@ -63,7 +63,8 @@ class _Child:
         self.events_path = work / f"{name}.events.jsonl"
         self.events_path.touch()
         config_path = work / f"{name}.json"
-        config_path.write_text(json.dumps({**cfg, "events": str(self.events_path)}))
+        config = {**cfg, "events": str(self.events_path), "spawned_at": time.time()}
+        config_path.write_text(json.dumps(config))
         self.log_path = work / f"{name}.log"
         env = {**os.environ, "AWS_EC2_METADATA_DISABLED": "true", "PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "wb") as log:
@@ -292,6 +293,8 @@ def _inspect(
                     "resumed_from_step": resumed["step"],
                     "restore_seconds": round(resumed["seconds"], 3),
                     "restored_weights_verified": resumed["digest_ok"],
+                    "bytes_downloaded": resumed.get("bytes_downloaded"),
+                    "time_to_first_step": _first_step(resumed, host2.of("first-step")),
                     "trained_steps": [e["step"] for e in host2.of("saved")],
                     "committed_steps": [e["step"] for e in host2.of("committed")],
                 },
@@ -336,6 +339,16 @@ def _inspect(
     report["ok"] = all(proofs.values())
 
 
+def _first_step(resumed: dict[str, Any], first: list[dict[str, Any]]) -> dict[str, float]:
+    """Host 2's time from its process start to the end of its first training step, split."""
+    parts = ("startup_s", "claim_s", "listing_s", "transfer_s", "verify_s", "load_s")
+    out = {k: round(float(resumed.get(k, 0.0)), 4) for k in parts}
+    if first:
+        out["step_s"] = round(float(first[0]["step_s"]), 4)
+        out["total_s"] = round(float(first[0]["since_spawn_s"]), 4)
+    return out
+
+
 def _mib(n: float) -> str:
     return f"{n / MiB:,.0f} MiB"
 
@@ -363,6 +376,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"{_ms(h2['restore_seconds'])} (weights "
         f"{'verified' if h2['restored_weights_verified'] else 'WRONG'}), trained "
         f"{span(h2['trained_steps'])}, committed {span(h2['committed_steps'])}",
+        _first_step_line(h2["time_to_first_step"]),
         "",
         f"saves committed      {s['committed']}",
         f"save() blocking      median {_ms(s['blocking_seconds']['median'])}, "
@@ -401,6 +415,17 @@ def format_report(r: dict[str, Any]) -> str:
         + ("" if r["ok"] else ": " + ", ".join(k for k, v in r["proofs"].items() if not v)),
     ]
     return "\n".join(lines)
+
+
+def _first_step_line(t: dict[str, float]) -> str:
+    if "total_s" not in t:
+        return "        (no first step after the resume)"
+    return (
+        f"        time to first step {_ms(t['total_s'])}: process start "
+        f"{_ms(t['startup_s'])}, claim {_ms(t['claim_s'])}, listing {_ms(t['listing_s'])}, "
+        f"transfer {_ms(t['transfer_s'])}, verification {_ms(t['verify_s'])} (the rest "
+        f"overlaps the transfer), load {_ms(t['load_s'])}, step {_ms(t['step_s'])}"
+    )
 
 
 def report_json(r: dict[str, Any]) -> str:

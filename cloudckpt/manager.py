@@ -60,6 +60,7 @@ from cloudckpt.errors import (
     SaveDroppedError,
 )
 from cloudckpt.gc import GCReport, collect_garbage
+from cloudckpt.localcopy import LocalCopies, adopt_leftover
 from cloudckpt.protocol import INHERIT, CheckpointRecord, Latest, Manifest, Settings
 from cloudckpt.reader import load_latest_for_reading
 from cloudckpt.restore import RestoreResult, prepare_destination, restore
@@ -163,6 +164,10 @@ class SaveHandle:
         # Set by save_state: the files as in-memory buffers, uploaded from memory while the
         # staged copy (crash recovery only) is written beside the upload (``_save``).
         self._memory_files: list[tuple[str, MemoryFile]] | None = None
+        # Set (before the commit is reported) when the staged copy of in-memory files is
+        # still being written after the commit, to be kept as the local tier: done once
+        # nothing reads the in-memory buffers any more.
+        self._local_copy: cf.Future[None] | None = None
 
     # -- context manager (save()) --
 
@@ -206,6 +211,13 @@ class SaveHandle:
         if exc is not None:
             self._reported = True
         return exc
+
+    def _wait_until_buffers_free(self) -> None:
+        """Wait until the manager no longer reads this save's in-memory files (its upload
+        is done, and so is the staged copy kept as the local tier). Never raises."""
+        cf.wait([self._future])
+        if self._local_copy is not None:
+            cf.wait([self._local_copy])
 
     def _unreported_failure(self) -> BaseException | None:
         """The save's failure if it is done, failed, and no one has been told yet; a save
@@ -383,6 +395,12 @@ class CheckpointManager:
             extra cut points at tensor boundaries of safetensors and ``torch.save`` files;
             ``"fixed"``: 8 MiB chunks only; ``"off"`` (or False): whole files, as before
             (``cloudckpt.chunks``, docs/design.md).
+        keep_local: how many committed checkpoints keep their staged copy in
+            ``staging_dir`` (the local tier, ``cloudckpt.localcopy``), so a restart on this
+            host restores them with no download once they verify. Default: 1 with a
+            ``staging_dir``, 0 with a temporary one (removed by ``close()``).
+        local_budget_bytes: the most bytes the kept copies may take (default: no limit
+            beyond ``keep_local``); a copy larger than this on its own is not kept.
 
     Raises:
         ConfigurationError, UnsupportedBackendError: bad URL or options.
@@ -409,8 +427,14 @@ class CheckpointManager:
         progress: ProgressCallback | None = None,
         unsafe_single_writer: bool = False,
         chunking: chunks.ChunkingMode | bool = "tensor",
+        keep_local: int | None = None,
+        local_budget_bytes: int | None = None,
     ) -> None:
         chunking = _check_options(chunking, backpressure, max_pending, gc_grace)
+        if (keep_local is not None and keep_local < 0) or (
+            local_budget_bytes is not None and local_budget_bytes < 0
+        ):
+            raise ConfigurationError("keep_local and local_budget_bytes must be >= 0")
         self._owns_store = not isinstance(url, Store)
         self.store: Store = (
             open_store(url, storage_options, unsafe_single_writer=unsafe_single_writer)
@@ -427,6 +451,11 @@ class CheckpointManager:
             staging_dir = self._tmp_staging.name
         self.staging = StagingArea(staging_dir)
         self._leftovers = list(self.staging.journaled())
+        if keep_local is None:
+            keep_local = 0 if self._tmp_staging is not None else 1
+        #: The local tier: staged copies of committed checkpoints (``cloudckpt.localcopy``).
+        self.local = LocalCopies(self.staging.root, keep_local, local_budget_bytes)
+        self.local.prune()
         self.writer_id = protocol.new_writer_id()
         self.committer = Committer(self.store, self.writer_id, settings, inherit=inherit)
         #: Called with byte counts as uploads and downloads advance (the argument).
@@ -455,6 +484,7 @@ class CheckpointManager:
         self._open: dict[SaveHandle, int] = {}  # those saves -> the thread that entered them
         self._inflight: QueuedSave | None = None
         self._handles: list[SaveHandle] = []
+        self._keeping: list[cf.Future[None]] = []  # local copies still being finished
         self._worker: threading.Thread | None = None
         self._closing = False
         self._closed = False
@@ -528,6 +558,28 @@ class CheckpointManager:
         self.check_open()
         # Check the destination before claiming: a bad argument must not fence the writer.
         prepare_destination(Path(into).expanduser().absolute(), overwrite)
+        if self.claim() is None:
+            return None
+        return restore(
+            self.store,
+            into,
+            self.engine,
+            step=step,
+            overwrite=overwrite,
+            progress=self.progress,
+            local=self.local,
+        )
+
+    def claim(self) -> CheckpointInfo | None:
+        """What ``resume()`` does before it restores: claim the run (fencing any older
+        writer) and commit the saves a crashed process staged in ``staging_dir`` that are
+        newer than the committed checkpoint. Returns the committed checkpoint, or None
+        for a new, empty run. Restore it with ``restore()``, or into memory with
+        ``cloudckpt.integrations.torch.resume_state`` (which calls this).
+
+        Raises: NeedsRepairError, StoreError, CommitConflictError.
+        """
+        self.check_open()
         with self.attempts.commit_lock:
             latest = self.committer.claim()
             recovered = self._recover(latest)
@@ -540,9 +592,7 @@ class CheckpointManager:
         latest = self.committer.latest
         if latest is None or latest.current is None:
             return None
-        return restore(
-            self.store, into, self.engine, step=step, overwrite=overwrite, progress=self.progress
-        )
+        return CheckpointInfo.of(latest, latest.current)
 
     def save(
         self,
@@ -684,7 +734,13 @@ class CheckpointManager:
         """
         self.check_open()
         return restore(
-            self.store, into, self.engine, step=step, overwrite=overwrite, progress=self.progress
+            self.store,
+            into,
+            self.engine,
+            step=step,
+            overwrite=overwrite,
+            progress=self.progress,
+            local=self.local,
         )
 
     def pin(self, step: int, label: str = "pinned") -> None:
@@ -770,6 +826,7 @@ class CheckpointManager:
             self._cv.notify_all()
         if self._worker is not None:
             self._worker.join()
+        cf.wait(self._keeping)  # local copies being finished write into staging
         self.engine.close()
         self.staging.close()
         if self._owns_store:
@@ -938,6 +995,11 @@ class CheckpointManager:
                 handle.handed_over_at = time.perf_counter()
                 job = QueuedSave(handle, attempt, recovered=True)
                 jobs.append(job)
+            elif attempt.state in (STAGED, DURABLE, COMMITTED) and attempt.step == committed_step:
+                # Committed, then the process died before keeping it as a local copy (or
+                # before the journal said so): a candidate copy, proven by content on use
+                # (a staged copy may be incomplete: what does not verify is downloaded).
+                adopt_leftover(self.local, attempt)
             else:
                 if attempt.state != COMMITTED:
                     log.info("abandoning step %d left in staging (%s)", attempt.step, attempt.state)
@@ -982,16 +1044,19 @@ class CheckpointManager:
             raise
         # (A BaseException such as SimulatedCrash leaves everything as a dead process would.)
         attempt.set_state(COMMITTED)
-        attempt.remove()
+        self.local.adopt(attempt, begun.commit_id, manifest.to_bytes())
         return self._committed(handle, begun, latest, manifest)
 
     def _save_from_memory(self, job: QueuedSave, files: list[tuple[str, MemoryFile]]) -> CommitInfo:
         """``_save`` for files held in memory (``save_state``'s host buffers): upload them
         straight from memory, no round trip through the staging file system. The staged
         copy, which only a crash before the commit would need, is written and fsynced on a
-        thread of its own beside the upload; the commit does not wait for it, and once the
-        commit lands the copy is cut short and removed (the store holds the checkpoint).
-        A failure to write it (a full staging disk) is logged, not fatal."""
+        thread of its own beside the upload; the commit does not wait for it. Once the
+        commit lands, the copy is kept as the local tier (``keep_local``): it is finished
+        in the background (``handle._local_copy``; the host buffers are not reused until
+        then, ``close()`` waits for it); with ``keep_local=0`` it is cut short and removed
+        (the store holds the checkpoint). A failure to write it (a full staging disk) is
+        logged, not fatal: there is then no local copy."""
         attempt, handle = job.attempt, job.handle
         cancelled = threading.Event()
 
@@ -1020,10 +1085,27 @@ class CheckpointManager:
             cf.wait([staged])  # never remove files still being written
             self._fail(attempt)
             raise
-        cancelled.set()
-        cf.wait([staged])
-        attempt.set_state(COMMITTED)
-        attempt.remove()
+        if self.local.keep == 0:
+            cancelled.set()  # no local copy is kept: cut the staged write short
+            cf.wait([staged])
+            attempt.remove()
+            return self._committed(handle, begun, latest, manifest)
+        body = manifest.to_bytes()
+
+        def keep() -> None:
+            cf.wait([staged])
+            if attempt.state != DURABLE:  # the staged write failed (logged): no local copy
+                attempt.remove()
+                return
+            with contextlib.suppress(CloudCkptError):  # a journal write failing: no copy
+                attempt.set_state(COMMITTED)
+                self.local.adopt(attempt, begun.commit_id, body)
+                return
+            attempt.remove()
+
+        handle._local_copy = _run_in_thread(keep, f"cloudckpt-keep-{handle.step}")
+        with self._cv:
+            self._keeping = [f for f in self._keeping if not f.done()] + [handle._local_copy]
         return self._committed(handle, begun, latest, manifest)
 
     def _committed(

@@ -23,11 +23,12 @@ import logging
 import os
 import secrets
 import shutil
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from cloudckpt import chunks, protocol, reader
+from cloudckpt import chunks, fetch, protocol, reader
 from cloudckpt.errors import (
     CorruptionError,
     DestinationNotEmptyError,
@@ -35,6 +36,7 @@ from cloudckpt.errors import (
     UnsafePathError,
 )
 from cloudckpt.failpoints import hit as failpoint
+from cloudckpt.localcopy import LocalCopies, LocalCopy
 from cloudckpt.protocol import CheckpointRecord, FileEntry, Manifest
 
 # What a restore reads and how it falls back live in ``cloudckpt.reader``; these names
@@ -64,7 +66,12 @@ class RestoreResult:
     first that were damaged or missing, in the order tried (``dropped`` ones were collected
     while being read; the restore then read LATEST again, so the checkpoint restored may be
     newer than them). ``from_commit_records``: LATEST was missing or unreadable and the
-    commit records were used instead.
+    commit records were used instead. ``bytes_downloaded`` / ``bytes_local``: bytes read
+    from the store, and taken from a local copy in ``staging_dir`` that verified (the local
+    tier, ``cloudckpt.localcopy``). ``timings`` (seconds): ``listing_s`` (LATEST, manifest,
+    listing), ``transfer_s`` (to the last byte landed; hashing overlaps it),
+    ``verify_s`` (checking local copies, and the digests and fsyncs after the last byte
+    landed), ``place_s`` (moving into place), ``total_s``.
     """
 
     step: int
@@ -77,6 +84,9 @@ class RestoreResult:
     total_bytes: int
     skipped: tuple[SkippedCheckpoint, ...] = ()
     from_commit_records: bool = False
+    bytes_downloaded: int = 0
+    bytes_local: int = 0
+    timings: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- destination
@@ -228,29 +238,130 @@ def apply_modes(root: Path, entries: Iterable[FileEntry]) -> None:
 # --------------------------------------------------------------------------- restore
 
 
+@dataclasses.dataclass
+class _Clock:
+    """Where one restore's time and bytes went (``RestoreResult.timings``)."""
+
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    listing_s: float = 0.0
+    transfer_s: float = 0.0
+    verify_s: float = 0.0
+    place_s: float = 0.0
+    downloaded: int = 0
+    local: int = 0
+    last_byte: float = 0.0
+
+    def timings(self) -> dict[str, float]:
+        return {
+            "listing_s": self.listing_s,
+            "transfer_s": self.transfer_s,
+            "verify_s": self.verify_s,
+            "place_s": self.place_s,
+            "total_s": time.perf_counter() - self.started,
+        }
+
+
+def _from_local(
+    engine: TransferEngine,
+    copy: LocalCopy | None,
+    manifest: Manifest,
+    tmp: Path,
+    clock: _Clock,
+) -> list[FileEntry]:
+    """Link the files of ``copy`` that verify against ``manifest`` into ``tmp`` (a copy
+    when the link fails: another filesystem); return the entries still to download."""
+    if copy is None:
+        return list(manifest.files)
+    started = time.perf_counter()
+    jobs = [fetch.FileJob(e, local=copy.file(e.path)) for e in manifest.files]
+    verified = fetch.verify_local(engine, jobs, leaf_size=manifest.chunk_size)
+    rest = []
+    for entry, ok in zip(manifest.files, verified, strict=True):
+        if not ok:
+            rest.append(entry)
+            continue
+        target = tmp.joinpath(*entry.path.split("/"))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(copy.file(entry.path), target)
+        except OSError:
+            shutil.copyfile(copy.file(entry.path), target)
+        clock.local += entry.size
+    if rest:
+        log.warning(
+            "step %d: %d of %d file(s) of the local copy in %s do not verify; downloading them",
+            manifest.step,
+            len(rest),
+            len(manifest.files),
+            copy.dir,
+        )
+    clock.verify_s += time.perf_counter() - started
+    return rest
+
+
+def _download_rest(
+    store: Store,
+    engine: TransferEngine,
+    record: CheckpointRecord,
+    manifest: Manifest,
+    rest: list[FileEntry],
+    tmp: Path,
+    progress: ProgressCallback | None,
+    clock: _Clock,
+) -> None:
+    """Download the files ``rest`` of ``record`` (those no local copy supplied), verified,
+    into ``tmp``. Raises CorruptionError, StagingError (no space), StoreError, OSError."""
+    started = time.perf_counter()
+    check_objects(store, record, manifest)
+    need = sum(e.size for e in rest)
+    check_space(record.step, need, tmp.parent)
+    clock.listing_s += time.perf_counter() - started
+
+    def landed(n: int) -> None:
+        clock.downloaded += n
+        clock.last_byte = time.perf_counter()
+        if progress is not None:
+            progress(n)
+
+    started = time.perf_counter()
+    chunks.download(
+        engine,
+        store,
+        record.ckpt + protocol.FILES_DIR,
+        rest,
+        tmp,
+        manifest.chunk_size,
+        landed,
+    )
+    done = time.perf_counter()
+    last = max(clock.last_byte, started)
+    clock.transfer_s += last - started
+    clock.verify_s += done - last
+
+
 def _download(
     store: Store,
     engine: TransferEngine,
     record: CheckpointRecord,
     tmp: Path,
     progress: ProgressCallback | None,
+    local: LocalCopies | None,
+    clock: _Clock,
 ) -> Manifest:
-    """Check ``record`` and download it, verified, into the new directory ``tmp``.
-    Raises CorruptionError, UnsafePathError, StagingError (no space), StoreError."""
-    manifest = fetch_manifest(store, record)
-    check_objects(store, record, manifest)
-    check_space(record.step, manifest.total_bytes, tmp.parent)
+    """Check ``record`` and download it, verified, into the new directory ``tmp`` (taking
+    the files of a local copy that verify from there). Raises CorruptionError,
+    UnsafePathError, StagingError (no space), StoreError."""
+    started = time.perf_counter()
+    copy = local.find(record) if local is not None else None
+    manifest = copy.manifest(record) if copy is not None else None
+    if manifest is None:
+        manifest = fetch_manifest(store, record)
+    clock.listing_s += time.perf_counter() - started
     try:
         tmp.mkdir()
-        chunks.download(
-            engine,
-            store,
-            record.ckpt + protocol.FILES_DIR,
-            manifest.files,
-            tmp,
-            manifest.chunk_size,
-            progress,
-        )
+        rest = _from_local(engine, copy, manifest, tmp, clock)
+        if rest:
+            _download_rest(store, engine, record, manifest, rest, tmp, progress, clock)
         apply_modes(tmp, manifest.files)  # after every file verified
     except OSError as exc:
         full = out_of_space(exc, record.step, manifest.total_bytes, tmp.parent)
@@ -266,14 +377,19 @@ def _restore_one(
     record: CheckpointRecord,
     dest: Path,
     progress: ProgressCallback | None,
+    local: LocalCopies | None = None,
+    clock: _Clock | None = None,
 ) -> Manifest | reader.Damaged:
     """Download ``record``, verified, beside ``dest`` and move it into place; or, if it is
     damaged or missing, why (``dest`` untouched). Raises StagingError, StoreError."""
+    clock = clock if clock is not None else _Clock()
     tmp = dest.with_name(f".{dest.name}.cloudckpt-tmp-{secrets.token_hex(4)}")
     try:
-        manifest = _download(store, engine, record, tmp, progress)
+        manifest = _download(store, engine, record, tmp, progress, local, clock)
         failpoint("restore.after_download")
+        started = time.perf_counter()
         place(tmp, dest)
+        clock.place_s += time.perf_counter() - started
     except (CorruptionError, UnsafePathError) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         return reader.Damaged.of(exc)
@@ -291,9 +407,13 @@ def restore(
     step: int | None = None,
     overwrite: bool = False,
     progress: ProgressCallback | None = None,
+    local: LocalCopies | None = None,
 ) -> RestoreResult:
     """Restore the newest intact checkpoint (or ``step``) into the directory ``into`` (a
     symbolic link to a directory restores into that directory and stays a link).
+
+    ``local``: the local tier of the manager's staging directory; the files of a kept
+    copy of the chosen checkpoint that verify are linked from there, not downloaded.
 
     A checkpoint that turns out missing because retention dropped it and GC collected it
     while this restore read it is not damage: LATEST is read again and its checkpoints
@@ -310,15 +430,17 @@ def restore(
             download). The destination is untouched.
         StoreError: the store failed (after retries); the destination is untouched.
     """
+    clock = _Clock()
     into = Path(into).expanduser().absolute()
     todo, from_records = reader.readable(store, step)
     dest = prepare_destination(into, overwrite)
+    clock.listing_s = time.perf_counter() - clock.started
 
     found = reader.first_intact(
         store,
         todo,
         step,
-        lambda record: _restore_one(store, engine, record, dest, progress),
+        lambda record: _restore_one(store, engine, record, dest, progress, local, clock),
         from_records=from_records,
     )
     record, manifest = found.record, found.value
@@ -338,4 +460,7 @@ def restore(
         total_bytes=manifest.total_bytes,
         skipped=found.skipped,
         from_commit_records=found.from_records,
+        bytes_downloaded=clock.downloaded,
+        bytes_local=clock.local,
+        timings=clock.timings(),
     )

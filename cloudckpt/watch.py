@@ -296,6 +296,8 @@ class Watcher:
         elif isinstance(url, Store):
             latest = self._read_run(url)
             manager_options.setdefault("max_pending", max_pending)
+            # A sidecar restores nothing itself: no local copies (docs/design.md §12).
+            manager_options.setdefault("keep_local", 0)
             self.manager = CheckpointManager(url, **manager_options)
             self._owns_manager = True
         else:
@@ -306,6 +308,7 @@ class Watcher:
                 store.close()
             # Retention and grace left unset keep the run's own (the manager inherits them).
             manager_options.setdefault("max_pending", max_pending)
+            manager_options.setdefault("keep_local", 0)  # a sidecar restores nothing itself
             self.manager = CheckpointManager(
                 url, storage_options=storage_options, **manager_options
             )

@@ -232,6 +232,41 @@ def _upload_reads_ahead_of_the_copy(setattr_: Callable[[Any, str, Any], None]) -
 _COPY_TESTS = "tests/test_device_copy.py"
 _WRONG_ORDER = "tests/test_restore.py::test_valid_chunks_in_the_wrong_order_never_restore"
 
+
+def _memory_chunk_unchecked(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A chunk read into memory is accepted without checking it against its name (its
+    leaf digest is then taken from the manifest: nothing else notices)."""
+    from cloudckpt import fetch
+
+    setattr_(fetch, "_chunk_ok", lambda data, ref: True)
+
+
+def _memory_file_digest_unchecked(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A whole file read into memory is accepted once every range landed."""
+    from cloudckpt import fetch
+
+    setattr_(fetch._File, "root_ok", lambda self: True)
+
+
+def _local_copy_trusted(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """What a local copy fails to verify is not read again from the store (the copy is
+    trusted once it was found)."""
+    from cloudckpt import fetch
+
+    original = fetch._run_local
+
+    def trusting(reader, planned, local):
+        original(reader, planned, local)
+        for i in local:  # every unit counted as landed
+            reader.files[i].missing = 0
+        return []
+
+    setattr_(fetch, "_run_local", trusting)
+
+
+_RESUME = "tests/test_resume_state.py"
+_DCP = "tests/test_dcp.py"
+
 MUTANTS = {
     m.name: m
     for m in [
@@ -402,6 +437,49 @@ MUTANTS = {
                 f"{_COPY_TESTS}::test_a_failed_copy_stops_the_readers_and_leaves_no_copy_running",
             ),
             why_not_simulated="the simulation saves files, not tensors on a device",
+        ),
+        Mutant(
+            "memory-chunk-unchecked",
+            "a chunk read into memory is used only if it matches its SHA-256",
+            _memory_chunk_unchecked,
+            # (chunking="fixed": every leaf one chunk, so nothing but the chunk's own check
+            # can notice; where a leaf is cut, its recomputed digest notices too.)
+            (
+                f"{_RESUME}::test_a_flipped_byte_falls_back_and_no_damaged_tensor_reaches_the_"
+                "caller[fixed]",
+                f"{_DCP}::test_the_reader_verifies_what_it_reads[tensor]",
+            ),
+            why_not_simulated=(
+                "the simulation's readers restore into directories; the in-memory and DCP "
+                "readers are guarded by the fast tests"
+            ),
+        ),
+        Mutant(
+            "memory-file-digest-unchecked",
+            "a whole file read into memory is used only if it matches its recorded digest",
+            _memory_file_digest_unchecked,
+            (
+                f"{_RESUME}::test_a_flipped_byte_falls_back_and_no_damaged_tensor_reaches_the_"
+                "caller[off]",
+                f"{_DCP}::test_the_reader_verifies_what_it_reads[off]",
+            ),
+            why_not_simulated=(
+                "the simulation's readers restore into directories; the in-memory and DCP "
+                "readers are guarded by the fast tests"
+            ),
+        ),
+        Mutant(
+            "local-copy-trusted",
+            "a local copy is used only where it verifies; the rest is read from the store",
+            _local_copy_trusted,
+            tuple(
+                f"{_RESUME}::test_a_damaged_local_copy_is_never_used[{damage}]"
+                for damage in ("flip", "truncate", "other-step")
+            ),
+            why_not_simulated=(
+                "the simulation's hosts keep no staging directory between crashes; the fast "
+                "tests damage a kept copy by hand"
+            ),
         ),
     ]
 }

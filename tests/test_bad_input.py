@@ -261,7 +261,8 @@ def test_restore_that_does_not_fit_fails_before_writing(memory_target, tmp_path,
 
     import cloudckpt.restore as restore_mod
 
-    mgr = CheckpointManager(memory_target.url, staging_dir=tmp_path / "s")
+    # keep_local=0: a new host (a kept local copy would be linked, needing no space).
+    mgr = CheckpointManager(memory_target.url, staging_dir=tmp_path / "s", keep_local=0)
     _save(mgr, 1, b"x" * 1000)
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(restore_mod.shutil, "disk_usage", lambda p: usage._replace(free=10))
@@ -654,7 +655,9 @@ def test_a_disk_that_fills_during_a_restore_is_a_staging_error(
 
     from cloudckpt.cli import cli
 
-    mgr = CheckpointManager(memory_target.url, staging_dir=tmp_path / "s", chunking=chunking)
+    mgr = CheckpointManager(
+        memory_target.url, staging_dir=tmp_path / "s", chunking=chunking, keep_local=0
+    )
     _save(mgr, 1, b"x" * 300_000)
     dest = tmp_path / "dest"
     dest.mkdir()

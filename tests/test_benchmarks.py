@@ -24,15 +24,16 @@ def test_quick_benchmark_runs_every_group_and_writes_its_json(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--quick", "--json", str(out),
-         "--workdir", str(tmp_path / "work")],
+         "--workdir", str(tmp_path / "work"), "--groups", "limits,torch,s3,gcs,moto"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     doc = json.loads(out.read_text())
     assert doc["schema"] == "cloudckpt.bench/1" and doc["quick"] is True
+    assert doc["partial"] is False
     names = [g["name"] for g in doc["groups"]]
-    for expected in ("torch", "torch-restore", "s3-upload", "s3-restore", "gcs-upload", "gcs-restore",
-                     "moto-upload", "moto-restore"):  # fmt: skip
+    for expected in ("torch", "torch-restore", "torch-resume", "s3-upload", "s3-restore",
+                     "gcs-upload", "gcs-restore", "moto-upload", "moto-restore"):  # fmt: skip
         assert expected in names, names
     assert names.count("s3-upload") == 2, "one upload group per payload-signing setting"
     for group in doc["groups"]:
@@ -46,6 +47,27 @@ def test_quick_benchmark_runs_every_group_and_writes_its_json(tmp_path):
             assert math.isfinite(cmp["speedup"]) and cmp["speedup"] > 0
     # The table and the summary of ratios reach the terminal.
     assert " / cloudckpt = " in proc.stdout and "ratio" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_quick_dcp_benchmark_loads_at_2_and_3_ranks(tmp_path):
+    """The dcp group (issue 23): torchrun jobs save with 2 ranks, load with 2 and with 3
+    through both readers; every rank checks what it loaded."""
+    out = tmp_path / "dcp.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--json", str(out),
+         "--workdir", str(tmp_path / "work"), "--groups", "dcp"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    groups = {g["name"]: g for g in doc["groups"]}
+    assert sorted(groups) == ["dcp-load-2", "dcp-load-3"]
+    for group in groups.values():
+        assert set(group["contenders"]) == {"cloudckpt CloudStorageReader", "DCP S3StorageReader"}
+        (cmp,) = group["comparisons"]
+        assert math.isfinite(cmp["speedup"]) and cmp["speedup"] > 0
 
 
 @pytest.mark.timeout(300)

@@ -4,7 +4,8 @@ Multi-rank: the 2-rank torchrun job of tests/scripts/distrun.py (shared with
 test_distributed.py) saves DTensors sharded over both ranks with ``dcp.save`` (step 2) and
 ``dcp.async_save`` (step 3), fails a DCP save on rank 1 (step 5), and, as a new job, loads
 steps 3 and 2 resharded onto another placement; a 1-process job then loads step 3 into
-plain tensors. Both loads must give the saved tensors exactly.
+plain tensors, and a 3-rank job loads both resharded over 3 ranks (2 -> 3). Every load must
+give the saved tensors exactly, each rank streaming what its plan reads (no local files).
 
 Single process (no process group; DCP's no-dist mode): round trips, checkpoint ids,
 fencing through a claiming reader, fallback past a damaged checkpoint, and refusals.
@@ -38,6 +39,7 @@ from cloudckpt.integrations.dcp import (
 )
 from cloudckpt.restore import fetch_manifest
 from cloudckpt.stores import OVERWRITE, open_store
+from cloudckpt.testing.faults import flip_bit
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -68,6 +70,9 @@ def test_dcp_save_and_async_save_commit_every_ranks_shards_once(run):
                 "__0_0.distcp",
                 "__1_0.distcp",
             ]
+            # Each rank's file is stored as checksummed chunks a reader can verify alone.
+            for f in manifest.files:
+                assert (f.chunks is None) == (f.path == METADATA_FILE)
             # .metadata is DCP's own: a plain FileSystemReader can read a restored copy.
             data, _ = store.get(record.ckpt + protocol.FILES_DIR + METADATA_FILE)
             metadata = pickle.loads(data)
@@ -99,10 +104,24 @@ def test_loads_on_2_ranks_and_on_1_process_give_the_saved_tensors(run):
             loaded = main.one(rank, "dcp-loaded", step=step)
             assert (loaded["w"], loaded["b"]) == (expected["w"], expected["b"])
             assert loaded["extra"] == {"step": step, "name": f"step-{step}"}
-            assert loaded["cache_left"] == []  # the node's download is removed after loading
+            assert loaded["streamed"] > 0 and loaded["files_written"] == []  # nothing local
     one = load1.one(0, "dcp-loaded", step=3)
     two = main.one(0, "dcp-loaded", step=3)
     assert (one["w"], one["b"], one["extra"]) == (two["w"], two["b"], two["extra"])
+
+
+def test_a_2_rank_checkpoint_loads_resharded_over_3_ranks(run):
+    main, load3 = run["main"], run["load3"]
+    for step in (2, 3):
+        expected = main.one(0, "expected", step=step)
+        rows = []
+        for rank in (0, 1, 2):
+            loaded = load3.one(rank, "dcp-loaded", step=step)
+            assert (loaded["w"], loaded["b"]) == (expected["w"], expected["b"])
+            assert loaded["extra"] == {"step": step, "name": f"step-{step}"}
+            assert loaded["streamed"] > 0
+            rows.append(loaded["local_rows"])
+        assert rows == [3, 3, 2]  # 8 rows saved as 4 + 4, loaded as 3 + 3 + 2
 
 
 # ------------------------------------------------------------------------------ 1 process
@@ -154,7 +173,7 @@ def test_save_async_save_and_load_in_one_process(mgr, tmp_path):
     older = _empty()
     dcp.load(older, storage_reader=CloudStorageReader(mgr, step="step-10"))
     assert _same(older, _state(10))
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert not (tmp_path / "cache").exists()  # streamed: nothing written locally
 
 
 def test_a_claiming_reader_fences_the_old_writer(s3_target, tmp_path):
@@ -264,3 +283,80 @@ def test_a_checkpoint_collected_while_the_reader_picks_it_gives_the_current_one(
     reader_mgr.close()
     writer.close()
     drop_memory_bucket(name)
+
+
+# ------------------------------------------------------------------------------ streaming
+
+
+def _big(seed: int) -> dict:
+    """Two 6 MiB tensors in one rank file: more than one 8 MiB chunk."""
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(1536, 1024, generator=g), "b": torch.randn(1536, 1024, generator=g)}
+
+
+@pytest.mark.parametrize("backend", ["memory", "s3"])
+def test_the_reader_streams_only_the_chunks_its_plan_needs(request, backend, tmp_path):
+    target = request.getfixturevalue(f"{backend}_target")
+    mgr = CheckpointManager(
+        target.url, storage_options=target.storage_options, staging_dir=tmp_path / "s"
+    )
+    dcp.save(_big(1), storage_writer=CloudStorageWriter(mgr, step=1))
+    reader = CloudStorageReader(mgr)
+    shard = next(f for f in reader.manifest.files if f.path.endswith(".distcp"))
+    assert len(shard.chunks) == 2
+    only_a = {"a": torch.zeros(1536, 1024)}
+    dcp.load(only_a, storage_reader=reader)
+    assert torch.equal(only_a["a"], _big(1)["a"])
+    # "a" lies in the first chunk (and, by its header, maybe the second): never all of it.
+    stats = reader.read_stats
+    assert 0 < stats.bytes_from_store < shard.size + 2 * 1024 * 1024
+    everything = {"a": torch.zeros(1536, 1024), "b": torch.zeros(1536, 1024)}
+    dcp.load(everything, storage_reader=CloudStorageReader(mgr))
+    assert all(torch.equal(everything[k], v) for k, v in _big(1).items())
+    mgr.close()
+
+
+@pytest.mark.parametrize("chunking", ["tensor", "off"])
+def test_the_reader_verifies_what_it_reads(memory_target, tmp_path, chunking):
+    """A bit flipped in a rank's file after the reader chose the checkpoint: the load
+    fails before any planned tensor is written (chunked: the chunk's SHA-256; whole file,
+    ``chunking="off"``: the file's digest, checked before its items are decoded)."""
+    mgr = CheckpointManager(memory_target.url, staging_dir=tmp_path / "s", chunking=chunking)
+    writer = CloudStorageWriter(mgr, step=1)
+    dcp.save(_big(1), storage_writer=writer)
+    reader = CloudStorageReader(mgr)
+    shard = next(f for f in reader.manifest.files if f.path.endswith(".distcp"))
+    if chunking == "off":
+        assert shard.chunks is None
+        key = writer.commit_info.ckpt + protocol.FILES_DIR + shard.path
+    else:
+        key = shard.chunks[0].key
+    flip_bit(mgr.store, key, bit=8 * 4096)  # inside "a"
+    got = {"a": torch.zeros(1536, 1024), "b": torch.zeros(1536, 1024)}
+    with pytest.raises(BaseException, match="does not match its digest"):
+        dcp.load(got, storage_reader=reader)
+    assert not got["a"].any() and not got["b"].any()  # nothing of it reached the tensors
+    mgr.close()
+
+
+def test_a_missing_chunk_fails_the_load(memory_target, tmp_path):
+    mgr = CheckpointManager(memory_target.url, staging_dir=tmp_path / "s")
+    dcp.save(_big(1), storage_writer=CloudStorageWriter(mgr, step=1))
+    reader = CloudStorageReader(mgr)
+    shard = next(f for f in reader.manifest.files if f.path.endswith(".distcp"))
+    mgr.store.delete(shard.chunks[-1].key)
+    with pytest.raises(BaseException, match="missing"):
+        dcp.load(
+            {"a": torch.zeros(1536, 1024), "b": torch.zeros(1536, 1024)}, storage_reader=reader
+        )
+    mgr.close()
+
+
+def test_a_small_read_window_loads_in_batches(memory_target, tmp_path):
+    mgr = CheckpointManager(memory_target.url, staging_dir=tmp_path / "s")
+    dcp.save(_big(2), storage_writer=CloudStorageWriter(mgr, step=1))
+    reader = CloudStorageReader(mgr, read_window_bytes=1024)
+    got = {"a": torch.zeros(1536, 1024), "b": torch.zeros(1536, 1024)}
+    dcp.load(got, storage_reader=reader)
+    assert all(torch.equal(got[k], v) for k, v in _big(2).items())
+    mgr.close()

@@ -42,6 +42,12 @@ def test_demo_kills_mid_upload_resumes_and_proves_the_torn_attempt_was_never_vis
     assert host2["resumed_from_step"] == killed - 1 and host2["restored_weights_verified"]
     assert host2["committed_steps"] == list(range(killed, steps + 1))
     assert host2["epoch"] > host1["epoch"]
+    # Time from host 2's process start to its first training step, split (issue 23).
+    first = host2["time_to_first_step"]
+    parts = ("startup_s", "claim_s", "listing_s", "transfer_s", "verify_s", "load_s", "step_s")
+    assert all(first[k] >= 0 for k in parts) and first["transfer_s"] > 0
+    assert first["total_s"] >= sum(first[k] for k in parts) - 0.01
+    assert host2["bytes_downloaded"] >= 64 * MiB  # a new host: everything from the store
 
     torn = report["torn_attempt"]
     assert torn["step"] == killed and torn["prefix"].startswith(f"ckpt/{killed:012d}-e1-")
@@ -65,5 +71,5 @@ def test_demo_kills_mid_upload_resumes_and_proves_the_torn_attempt_was_never_vis
     text = format_report(report)
     for phrase in ("SIGKILL while uploading step", "the torn attempt was never visible",
                    "referenced by LATEST: no", "verify --all --read-data: 3 checkpoint(s) OK",
-                   "PASS"):  # fmt: skip
+                   "time to first step", "PASS"):  # fmt: skip
         assert phrase in text, text

@@ -119,7 +119,9 @@ def test_a_resealed_manifest_is_refused(request, backend, tmp_path):
     parses and its own digest matches): only the digest LATEST recorded tells. The restore
     skips step 2 and never returns the forged bytes."""
     store = _store(request, backend)
-    mgr = CheckpointManager(store, staging_dir=tmp_path / "s", auto_gc=False)
+    # keep_local=0: no local copy, so the restore reads the store (a kept copy would be
+    # proven against LATEST's digest and restore the genuine step 2 without reading it).
+    mgr = CheckpointManager(store, staging_dir=tmp_path / "s", auto_gc=False, keep_local=0)
     for step in (1, 2):
         _save(mgr, step, {"f": b"genuine %d" % step}).result()
     current = _latest(store).current
@@ -173,7 +175,9 @@ def test_a_damaged_whole_file_falls_back(request, backend, tmp_path):
     (one bit flipped at rest, same size, so the listing of sizes passes) is damage: the
     restore falls back to the previous checkpoint and reports why."""
     store = _store(request, backend)
-    mgr = CheckpointManager(store, staging_dir=tmp_path / "s", auto_gc=False, chunking="off")
+    mgr = CheckpointManager(
+        store, staging_dir=tmp_path / "s", auto_gc=False, chunking="off", keep_local=0
+    )
     for step in (1, 2):
         _save(mgr, step, {"f": b"%d" % step * 1000}).result()
     current = _latest(store).current

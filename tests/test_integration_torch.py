@@ -220,7 +220,10 @@ def test_the_upload_reads_the_host_buffers_and_the_staged_copy_is_written_beside
     staged = next(attempts.glob("*/files/tensors.safetensors")).read_bytes()
     release.set()
     assert handle.result(timeout=60).step == 1
-    assert not list(attempts.iterdir())  # the local copy goes once the commit lands
+    handle._wait_until_buffers_free()  # the staged copy is finished after the commit
+    assert not list(attempts.iterdir())  # ... and leaves attempts/
+    kept = mgr.staging.root / "committed"  # ... and stays as the local tier (keep_local=1)
+    assert [p.read_bytes() for p in kept.glob("*/files/tensors.safetensors")] == [staged]
     restored = mgr.restore(into=tmp_path / "r")
     assert (restored.path / "tensors.safetensors").read_bytes() == staged
     state = load_state(restored)

@@ -182,7 +182,7 @@ def test_zombie_writer_is_fenced_and_its_attempt_never_referenced(
 
 
 def test_flipped_byte_falls_back_then_fails_cleanly(target, manager_factory, tmp_path):
-    mgr = manager_factory(target)
+    mgr = manager_factory(target, keep_local=0)  # no local copy: every byte from the store
     for step in (1, 2):
         with mgr.save(step=step) as d:
             (d / "weights").write_bytes(os.urandom(200_000))
@@ -209,7 +209,7 @@ def test_flipped_byte_falls_back_then_fails_cleanly(target, manager_factory, tmp
 
 
 def test_missing_file_falls_back(target, manager_factory, tmp_path):
-    mgr = manager_factory(target)
+    mgr = manager_factory(target, keep_local=0)  # no local copy: every byte from the store
     for step in (1, 2):
         with mgr.save(step=step) as d:
             (d / "a").write_bytes(b"%d" % step)

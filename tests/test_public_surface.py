@@ -57,8 +57,8 @@ SURFACE = {
         "PreemptionSource", "PreemptionWatcher", "detect_clouds",
     ],
     "cloudckpt.integrations.torch": [
-        "FORMAT", "HostMemoryStats", "StateSaver", "host_memory_stats", "load_state",
-        "reserve_host_memory", "save_state",
+        "FORMAT", "HostMemoryStats", "LoadReport", "StateSaver", "host_memory_stats",
+        "load_state", "reserve_host_memory", "resume_state", "save_state",
     ],
     "cloudckpt.integrations.hf": ["CheckpointCallback", "fix_trainer_state", "resume"],
     "cloudckpt.integrations.lightning": [

@@ -483,6 +483,7 @@ def push_cmd(
                     auto_gc=False,
                     progress=progress,
                     chunking=chunking,
+                    keep_local=0,  # a push restores nothing: keep no local copy
                     **settings,
                 )
                 try:

@@ -56,8 +56,9 @@ of a crashed job are abandoned, not recovered (each rank would have to agree on 
 
 Where things live (private modules; this package exports what users import):
 ``_comm`` the collectives and the typed messages that carry errors between ranks,
-``_save`` the multi-rank save, ``_restore`` the multi-rank restore (and the DCP reader's
-node downloads), ``_manager`` the manager that queues saves and calls them.
+``_save`` the multi-rank save, ``_restore`` the multi-rank restore, ``_manager`` the
+manager that queues saves and calls them. (The DCP reader streams each rank's plan on its
+own: ``cloudckpt.integrations.dcp``.)
 """
 
 from cloudckpt.distributed._manager import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT

@@ -15,7 +15,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,7 +31,6 @@ from cloudckpt.distributed._restore import (
 from cloudckpt.errors import CloudCkptError, CollectiveError, ConfigurationError
 from cloudckpt.gc import collect_garbage
 from cloudckpt.manager import CheckpointManager, QueuedSave, SaveHandle
-from cloudckpt.protocol import CheckpointRecord, Manifest
 from cloudckpt.staging import COMMITTED, DURABLE, STAGED
 from cloudckpt.stores import Store
 
@@ -223,32 +222,6 @@ class DistributedCheckpointManager(CheckpointManager):
         Raises: ``fn``'s error, CollectiveError (the manager is unusable afterwards).
         """
         return self._collectively(lambda: self._comm.decide(fn, what))
-
-    def fetch_for_node(
-        self,
-        record: CheckpointRecord,
-        manifest: Manifest,
-        needed: Iterable[str],
-        cache_dir: str | os.PathLike[str] | None,
-        what: str,
-    ) -> Path:
-        """Collective: every rank names the checkpoint files it needs; each node's leader
-        downloads the node's union once (verified) into a fresh directory; returns that
-        directory (the leader's) on every rank of the node. Used by the DCP reader; call
-        ``node_done`` on every rank once read.
-
-        Raises: CorruptionError, StoreError, StagingError (on every rank of the node's
-        failure), CollectiveError.
-        """
-        return self._collectively(
-            lambda: self._reader().fetch_for_node(record, manifest, needed, cache_dir, what)
-        )
-
-    def node_done(self, node_dir: Path, what: str) -> None:
-        """Collective: every rank has finished reading ``node_dir`` (``fetch_for_node``);
-        the node's leader removes it."""
-        self._wait_idle()
-        self._comm.guard(lambda: self._reader().node_done(node_dir, what))
 
     # ---------------------------------------------------------------- internals: helpers
 

@@ -6,20 +6,15 @@ and picks the checkpoints to try, newest first (``Candidates``); then, for each 
 is intact, each node's leader downloads what the node's ranks need into a temporary
 directory beside the destination while the ranks exchange heartbeats, and moves it into
 place. A damaged checkpoint on any node means the next older one, on every node.
-
-``fetch_for_node`` and ``node_done`` serve the DCP reader: every rank names the files it
-needs, each node's leader downloads their union once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import re
 import secrets
 import shutil
-import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -27,8 +22,8 @@ from typing import Any
 from cloudckpt import chunks, protocol
 from cloudckpt.distributed._comm import Comm, RankError, Ranks
 from cloudckpt.distributed._save import WORLD_SIZE_KEY
-from cloudckpt.errors import ConfigurationError, CorruptionError
-from cloudckpt.protocol import CheckpointRecord, Latest, Manifest
+from cloudckpt.errors import ConfigurationError
+from cloudckpt.protocol import CheckpointRecord, Latest
 from cloudckpt.reader import (
     Damaged,
     Intact,
@@ -105,15 +100,6 @@ class Candidates:
 
     def todo(self) -> list[CheckpointRecord]:
         return [CheckpointRecord.from_dict(r) for r in self.records]
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeNeeds:
-    """What a rank needs of a checkpoint (DCP reader), and, from a node's leader, the
-    directory it downloads into."""
-
-    needs: tuple[str, ...]
-    dir: str | None
 
 
 # ------------------------------------------------------------------------------ the reader
@@ -328,69 +314,6 @@ class NodeReader:
             return int(m.group(1)) == rank
 
         return wants
-
-    # ---------------------------------------------------------------- for the DCP reader
-
-    def fetch_for_node(
-        self,
-        record: CheckpointRecord,
-        manifest: Manifest,
-        needed: Iterable[str],
-        cache_dir: str | os.PathLike[str] | None,
-        what: str,
-    ) -> Path:
-        """Every rank names the checkpoint files it needs; each node's leader downloads
-        the node's union once (verified) into a fresh directory; returns that directory
-        (the leader's) on every rank of the node.
-
-        Raises on every rank: CorruptionError (a file the metadata names is not in the
-        checkpoint), the leader's download error, CollectiveError.
-        """
-        local: Path | None = None
-        if self.ranks.is_node_leader:
-            base = Path(cache_dir).expanduser() if cache_dir else None
-            if base is not None:
-                base.mkdir(parents=True, exist_ok=True)
-                local = base / f"{record.commit_id}-{secrets.token_hex(4)}"
-            else:
-                local = Path(tempfile.mkdtemp(prefix="cloudckpt-read-"))
-        mine = NodeNeeds(tuple(sorted(set(needed))), None if local is None else str(local))
-        everyone = self.comm.all_gather(mine, what)
-        node_dir = Path(str(everyone[self.ranks.node_leader].dir))
-        wanted = sorted({p for r in self.ranks.local_ranks for p in everyone[r].needs})
-
-        def download() -> None:
-            by_path = {e.path: e for e in manifest.files}
-            missing = [p for p in wanted if p not in by_path]
-            if missing:
-                raise CorruptionError(
-                    f"step {record.step} has no file {missing[0]!r} that its metadata names"
-                )
-            node_dir.mkdir(parents=True, exist_ok=True)
-            chunks.download(
-                self.engine,
-                self.store,
-                record.ckpt + protocol.FILES_DIR,
-                [by_path[p] for p in wanted],
-                node_dir,
-                manifest.chunk_size,
-                self.progress,
-            )
-
-        phase = self.comm.run_phase(download if self.ranks.is_node_leader else None, what)
-        if phase.failures:
-            if self.ranks.is_node_leader:
-                shutil.rmtree(node_dir, ignore_errors=True)
-            if phase.own is not None:
-                raise phase.own
-            raise next(iter(phase.failures.values())).rebuild()
-        return node_dir
-
-    def node_done(self, node_dir: Path, what: str) -> None:
-        """Every rank has finished reading ``node_dir``; the leader removes it."""
-        self.comm.run_phase(None, what)
-        if self.ranks.is_node_leader:
-            shutil.rmtree(node_dir, ignore_errors=True)
 
 
 def _saved_world(record: CheckpointRecord) -> int | None:

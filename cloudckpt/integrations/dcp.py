@@ -25,8 +25,10 @@ How a save maps onto DCP's storage-writer calls (the checkpoint's files are exac
   run if needed, opens the attempt (``ckpt/<step>-e<epoch>-<id>/ATTEMPT.json``) and sends
   its prefix to every rank inside the plans DCP scatters.
 - ``write_data`` (every rank): writes the rank's items locally, uploads its files into the
-  attempt (parallel multipart, checksummed) and returns ``WriteResult``s whose
-  ``storage_data`` carries, besides DCP's own storage info, each file's (path, size, digest).
+  attempt as content-addressed 8 MiB chunks (whole files, multipart, with
+  ``chunking="off"``) and returns ``WriteResult``s whose ``storage_data`` carries, besides
+  DCP's own storage info, each file's manifest entry (path, size, digest, chunks). The
+  chunks are what lets a reader verify any part of a file on its own.
 - ``finish`` (coordinator, only if every rank's ``write_data`` succeeded: DCP gathers their
   results and raises on every rank otherwise): writes ``.metadata`` (DCP's own format, with
   DCP's storage info only), uploads it, writes the manifest of every rank's files plus
@@ -43,28 +45,35 @@ save to finish before the next starts with the same writer.
 Loading: the reader is built on every rank (collective): rank 0 picks the newest committed
 checkpoint (or ``step``), checks its manifest and every object's size, falls back to an
 older one if it is damaged, and hands every rank the verified ``.metadata``. In
-``read_data`` every rank names the files its DCP plan reads; one rank per node downloads the
-node's union once, verified, into a node-local directory (``cache_dir``, default a fresh
-temporary directory), the node's ranks read from it, and it is removed afterwards. Loading
-at another world size works as far as DCP's planner reshards (DTensor and plain tensors).
+``read_data`` every rank streams what its own plan reads, with no local file
+(``cloudckpt.fetch``): the byte ranges of its items, grouped by file and read with parallel
+ranged GETs into one buffer per stored item; of a chunked file only the chunks those ranges
+touch, each fetched once and checked against its SHA-256 as it lands (the file's digest is
+checked from the manifest's chunk list); a file stored whole (``chunking="off"``, or a
+checkpoint from before chunked DCP saves) is read whole to check its digest, keeping only
+the planned ranges. Items are then decoded and copied into the planned tensors as DCP's
+``FileSystemReader`` does. Memory: the items of one window (``read_window_bytes``, 512 MiB
+by default, or one item if larger; a whole-file checkpoint's items of one file at once)
+plus the fetch engine's scratch buffers. Loading at another world size works as far as
+DCP's planner reshards (DTensor and plain tensors).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import os
 import pickle
 import re
 import secrets
 import shutil
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cloudckpt import chunks, digest, protocol, reader
+from cloudckpt import digest, fetch, protocol, reader
 from cloudckpt.attempts import CommitInfo
 from cloudckpt.distributed import WORLD_SIZE_KEY, DistributedCheckpointManager
 from cloudckpt.errors import (
@@ -81,10 +90,20 @@ from cloudckpt.retry import call_with_retries
 from cloudckpt.stores import Store
 
 try:
+    import torch
     import torch.distributed as dist
-    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-    from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+    from torch.distributed.checkpoint.planner import (
+        LoadItemType,
+        LoadPlan,
+        LoadPlanner,
+        ReadItem,
+        SavePlan,
+        SavePlanner,
+    )
     from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
     from torch.futures import Future
 except ImportError as _exc:  # pragma: no cover - exercised only without torch
@@ -176,7 +195,7 @@ class _Uploaded:
     file's manifest entry."""
 
     info: Any
-    entry: tuple[str, int, str] | None
+    entry: FileEntry | None
 
 
 class _LocalWriter(FileSystemWriter):
@@ -384,7 +403,9 @@ class CloudStorageWriter(StorageWriter):
             fut.wait()
             written: list[WriteResult] = fut.value()
             files = sorted({wr.storage_data.relative_path for wr in written})
-            entries = mgr.attempts.upload_files(cloud.prefix, [(f, self._local / f) for f in files])
+            entries = mgr.attempts.upload_files(
+                cloud.prefix, [(f, self._local / f) for f in files], chunked=True
+            )
         finally:
             if not self._is_coordinator:
                 self._cleanup()
@@ -396,10 +417,7 @@ class CloudStorageWriter(StorageWriter):
                 WriteResult(
                     index=wr.index,
                     size_in_bytes=wr.size_in_bytes,
-                    storage_data=_Uploaded(
-                        wr.storage_data,
-                        None if entry is None else (entry.path, entry.size, entry.digest),
-                    ),
+                    storage_data=_Uploaded(wr.storage_data, entry),
                 )
             )
         return _done(results)
@@ -412,7 +430,7 @@ class CloudStorageWriter(StorageWriter):
                 for rank in results
             ]
             entries = [
-                FileEntry(*wr.storage_data.entry)
+                wr.storage_data.entry
                 for rank in results
                 for wr in rank
                 if wr.storage_data.entry is not None
@@ -466,8 +484,10 @@ class CloudStorageReader(StorageReader):
         step: load this step instead of the newest committed checkpoint.
         claim: claim the run on rank 0 first, fencing older writers; what resuming a
             training job should do (the manager then saves without claiming again).
-        cache_dir: node-local directory for the downloaded files (a fresh subdirectory is
-            used and removed after the load). Default: the system's temporary directory.
+        read_window_bytes: the most item bytes a rank holds in memory at once while it
+            loads (one item if larger); see the module docstring.
+        cache_dir: no longer used (the reader streams; nothing is written locally);
+            accepted so existing code keeps working.
     """
 
     def __init__(
@@ -476,6 +496,7 @@ class CloudStorageReader(StorageReader):
         *,
         step: int | None = None,
         claim: bool = False,
+        read_window_bytes: int = 512 * 1024 * 1024,
         cache_dir: str | os.PathLike[str] | None = None,
         storage_options: Mapping[str, Any] | None = None,
         **manager_kwargs: Any,
@@ -483,6 +504,9 @@ class CloudStorageReader(StorageReader):
         super().__init__()
         self.manager, self._owns_manager = _open_manager(source, storage_options, manager_kwargs)
         self.cache_dir = cache_dir
+        self.read_window_bytes = read_window_bytes
+        #: What the last ``read_data`` read (``fetch.ReadStats``), on this rank.
+        self.read_stats: fetch.ReadStats | None = None
         self.load_id = secrets.token_hex(16)
         self._metadata: Metadata | None = None
         self._is_coordinator = False
@@ -620,54 +644,116 @@ class CloudStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        mgr, record, manifest = self.manager, self.record, self.manifest
+        """Stream what this rank's plan reads straight from the store, verified (module
+        docstring), and load it into the planned tensors. No collective: each rank reads
+        on its own, and DCP gathers every rank's outcome.
+
+        Raises: CorruptionError (damaged or missing data: the load fails on every rank),
+        StoreError.
+        """
+        assert self._metadata is not None and self.record is not None and self.manifest is not None
+        self.manager.check_open()
         storage = self._metadata.storage_data
-        needed = sorted({storage[item.storage_index].relative_path for item in plan.items})
-        what = f"loading step {record.step}"
-        if isinstance(mgr, DistributedCheckpointManager):
-            local = mgr.fetch_for_node(record, manifest, needed, self.cache_dir, what)
-        else:
-            local = self._fetch_here(needed)
-        failure: BaseException | None = None
-        try:
-            reader = FileSystemReader(local)
-            args, kwargs = self._setup_args
-            reader.set_up_storage_reader(self._metadata, self._is_coordinator, *args, **kwargs)
-            reader.read_data(plan, planner).wait()
-        except BaseException as exc:
-            failure = exc
-        if isinstance(mgr, DistributedCheckpointManager):
-            mgr.node_done(local, f"{what}: finishing")  # every rank, even after a failure
-        else:
-            shutil.rmtree(local, ignore_errors=True)
-        if failure is not None:
-            raise failure
+        by_path = {e.path: e for e in self.manifest.files}
+        items: dict[Any, tuple[Any, list[ReadItem]]] = {}
+        for req in plan.items:
+            info = storage[req.storage_index]
+            if info.relative_path not in by_path:
+                raise CorruptionError(
+                    f"step {self.record.step} has no file {info.relative_path!r} that its "
+                    "metadata names"
+                )
+            items.setdefault(req.storage_index, (info, []))[1].append(req)
+        stats = fetch.ReadStats()
+        for batch in _batches(items, by_path, self.read_window_bytes):
+            self._read_batch(batch, by_path, planner, stats)
+        self.read_stats = stats
         return _done(None)
 
-    def _fetch_here(self, needed: list[str]) -> Path:
-        """A single process: download what this rank needs, verified."""
+    def _read_batch(
+        self,
+        batch: list[tuple[Any, list[ReadItem]]],
+        by_path: Mapping[str, FileEntry],
+        planner: LoadPlanner,
+        stats: fetch.ReadStats,
+    ) -> None:
+        """Fetch the items of ``batch`` (verified) into buffers, then load each of its
+        read items as DCP's ``FileSystemReader`` does."""
+        from cloudckpt.integrations._torch_restore import TensorSink
+
         mgr, record, manifest = self.manager, self.record, self.manifest
-        base = Path(self.cache_dir).expanduser() if self.cache_dir else None
-        if base is not None:
-            base.mkdir(parents=True, exist_ok=True)
-        local = Path(tempfile.mkdtemp(prefix="cloudckpt-read-", dir=base))
-        by_path = {e.path: e for e in manifest.files}
-        try:
-            missing = [p for p in needed if p not in by_path]
-            if missing:
-                raise CorruptionError(
-                    f"step {record.step} has no file {missing[0]!r} that its metadata names"
-                )
-            chunks.download(
-                mgr.engine,
-                mgr.store,
-                record.ckpt + protocol.FILES_DIR,
-                [by_path[p] for p in needed],
-                local,
-                manifest.chunk_size,
-                mgr.progress,
-            )
-        except BaseException:
-            shutil.rmtree(local, ignore_errors=True)
-            raise
-        return local
+        assert record is not None and manifest is not None
+        buffers = [bytearray(info.length) for info, _ in batch]
+        sink = TensorSink(None)
+        jobs = []
+        for path in sorted({info.relative_path for info, _ in batch}):
+            mine = [
+                (info, buf)
+                for (info, _), buf in zip(batch, buffers, strict=True)
+                if info.relative_path == path
+            ]
+            sink.add_job([(i.offset, i.offset + i.length, memoryview(b)) for i, b in mine])
+            ranges = tuple((i.offset, i.length) for i, _ in mine)
+            jobs.append(fetch.FileJob(by_path[path], ranges=ranges))
+        fetch.read_files(
+            mgr.engine,
+            mgr.store,
+            record.ckpt + protocol.FILES_DIR,
+            jobs,
+            sink,
+            leaf_size=manifest.chunk_size,
+            stats=stats,
+        )
+        transforms = _StorageReaderTransforms()
+        for (info, reqs), buf in zip(batch, buffers, strict=True):
+            for req in reqs:
+                _load_item(req, info, buf, transforms, planner)
+
+
+def _batches(
+    items: Mapping[Any, tuple[Any, list[ReadItem]]],
+    by_path: Mapping[str, FileEntry],
+    window: int,
+) -> list[list[tuple[Any, list[ReadItem]]]]:
+    """The stored items to read, in file order, cut into batches of at most ``window``
+    bytes (or one item). A file whose digest needs every byte (stored whole) is not cut:
+    its items are only usable once the whole file verified."""
+    ordered = sorted(items.values(), key=lambda t: (t[0].relative_path, t[0].offset))
+    batches: list[list[tuple[Any, list[ReadItem]]]] = []
+    current: list[tuple[Any, list[ReadItem]]] = []
+    size = 0
+    for info, reqs in ordered:
+        entry = by_path[info.relative_path]
+        cuttable = entry.chunks is not None and fetch.manifest_root(entry) is not None
+        same_file = bool(current) and current[-1][0].relative_path == info.relative_path
+        if current and size + info.length > window and (cuttable or not same_file):
+            batches.append(current)
+            current, size = [], 0
+        current.append((info, reqs))
+        size += info.length
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _load_item(
+    req: ReadItem, info: Any, data: bytearray, transforms: Any, planner: LoadPlanner
+) -> None:
+    """One read item from its stored item's verified bytes (``FileSystemReader``'s way)."""
+    stream = transforms.transform_load_stream(
+        req, info.transform_descriptors or (), io.BytesIO(data)
+    )
+    if req.type == LoadItemType.BYTE_IO:
+        planner.load_bytes(req, io.BytesIO(stream.read(-1)))
+        return
+    seekable = stream if stream.seekable() else io.BytesIO(stream.read(-1))
+    tensor = torch.load(seekable, map_location="cpu", weights_only=True)
+    tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+    target = planner.resolve_tensor(req).detach()
+    if target.size() != tensor.size():
+        raise CorruptionError(
+            f"item {req.storage_index} of {info.relative_path} has size {tuple(tensor.size())}, "
+            f"the plan expects {tuple(target.size())}"
+        )
+    target.copy_(tensor)
+    planner.commit_tensor(req, target)

@@ -117,8 +117,10 @@ from cloudckpt.integrations._device_copy import (
     kind_of,
 )
 from cloudckpt.integrations._host_memory import HostArena, HostMemoryStats
+from cloudckpt.integrations._torch_restore import LoadReport
 from cloudckpt.manager import CheckpointManager, SaveHandle
 from cloudckpt.restore import RestoreResult
+from cloudckpt.stores import Store, open_store
 from cloudckpt.transfer import MemoryFile
 
 try:
@@ -134,10 +136,12 @@ except ImportError as _exc:  # pragma: no cover - exercised only without the ext
 __all__ = [
     "FORMAT",
     "HostMemoryStats",
+    "LoadReport",
     "StateSaver",
     "host_memory_stats",
     "load_state",
     "reserve_host_memory",
+    "resume_state",
     "save_state",
 ]
 
@@ -573,9 +577,10 @@ class StateSaver:
                     handle.__exit__(None, None, None)  # the upload starts, behind the copy
                 except Exception:  # the hand-over failed (staging disk): the handle has it
                     return
-                # The upload (and the staged copy) read the host memory until the save is
-                # done: the next save_state waits for that before reusing it.
-                cf.wait([handle._future])
+                # The upload (and the staged copy kept as the local tier) read the host
+                # memory until they are done: the next save_state waits for that before
+                # reusing it.
+                handle._wait_until_buffers_free()
                 handle._memory_files = None  # let go of this save's views of the arena
 
             def copy_done() -> None:
@@ -782,34 +787,84 @@ def _state_dir(source: RestoreResult | str | os.PathLike[str]) -> Path:
         raise CloudCkptError(
             f"{path} holds no {STATE_FILE}",
             hint="Pass the directory a restore produced (RestoreResult or its .path) for a "
-            "checkpoint written by save_state",
+            "checkpoint written by save_state, or the run (a manager, store or URL) to load "
+            "from the store",
         )
     return path
 
 
-def load_state(
-    source: RestoreResult | str | os.PathLike[str],
-    *,
-    device: str | torch.device | None = None,
-    weights_only: bool = True,
-) -> Any:
-    """Rebuild the state ``save_state`` saved, from a restored checkpoint directory.
-
-    Args:
-        source: a ``RestoreResult`` (from ``manager.resume()`` / ``restore()``) or its path.
-        device: where tensors go (default: CPU).
-        weights_only: load ``objects.pt`` (only present for unusual leaves) with
-            ``torch.load(weights_only=True)``. Set False only for checkpoints you trust.
-
-    Raises: CloudCkptError (not a save_state checkpoint), CorruptionError (unknown format,
-    missing tensor), and ``torch.load``'s error for a disallowed pickled type.
-    """
-    root = _state_dir(source)
-    doc = json.loads((root / STATE_FILE).read_text())
+def _check_format(doc: Mapping[str, Any], where: str) -> None:
     if doc.get("format") != FORMAT:
         raise CorruptionError(
-            f"{root / STATE_FILE} has format {doc.get('format')!r}; this cloudckpt reads {FORMAT}"
+            f"{where} has format {doc.get('format')!r}; this cloudckpt reads {FORMAT}"
         )
+
+
+def _load_objects(
+    source: Path | bytes, doc: Mapping[str, Any], target: str, weights_only: bool
+) -> list[Any]:
+    """The leaves ``objects.pt`` holds. Raises CloudCkptError for a type
+    ``torch.load(weights_only=True)`` refuses."""
+    try:
+        return torch.load(  # type: ignore[no-any-return]
+            io.BytesIO(source) if isinstance(source, bytes) else source,
+            map_location=target,
+            weights_only=weights_only,
+        )
+    except Exception as exc:
+        if not weights_only:
+            raise
+        detail = [line for line in str(exc).splitlines() if "WeightsUnpickler" in line]
+        raise CloudCkptError(
+            f"{OBJECTS_FILE} holds a type torch.load(weights_only=True) refuses "
+            f"(values at {', '.join(doc.get('object_paths', [])[:5])}): "
+            + (detail[0].strip() if detail else str(exc).splitlines()[0]),
+            hint="Allow the type with torch.serialization.add_safe_globals([...]), or pass "
+            "weights_only=False if you trust this checkpoint",
+        ) from exc
+
+
+def load_state(
+    source: RestoreResult | str | os.PathLike[str] | CheckpointManager | Store,
+    *,
+    step: int | None = None,
+    device: str | torch.device | None = None,
+    weights_only: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
+    report: LoadReport | None = None,
+) -> Any:
+    """Rebuild the state ``save_state`` saved: straight from the store into memory (or a
+    GPU), or from a restored checkpoint directory.
+
+    Args:
+        source: the run: a ``CheckpointManager`` (read-only here; ``resume_state`` claims
+            the run first), a ``Store`` or a run URL (``s3://bucket/run``): the newest
+            committed checkpoint (or ``step``) is read into memory with no local file,
+            every byte verified, falling back past damaged checkpoints as ``restore``
+            does (see ``cloudckpt.integrations._torch_restore``). A manager also uses the
+            verified local copy in its ``staging_dir``, if it has one (zero bytes
+            downloaded). Or a directory: a ``RestoreResult`` (from ``manager.resume()`` /
+            ``restore()``) or its path.
+        step: (from a run) load this step instead of the newest.
+        device: where tensors go (default: CPU). A CUDA device is filled through pinned
+            staging buffers, the copies overlapped with the download.
+        weights_only: load ``objects.pt`` (only present for unusual leaves) with
+            ``torch.load(weights_only=True)``. Set False only for checkpoints you trust.
+        storage_options: for a run URL, as ``CheckpointManager`` takes them.
+        report: a ``LoadReport`` to fill (from a run): where the time went, bytes read.
+
+    Raises: CheckpointNotFoundError (nothing committed, or no such step), CorruptionError
+    (no intact checkpoint, unknown format, missing tensor), CloudCkptError (not a
+    save_state checkpoint), StoreError, and ``torch.load``'s error for a disallowed
+    pickled type.
+    """
+    if isinstance(source, (CheckpointManager, Store)) or (
+        isinstance(source, str) and "://" in source
+    ):
+        return _load_from_run(source, step, device, weights_only, storage_options, report)
+    root = _state_dir(source)
+    doc = json.loads((root / STATE_FILE).read_text())
+    _check_format(doc, str(root / STATE_FILE))
     target = "cpu" if device is None else str(device)
     tensors = _st.load_file(str(root / TENSORS_FILE), device=target)
     missing = set(doc.get("tensors", {})) - set(tensors)
@@ -817,19 +872,90 @@ def load_state(
         raise CorruptionError(f"{TENSORS_FILE} lacks {sorted(missing)[:5]}")
     objects: list[Any] = []
     if doc.get("objects"):
-        try:
-            objects = torch.load(
-                root / OBJECTS_FILE, map_location=target, weights_only=weights_only
-            )
-        except Exception as exc:
-            if not weights_only:
-                raise
-            detail = [line for line in str(exc).splitlines() if "WeightsUnpickler" in line]
-            raise CloudCkptError(
-                f"{OBJECTS_FILE} holds a type torch.load(weights_only=True) refuses "
-                f"(values at {', '.join(doc.get('object_paths', [])[:5])}): "
-                + (detail[0].strip() if detail else str(exc).splitlines()[0]),
-                hint="Allow the type with torch.serialization.add_safe_globals([...]), or pass "
-                "weights_only=False if you trust this checkpoint",
-            ) from exc
+        objects = _load_objects(root / OBJECTS_FILE, doc, target, weights_only)
     return _decode(doc["tree"], tensors, objects)
+
+
+def _load_from_run(
+    source: CheckpointManager | Store | str,
+    step: int | None,
+    device: str | torch.device | None,
+    weights_only: bool,
+    storage_options: Mapping[str, Any] | None,
+    report: LoadReport | None,
+) -> Any:
+    """``load_state`` from the store (see there)."""
+    from cloudckpt.integrations import _torch_restore as tr
+    from cloudckpt.transfer import TransferEngine
+
+    report = report if report is not None else LoadReport()
+    ops = tr.device_ops(device)
+    report.device = str(ops.device) if ops is not None else "cpu"
+    later = None if ops is not None or device is None else torch.device(device)
+    if later is not None and later.type == "cpu":
+        later = None
+
+    def build(doc: dict[str, Any], tensors: Mapping[str, torch.Tensor], blob: bytes | None) -> Any:
+        _check_format(doc, STATE_FILE)
+        if later is not None:  # a device reached through host memory
+            tensors = {k: v.to(later) for k, v in tensors.items()}
+        target = report.device if later is None else str(later)
+        objects = _load_objects(blob, doc, target, weights_only) if blob is not None else []
+        if doc.get("objects") and blob is None:
+            raise CorruptionError(f"the checkpoint lacks {OBJECTS_FILE}")
+        return _decode(doc["tree"], tensors, objects)
+
+    names = (STATE_FILE, TENSORS_FILE, OBJECTS_FILE)
+    dtypes = getattr(_st, "_TYPES", {})
+    if isinstance(source, CheckpointManager):
+        source.check_open()
+        return tr.load_from_store(
+            source.store,
+            source.engine,
+            step=step,
+            ops=ops,
+            local=source.local,
+            report=report,
+            names=names,
+            dtypes=dtypes,
+            build=build,
+        )
+    store = (
+        open_store(source, storage_options, writable=False) if isinstance(source, str) else source
+    )
+    try:
+        with TransferEngine() as engine:
+            return tr.load_from_store(
+                store,
+                engine,
+                step=step,
+                ops=ops,
+                local=None,
+                report=report,
+                names=names,
+                dtypes=dtypes,
+                build=build,
+            )
+    finally:
+        if store is not source:
+            store.close()
+
+
+def resume_state(
+    manager: CheckpointManager,
+    *,
+    step: int | None = None,
+    device: str | torch.device | None = None,
+    weights_only: bool = True,
+    report: LoadReport | None = None,
+) -> Any:
+    """``manager.resume()`` into memory: claim the run (fencing any older writer), commit
+    saves a crashed process left in ``staging_dir``, and load the newest committed
+    checkpoint (or ``step``) straight from the store, or from the verified local copy in
+    ``staging_dir`` (see ``load_state``). Returns None for a new, empty run.
+
+    Raises: as ``CheckpointManager.claim`` and ``load_state``.
+    """
+    if manager.claim() is None:
+        return None
+    return load_state(manager, step=step, device=device, weights_only=weights_only, report=report)

@@ -15,6 +15,8 @@ Scenarios (each rank appends JSON lines to ``DIR/events-<rank>.jsonl``):
   node), a read-only restore as if each rank were its own node, and DCP loads of steps 2
   and 3 resharded onto another placement.
 - ``load1`` (1 process): DCP load of step 3 into plain tensors, and a restore of step 1.
+- ``load3`` (3 ranks): DCP loads of steps 2 and 3, saved by 2 ranks, resharded over 3
+  (``Shard(0)`` of 8 rows as 3 + 3 + 2), each rank streaming only what its plan reads.
 - ``kill`` (2 ranks): step 1 commits; in step 2 rank 1 stalls after its first uploaded file
   and writes ``DIR/stalled.json`` (its pid), for the test to SIGKILL or SIGSTOP it. Rank 0
   records the error its save raises, and how long it took.
@@ -83,14 +85,14 @@ def manager(url: str, work: Path, name: str, **kwargs) -> DistributedCheckpointM
 
 
 def inject_upload_failure(mgr) -> callable:
-    """Make this rank's next uploads fail; returns the undo."""
-    original = mgr.engine.upload_files
+    """Make this rank's next uploads fail (multi-rank saves and DCP writers both upload
+    through ``mgr.attempts.upload_files``); returns the undo."""
 
     def failing(*args, **kwargs):
         raise StoreError("injected upload failure on rank 1")
 
-    mgr.engine.upload_files = failing
-    return lambda: setattr(mgr.engine, "upload_files", original)
+    mgr.attempts.upload_files = failing
+    return lambda: delattr(mgr.attempts, "upload_files")
 
 
 # ------------------------------------------------------------------------------ main
@@ -236,7 +238,8 @@ def scenario_main(url: str, work: Path, ev: Events) -> None:
 
     # DCP loads resharded onto another placement (Shard(1) instead of Shard(0)).
     for step in (3, 2):
-        reader = CloudStorageReader(mgr, step=step, cache_dir=work / "dcp-cache")
+        before = sorted(str(p) for p in work.rglob("*.distcp"))
+        reader = CloudStorageReader(mgr, step=step)
         target = {
             "model": {
                 "w": distribute_tensor(torch.zeros(8, 6), mesh, [Shard(1)]),
@@ -251,7 +254,37 @@ def scenario_main(url: str, work: Path, ev: Events) -> None:
             w=digest(target["model"]["w"].full_tensor()),
             b=digest(target["model"]["b"].full_tensor()),
             extra=target["extra"],
-            cache_left=sorted(os.listdir(work / "dcp-cache")),
+            streamed=reader.read_stats.bytes_from_store,
+            files_written=sorted(set(map(str, work.rglob("*.distcp"))) - set(before)),
+        )
+    mgr.close()
+
+
+def scenario_load3(url: str, work: Path, ev: Events) -> None:
+    """Checkpoints saved by 2 ranks, loaded by 3 (resharded)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    mgr = manager(url, work, "three", timeout=30)
+    for step in (2, 3):
+        reader = CloudStorageReader(mgr, step=step)
+        target = {
+            "model": {
+                "w": distribute_tensor(torch.zeros(8, 6), mesh, [Shard(0)]),
+                "b": distribute_tensor(torch.zeros(5), mesh, [Replicate()]),
+            },
+            "extra": {"step": -1, "name": ""},
+        }
+        dcp.load(target, storage_reader=reader)
+        ev(
+            "dcp-loaded",
+            step=reader.step,
+            w=digest(target["model"]["w"].full_tensor()),
+            b=digest(target["model"]["b"].full_tensor()),
+            local_rows=target["model"]["w"].to_local().shape[0],
+            extra=target["extra"],
+            streamed=reader.read_stats.bytes_from_store,
         )
     mgr.close()
 
@@ -357,7 +390,7 @@ def exit_with_parent() -> None:
 def main() -> int:
     exit_with_parent()
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", required=True, choices=["main", "load1", "kill"])
+    parser.add_argument("--scenario", required=True, choices=["main", "load1", "load3", "kill"])
     parser.add_argument("--url", required=True)
     parser.add_argument("--work", required=True, type=Path)
     parser.add_argument("--events", default=None)  # accepted for ChildRun compatibility
@@ -373,6 +406,8 @@ def main() -> int:
             scenario_main(args.url, args.work, ev)
         elif args.scenario == "load1":
             scenario_load1(args.url, args.work, ev)
+        elif args.scenario == "load3":
+            scenario_load3(args.url, args.work, ev)
         else:
             scenario_kill(args.url, args.work, ev, args.timeout)
     except SystemExit:

@@ -126,7 +126,7 @@ class Launch:
         text = ""
         with contextlib.suppress(OSError):
             text = self.log_path.read_bytes()[-limit:].decode("utf-8", "replace")
-        for rank in range(2):
+        for rank in range(3):
             text += f"\n--- events of rank {rank} ---\n"
             text += "\n".join(json.dumps(e)[:600] for e in self.events(rank))
         return text
@@ -136,7 +136,8 @@ _cache: dict[str, Any] = {}
 
 
 def main_run(moto_server: Any, tmp_path_factory: Any) -> dict[str, Any]:
-    """The 2-rank ``main`` job, then the 1-process ``load1`` job, once per session."""
+    """The 2-rank ``main`` job, then the 1-process ``load1`` job and the 3-rank ``load3``
+    job, once per session."""
     if "main" in _cache:
         if isinstance(_cache["main"], BaseException):
             raise _cache["main"]
@@ -152,8 +153,17 @@ def main_run(moto_server: Any, tmp_path_factory: Any) -> dict[str, Any]:
         load1 = Launch("load1", url, work / "load1", options, nproc=None)
         rc = load1.wait(90)
         assert rc == 0, f"the 1-process job failed ({rc}):\n{load1.log_tail()}"
+        load3 = Launch("load3", url, work / "load3", options, nproc=3)
+        rc = load3.wait(120)
+        assert rc == 0, f"the 3-rank job failed ({rc}):\n{load3.log_tail()}"
     except BaseException as exc:
         _cache["main"] = exc
         raise
-    _cache["main"] = {"url": url, "options": options, "main": main, "load1": load1}
+    _cache["main"] = {
+        "url": url,
+        "options": options,
+        "main": main,
+        "load1": load1,
+        "load3": load3,
+    }
     return _cache["main"]

@@ -1,0 +1,548 @@
+"""Verified reads of a checkpoint's files straight into memory (docs/design.md §7).
+
+``read_files`` lands byte ranges of a checkpoint's files where a ``Sink`` wants them (the
+memory of freshly allocated tensors, pinned staging slots on their way to a GPU, the
+buffers of a DCP plan's items), with no local file, and checks every byte before the
+caller may use any of it:
+
+- The unit of work is a **verification unit**: for a chunked file, one 8 MiB digest leaf
+  (its chunks, each checked against its SHA-256 as it lands); for a whole file, one
+  chunk-aligned range (its leaf digests computed as it lands; the file's digest, from the
+  leaf digests, is checked when its last range lands). Units run in parallel on the
+  transfer engine's workers, so hashing one unit overlaps the transfer of the others.
+- A unit whose bytes have one destination is read straight into it (``get_range_into``
+  where the store offers it: from the socket into the tensor). A unit that spans several
+  destinations (small tensors packed together, a header and a tensor) or none (bytes a
+  partial read needs only to check a digest) lands in a reused scratch buffer and is
+  handed to the sink (``Sink.deliver``), which copies out what it wants.
+- A partial read (``FileJob.ranges``: a DCP rank's plan) of a chunked file whose leaves
+  are each one chunk fetches only the chunks it needs: the file's digest is checked from
+  the manifest's chunk list up front, and each chunk against its name as it lands. Any
+  other file is read whole (its digest needs every leaf), and only the wanted bytes are
+  kept.
+- A local copy (``FileJob.local``: the staged copy of a committed checkpoint,
+  ``cloudckpt.localcopy``) is read first, at local-disk speed, with the same checks; what
+  does not verify (a chunk, or a whole file without chunks) is then read from the store.
+
+Memory: besides the destinations, ``concurrency`` scratch buffers of at most one range
+(16 MiB by default) each. Nothing here allocates per byte of the checkpoint.
+
+Errors: a missing or damaged object raises ``CorruptionError`` (``MissingChunkError`` for
+a chunk): the caller treats the checkpoint as damaged (``reader.first_intact`` falls back
+to an older one). Network failures raise ``StoreError``: never damage. Deliveries may
+repeat (a range read from a local copy that failed to verify is read again from the
+store); the last one wins, and nothing is final before ``read_files`` returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+from cloudckpt import digest
+from cloudckpt.errors import CorruptionError, MissingChunkError, ObjectNotFoundError
+from cloudckpt.failpoints import hit as failpoint
+from cloudckpt.protocol import ChunkRef, FileEntry
+from cloudckpt.stores import Store
+from cloudckpt.transfer import TransferEngine
+
+LEAF = digest.CHUNK_SIZE
+
+#: Returned by ``Sink.deliver`` when the sink still reads the scratch buffer it was handed
+#: (an asynchronous copy to a GPU): called before the buffer is reused.
+Waiter = Callable[[], None]
+
+
+class Sink(Protocol):
+    """Where the bytes of ``read_files`` go. ``job`` is the index of the ``FileJob``."""
+
+    def direct(self, job: int, offset: int, length: int) -> memoryview | None:
+        """A writable byte view of exactly ``length`` bytes to land file bytes
+        ``[offset, offset + length)`` in, or None (they then go through ``deliver``)."""
+
+    def deliver(self, job: int, offset: int, data: memoryview) -> Waiter | None:
+        """File bytes ``[offset, offset + len(data))`` landed in a scratch buffer: take
+        what is wanted. Return a ``Waiter`` if ``data`` is still being read on return."""
+
+    def landed(self, job: int, offset: int, length: int) -> None:
+        """Bytes landed through ``direct`` (for sinks that act as data arrives)."""
+
+    def scratch(self, size: int) -> memoryview:
+        """A new scratch buffer of ``size`` bytes (pinned host memory for a GPU)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FileJob:
+    """One file to read. ``ranges``: the (offset, length) pieces wanted, or None for the
+    whole file. ``local``: a local copy to try first (its bytes are checked like the
+    store's)."""
+
+    entry: FileEntry
+    ranges: tuple[tuple[int, int], ...] | None = None
+    local: Path | None = None
+
+
+@dataclasses.dataclass
+class ReadStats:
+    """What a read did and where its time went (wall clock: ``time.perf_counter``)."""
+
+    bytes_from_store: int = 0
+    bytes_from_local: int = 0
+    bytes_scratch: int = 0  # landed in a scratch buffer and handed over (a copy)
+    requests: int = 0  # GETs sent to the store
+    local_rejected: int = 0  # units of a local copy that did not verify (read again)
+    hash_cpu_s: float = 0.0  # thread CPU time spent hashing, over all workers
+    first_request: float | None = None
+    last_landed: float | None = None
+    finished: float | None = None  # every digest checked
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def _landed(self, nbytes: int, local: bool, scratch: bool, hashed: float) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            if local:
+                self.bytes_from_local += nbytes
+            else:
+                self.bytes_from_store += nbytes
+            if scratch:
+                self.bytes_scratch += nbytes
+            self.hash_cpu_s += hashed
+            self.last_landed = now
+
+    def _request(self) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            self.requests += 1
+            if self.first_request is None:
+                self.first_request = now
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    offset: int  # in the file
+    size: int
+    ref: ChunkRef | None  # None: a range of a whole file
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unit:
+    job: int
+    leaf: int  # index of its first digest leaf
+    pieces: tuple[_Piece, ...]
+
+
+class _NoStore:
+    """``verify_local`` reads nothing from a store."""
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        raise AssertionError("verify_local read from the store")
+
+
+_NO_STORE: Store = _NoStore()  # type: ignore[assignment]
+
+
+class _LocalRejected(Exception):
+    """A unit of a local copy did not verify: it is read from the store instead."""
+
+
+class _File:
+    """One job's progress: its leaf digests as units land; the unit that completes a
+    whole read checks the file's digest."""
+
+    def __init__(self, job: FileJob, leaf_size: int) -> None:
+        self.job, self.entry, self.leaf_size = job, job.entry, leaf_size
+        self.leaves: list[bytes | None] = [None] * -(-job.entry.size // leaf_size)
+        self.missing = 0
+        self.lock = threading.Lock()
+
+    def expect(self, units: int) -> None:
+        self.missing = units
+
+    def add(self, first: int, leaves: Sequence[bytes]) -> bool:
+        with self.lock:
+            self.leaves[first : first + len(leaves)] = leaves
+            self.missing -= 1
+            return self.missing == 0
+
+    def root_ok(self) -> bool:
+        try:
+            return digest.root(self.leaves, self.entry.size, self.leaf_size) == self.entry.digest  # type: ignore[arg-type]
+        except ValueError:
+            return False
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def _chunk_leaves(entry: FileEntry) -> list[tuple[_Piece, ...]]:
+    """A chunked file's chunks grouped by the digest leaf they lie in (a validated
+    manifest's chunks never cross a leaf)."""
+    groups: list[list[_Piece]] = []
+    offset = 0
+    for ref in entry.chunks or ():
+        if offset // LEAF == len(groups):
+            groups.append([])
+        groups[-1].append(_Piece(offset, ref.size, ref))
+        offset += ref.size
+    return [tuple(g) for g in groups]
+
+
+def manifest_root(entry: FileEntry) -> str | None:
+    """The digest of a chunked file computed from its manifest alone (every leaf one
+    chunk, whose name is the leaf's digest), or None when a leaf is cut into several
+    chunks (its digest needs its bytes)."""
+    leaves = _chunk_leaves(entry)
+    if any(len(g) != 1 for g in leaves):
+        return None
+    refs = [g[0].ref for g in leaves]
+    return digest.root([bytes.fromhex(r.sha256) for r in refs if r is not None], entry.size, LEAF)
+
+
+def _overlaps(pieces: Sequence[_Piece], ranges: Sequence[tuple[int, int]]) -> bool:
+    lo, hi = pieces[0].offset, pieces[-1].offset + pieces[-1].size
+    return any(off < hi and lo < off + n for off, n in ranges if n > 0)
+
+
+def plan_units(
+    index: int, job: FileJob, leaf_size: int, range_size: int
+) -> tuple[list[_Unit], bool]:
+    """The units of ``job`` and whether the file's digest must be checked from what lands
+    (a whole read); a partial read of a chunked file whose leaves are one chunk each keeps
+    only the leaves it needs, its digest checked from the manifest here.
+
+    Raises CorruptionError: the manifest's chunks do not make up the recorded file.
+    """
+    entry = job.entry
+    if entry.chunks is not None:
+        leaves = _chunk_leaves(entry)
+        units = [_Unit(index, i, g) for i, g in enumerate(leaves)]
+        if job.ranges is not None and all(len(g) == 1 for g in leaves):
+            if manifest_root(entry) != entry.digest:
+                raise CorruptionError(
+                    f"{entry.path}: its chunks are not the file its manifest records"
+                )
+            return [u for u in units if _overlaps(u.pieces, job.ranges)], False
+        return units, True
+    step = max(leaf_size, range_size // leaf_size * leaf_size)
+    units = [
+        _Unit(index, off // leaf_size, (_Piece(off, min(step, entry.size - off), None),))
+        for off in range(0, entry.size, step)
+    ]
+    return units, True
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class _Scratch:
+    """Scratch buffers reused within one read (from the sink: pinned for a GPU)."""
+
+    def __init__(self, sink: Sink, size: int) -> None:
+        self._sink, self.size = sink, size
+        self._free: list[memoryview] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> memoryview:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return self._sink.scratch(self.size)
+
+    def give(self, buf: memoryview) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+
+class _Reader:
+    def __init__(
+        self,
+        engine: TransferEngine,
+        store: Store,
+        files_prefix: str,
+        jobs: Sequence[FileJob],
+        sink: Sink,
+        stats: ReadStats,
+        leaf_size: int,
+    ) -> None:
+        self.engine, self.store, self.prefix, self.sink = engine, store, files_prefix, sink
+        self.stats = stats
+        self.files = [_File(j, LEAF if j.entry.chunks is not None else leaf_size) for j in jobs]
+        range_size = max(leaf_size, engine.config.range_size // leaf_size * leaf_size)
+        self.scratch = _Scratch(sink, max(range_size, LEAF))
+        self.range_size = range_size
+        self._into = getattr(store, "get_range_into", None)
+
+    # -- one piece --------------------------------------------------------------------
+
+    def _from_store(self, key: str, start: int, view: memoryview) -> int:
+        self.stats._request()
+        into = self._into
+        if into is not None:
+            return int(self.engine.retry(lambda: into(key, start, view), f"download {key}"))
+        data = self.engine.retry(
+            lambda: self.store.get_range(key, start, len(view)), f"download {key}"
+        )
+        got = min(len(data), len(view))
+        view[:got] = memoryview(data)[:got]
+        return len(data)
+
+    def _read_piece(self, job: FileJob, piece: _Piece, view: memoryview, local: bool) -> None:
+        """Fill ``view`` with the piece's bytes. Raises CorruptionError (missing, short),
+        MissingChunkError, _LocalRejected, StoreError."""
+        if local:
+            assert job.local is not None
+            if not _pread_into(job.local, piece.offset, view):
+                raise _LocalRejected
+            return
+        if piece.ref is not None:
+            key, start, what = piece.ref.key, 0, f"chunk {piece.ref.key}"
+        else:
+            key = self.prefix + job.entry.path
+            start, what = piece.offset, key
+        try:
+            got = self._from_store(key, start, view)
+        except ObjectNotFoundError:
+            if piece.ref is not None:
+                raise MissingChunkError(f"{what} is missing from the store") from None
+            raise CorruptionError(f"{what} is missing from the store") from None
+        if got != len(view):
+            if piece.ref is not None:
+                raise MissingChunkError(f"{what} is {got} bytes, expected {piece.size}")
+            raise CorruptionError(
+                f"{what} is shorter than the {job.entry.size} bytes its manifest records"
+            )
+
+    def _land(
+        self, job: FileJob, index: int, piece: _Piece, local: bool, leaf: hashlib._Hash | None
+    ) -> list[bytes]:
+        """Read one piece to where the sink wants it, check it (a chunk against its name,
+        re-read once from the store on a mismatch: a damaged response is not a damaged
+        object), and return its leaf digests (a whole file's range) or []."""
+        view = self.sink.direct(index, piece.offset, piece.size)
+        scratch = None
+        if view is None:
+            scratch = self.scratch.take()
+            view = scratch[: piece.size]
+        try:
+            for attempt in (1, 2):
+                self._read_piece(job, piece, view, local)
+                failpoint("restore.after_range")
+                started = time.thread_time()
+                if piece.ref is None:
+                    leaves = digest.leaves_of(view, self.files[index].leaf_size)
+                    break
+                leaves = []
+                if _chunk_ok(view, piece.ref):
+                    break
+                if local:
+                    raise _LocalRejected
+                if attempt == 2:
+                    raise MissingChunkError(f"chunk {piece.ref.key} does not match its digest")
+            if leaf is not None:
+                leaf.update(view)
+            hashed = time.thread_time() - started
+            self.stats._landed(piece.size, local, scratch is not None, hashed)
+            if scratch is None:
+                self.sink.landed(index, piece.offset, piece.size)
+            else:
+                wait = self.sink.deliver(index, piece.offset, view)
+                if wait is not None:
+                    wait()
+        finally:
+            if scratch is not None:
+                self.scratch.give(scratch)
+        return leaves
+
+    # -- one unit ---------------------------------------------------------------------
+
+    def run_unit(self, unit: _Unit, local: bool, check_root: bool) -> None:
+        """Land every piece of ``unit``; record its leaf digests; the unit that completes
+        a whole read checks the file's digest. Raises as ``_land``, CorruptionError
+        (the file's digest), _LocalRejected."""
+        f = self.files[unit.job]
+        pieces = unit.pieces
+        multi = pieces[0].ref is not None and len(pieces) > 1
+        leaf = hashlib.sha256() if multi else None
+        leaves: list[bytes] = []
+        for piece in pieces:
+            leaves += self._land(f.job, unit.job, piece, local, leaf)
+        if pieces[0].ref is not None:
+            leaves = [leaf.digest() if leaf is not None else bytes.fromhex(pieces[0].ref.sha256)]
+        if f.add(unit.leaf, leaves) and check_root and not f.root_ok():
+            if local:
+                raise _LocalRejected
+            raise CorruptionError(
+                f"{f.entry.path} does not match its digest"
+                + (": its chunks are intact but do not make up the file" if multi else "")
+            )
+
+
+def _chunk_ok(data: memoryview, ref: ChunkRef) -> bool:
+    """Whether ``data`` is the chunk ``ref`` names (its SHA-256)."""
+    return hashlib.sha256(data).hexdigest() == ref.sha256
+
+
+def _pread_into(path: Path, offset: int, view: memoryview) -> bool:
+    """Fill ``view`` from ``path`` at ``offset``; False if the file is missing or short."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        got = 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n <= 0:
+                return False
+            got += n
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def read_files(
+    engine: TransferEngine,
+    store: Store,
+    files_prefix: str,
+    jobs: Sequence[FileJob],
+    sink: Sink,
+    *,
+    leaf_size: int = LEAF,
+    stats: ReadStats | None = None,
+) -> ReadStats:
+    """Read ``jobs`` (validated manifest entries of the checkpoint whose whole files lie
+    under ``files_prefix``) into ``sink``, every byte checked (module docstring): local
+    copies first, then the store for everything else and for whatever a local copy failed
+    to verify. ``leaf_size``: the manifest's ``chunk_size``.
+
+    Raises:
+        CorruptionError: a file or chunk is missing, short, or does not match its digest
+            (MissingChunkError for a chunk); the checkpoint is damaged.
+        StoreError: the store failed after retries (not damage).
+    """
+    stats = stats if stats is not None else ReadStats()
+    reader = _Reader(engine, store, files_prefix, jobs, sink, stats, leaf_size)
+    planned = [
+        plan_units(i, j, reader.files[i].leaf_size, reader.range_size) for i, j in enumerate(jobs)
+    ]
+    # Local copies are read only whole (a partial read has no local tier).
+    local = {
+        i for i, j in enumerate(jobs) if j.local is not None and planned[i][1] and planned[i][0]
+    }
+    todo = [u for i, (units, _) in enumerate(planned) if i not in local for u in units]
+    todo += _run_local(reader, planned, sorted(local))
+    for i in {u.job for u in todo}:
+        reader.files[i].expect(sum(1 for u in todo if u.job == i))
+    futures = [engine.submit(reader.run_unit, u, False, planned[u.job][1]) for u in todo]
+    try:
+        engine.wait_all(futures)
+    finally:
+        stats.finished = time.perf_counter()
+    for i, (units, whole) in enumerate(planned):  # a file without any byte: check it now
+        if whole and not units and not reader.files[i].root_ok():
+            raise CorruptionError(f"{jobs[i].entry.path} does not match its digest")
+    return stats
+
+
+def _run_local(
+    reader: _Reader, planned: list[tuple[list[_Unit], bool]], local: list[int]
+) -> list[_Unit]:
+    """Read the jobs in ``local`` from their local copies; return the units to read from
+    the store instead: the chunks that did not verify, and every unit of a whole file that
+    did not. Raises StoreError / CorruptionError only from sinks."""
+    wrong_size = [i for i in local if not _has_size(reader.files[i].job)]
+    local = [i for i in local if i not in wrong_size]
+    redo = [u for i in wrong_size for u in planned[i][0]]
+    reader.stats.local_rejected += len(redo)
+    if not local:
+        return redo
+    units = [u for i in local for u in planned[i][0]]
+    for i in local:
+        reader.files[i].expect(len(planned[i][0]))
+    verified = reader.engine.wait_all([reader.engine.submit(_local_unit, reader, u) for u in units])
+    rejected_units: list[_Unit] = []
+    rejected_files: set[int] = set()
+    for u, ok in zip(units, verified, strict=True):
+        if not ok:
+            if u.pieces[0].ref is not None:
+                rejected_units.append(u)
+            else:
+                rejected_files.add(u.job)
+    again = [u for u in rejected_units if u.job not in rejected_files]
+    again += [u for i in sorted(rejected_files) for u in planned[i][0]]
+    reader.stats.local_rejected += len(again)
+    return redo + again
+
+
+def _has_size(job: FileJob) -> bool:
+    """Whether the local copy exists with exactly the recorded size (a longer file would
+    verify on its first bytes and still not be the file)."""
+    try:
+        return job.local is not None and os.stat(job.local).st_size == job.entry.size
+    except OSError:
+        return False
+
+
+def _local_unit(reader: _Reader, unit: _Unit) -> bool:
+    """One unit from its local copy; False if it did not verify (or the whole file it
+    completes did not)."""
+    try:
+        reader.run_unit(unit, True, True)
+    except _LocalRejected:
+        return False
+    return True
+
+
+class _Discard:
+    """A sink that keeps nothing: for checking a local copy before it is linked."""
+
+    def direct(self, job: int, offset: int, length: int) -> memoryview | None:
+        return None
+
+    def deliver(self, job: int, offset: int, data: memoryview) -> Waiter | None:
+        return None
+
+    def landed(self, job: int, offset: int, length: int) -> None:
+        return None
+
+    def scratch(self, size: int) -> memoryview:
+        return memoryview(bytearray(size))
+
+
+def verify_local(
+    engine: TransferEngine,
+    jobs: Sequence[FileJob],
+    *,
+    leaf_size: int = LEAF,
+    stats: ReadStats | None = None,
+) -> list[bool]:
+    """Check each job's local copy (``FileJob.local``, read whole) against its manifest
+    entry, at local-disk speed, keeping nothing; True for each that matches exactly.
+    Reads nothing from the store. Raises only on a bug."""
+    stats = stats if stats is not None else ReadStats()
+    reader = _Reader(engine, _NO_STORE, "", jobs, _Discard(), stats, leaf_size)
+    planned = [
+        plan_units(
+            i, dataclasses.replace(j, ranges=None), reader.files[i].leaf_size, reader.range_size
+        )
+        for i, j in enumerate(jobs)
+    ]
+    ok = [j.local is not None for j in jobs]
+    with_units = [i for i, (units, _) in enumerate(planned) if units and ok[i]]
+    for u in _run_local(reader, planned, with_units):
+        ok[u.job] = False
+    for i, (units, _) in enumerate(planned):
+        if ok[i] and not units:  # an empty file: it must exist and be empty
+            path = jobs[i].local
+            ok[i] = path is not None and path.is_file() and path.stat().st_size == 0
+            ok[i] = ok[i] and reader.files[i].root_ok()
+    stats.finished = time.perf_counter()
+    return ok

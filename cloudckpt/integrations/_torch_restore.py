@@ -1,0 +1,586 @@
+"""``load_state`` from the store: a ``save_state`` checkpoint straight into memory or a GPU.
+
+No local file: the checkpoint's ``tensors.safetensors`` is read with parallel ranged GETs
+(``cloudckpt.fetch``) straight into the tensors it holds, every byte checked before any
+tensor reaches the caller:
+
+1. LATEST, the manifest (checked against LATEST's record) and one listing, as every
+   restore (``cloudckpt.reader``); with a verified local copy in ``staging_dir``
+   (``cloudckpt.localcopy``) the manifest kept with it, and no listing.
+2. ``state.json`` (and ``objects.pt``, if any), verified; the safetensors header, with one
+   ranged GET (or a local read) of the file's first 64 KiB. The header says where each
+   tensor's bytes lie; it is checked for sanity here and, once the file has verified,
+   against the verified bytes.
+3. The tensors are allocated as the header describes (on the CPU: the tensors returned;
+   for a GPU: the device tensors), and the file is read in parallel: each range lands
+   straight in the memory of the tensor it belongs to (a range that spans several small
+   tensors lands in a scratch buffer and is copied out), is hashed as it lands by the
+   worker that fetched it, while the other workers' ranges are in flight; each chunk is
+   checked against its SHA-256, the file against its digest.
+4. To a GPU, every range lands in a pinned staging buffer and is copied to the device on a
+   stream of its own as soon as it has landed (and, for a chunk, verified), overlapping
+   the transfer of the other ranges; the staging buffer is reused once its copy is done.
+   The stream is synchronised before anything is returned.
+5. A damaged checkpoint (a flipped byte, a missing chunk) is dropped whole, its tensors
+   freed, and the previous checkpoint is tried, as ``restore`` does.
+
+Memory: the tensors returned, plus at most ``concurrency`` scratch buffers of one range
+(16 MiB by default; pinned for a GPU): about 256 MiB with the default 16 workers. Nothing
+else scales with the checkpoint: for a GPU target, no host copy of the state is made.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+import json
+import struct
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from cloudckpt import fetch, protocol, reader
+from cloudckpt.errors import CloudCkptError, CorruptionError, ObjectNotFoundError, UnsafePathError
+from cloudckpt.integrations._host_memory import host_buffer
+from cloudckpt.localcopy import LocalCopies, LocalCopy
+from cloudckpt.protocol import CheckpointRecord, FileEntry, Manifest
+from cloudckpt.reader import SkippedCheckpoint
+from cloudckpt.retry import call_with_retries
+from cloudckpt.stores import Store
+from cloudckpt.transfer import TransferEngine
+
+HEAD_PROBE = 64 * 1024  # bytes of the safetensors file read first, for its header
+MAX_HEADER = 100 * 1024 * 1024
+
+
+def pinned_staging(nbytes: int) -> torch.Tensor:
+    """Page-locked host memory for the staging buffers of a restore to a GPU: the same
+    page-aligned, exactly sized, CUDA-registered memory the save side's arena is made of
+    (``_host_memory.host_buffer``), so saves and restores pin memory one way."""
+    return host_buffer(nbytes, pin=True)
+
+
+@dataclasses.dataclass
+class LoadReport:
+    """Where a ``load_state`` / ``resume_state`` from the store spent its time, and what
+    it read. Times in seconds of wall clock, adding up to ``total_s``:
+
+    - ``listing_s``: LATEST, the manifest, the listing, ``state.json`` and the header;
+    - ``transfer_s``: from the first tensor byte requested to the last one landed
+      (hashing runs inside it, on the workers, as ranges land);
+    - ``verify_s``: after the last byte landed: the last digests, and waiting for the
+      copies to the device;
+    - ``load_s``: allocating the tensors, building the state (``objects.pt`` included).
+
+    ``hash_cpu_s``: CPU time spent hashing, over all workers (overlapped with the
+    transfer). ``bytes_local``: taken from a verified local copy (no download).
+    """
+
+    step: int | None = None
+    commit_id: str = ""
+    skipped: tuple[SkippedCheckpoint, ...] = ()
+    from_commit_records: bool = False
+    device: str = "cpu"
+    total_bytes: int = 0
+    bytes_downloaded: int = 0
+    bytes_local: int = 0
+    bytes_scratch: int = 0
+    requests: int = 0
+    listing_s: float = 0.0
+    transfer_s: float = 0.0
+    verify_s: float = 0.0
+    load_s: float = 0.0
+    total_s: float = 0.0
+    hash_cpu_s: float = 0.0
+
+    @property
+    def source(self) -> str:
+        """``"local"``, ``"store"`` or ``"local+store"``: where the bytes came from."""
+        if self.bytes_local and self.bytes_downloaded:
+            return "local+store"
+        return "local" if self.bytes_local else "store"
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["skipped"] = [dataclasses.asdict(s) for s in self.skipped]
+        d["source"] = self.source
+        return d
+
+
+# --------------------------------------------------------------------------- devices
+
+
+Waiter = Callable[[], None]
+
+
+class DeviceOps(Protocol):
+    """How a restore reaches a device (abstracted so the ordering is tested on CPU)."""
+
+    device: torch.device
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor on the device."""
+
+    def staging(self, nbytes: int) -> torch.Tensor:
+        """A host uint8 buffer the device copies from (pinned for CUDA)."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Waiter:
+        """Start copying host ``src`` into device ``dst`` (uint8, same length); the
+        waiter returns once ``src`` may be reused."""
+
+    def finish(self) -> None:
+        """Wait until every copy started is done."""
+
+
+class CudaOps:
+    """Host-to-device copies on a stream of their own, one event per copy."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._stream = torch.cuda.Stream(device=device)
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=dtype, device=self.device)
+
+    def staging(self, nbytes: int) -> torch.Tensor:
+        return pinned_staging(nbytes)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Waiter:
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return event.synchronize
+
+    def finish(self) -> None:
+        self._stream.synchronize()
+
+
+def device_ops(device: str | torch.device | None) -> DeviceOps | None:
+    """The ops for a CUDA target (None: the CPU, or another device reached through it)."""
+    if device is None:
+        return None
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return CudaOps(dev)
+    return None
+
+
+# --------------------------------------------------------------------------- the header
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """One tensor of the safetensors file: where its bytes lie in the file."""
+
+    name: str
+    start: int
+    end: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def parse_header(
+    head: bytes, size: int, dtypes: Mapping[str, torch.dtype]
+) -> tuple[int, list[_Slot]]:
+    """The data offset and the tensors of a safetensors file of ``size`` bytes whose first
+    bytes are ``head``. Raises CorruptionError if the header is not sane (bytes out of
+    the file, overlapping tensors, sizes that do not match shapes)."""
+    if len(head) < 8:
+        raise CorruptionError("tensors.safetensors is shorter than its header")
+    (n,) = struct.unpack("<Q", head[:8])
+    base = 8 + n
+    if n > MAX_HEADER or base > size:
+        raise CorruptionError(f"tensors.safetensors has an impossible header length {n}")
+    if len(head) < base:
+        raise ValueError(base)  # the caller reads more and calls again
+    try:
+        header = json.loads(bytes(head[8:base]))
+    except (UnicodeDecodeError, ValueError):
+        raise CorruptionError("the header of tensors.safetensors does not parse") from None
+    if not isinstance(header, dict):
+        raise CorruptionError("the header of tensors.safetensors is not an object")
+    slots = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        slots.append(_slot(name, info, base, size, dtypes))
+    slots.sort(key=lambda s: s.start)
+    for a, b in itertools.pairwise(slots):
+        if b.start < a.end:
+            raise CorruptionError(
+                f"tensors {a.name!r} and {b.name!r} overlap in tensors.safetensors"
+            )
+    return base, slots
+
+
+def _slot(name: str, info: Any, base: int, size: int, dtypes: Mapping[str, torch.dtype]) -> _Slot:
+    try:
+        dtype = dtypes[info["dtype"]]
+        shape = tuple(int(d) for d in info["shape"])
+        start, end = (int(x) for x in info["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+        raise CorruptionError(f"tensors.safetensors describes {name!r} oddly") from None
+    numel = 1
+    for d in shape:
+        if d < 0:
+            raise CorruptionError(f"tensors.safetensors gives {name!r} a negative dimension")
+        numel *= d
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if not 0 <= start <= end <= size - base or end - start != numel * itemsize:
+        raise CorruptionError(f"tensors.safetensors places {name!r} outside the file")
+    return _Slot(name, base + start, base + end, shape, dtype)
+
+
+# --------------------------------------------------------------------------- the sink
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 tensor (same memory)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _host_view(t: torch.Tensor) -> memoryview:
+    return _bytes_of(t).numpy().data.cast("B")
+
+
+class TensorSink:
+    """Where each file's bytes go: host memory (returned through ``direct``, copied in
+    ``deliver``) or a device tensor (copied from the scratch buffer by ``ops``).
+
+    ``targets[job]``: sorted (start, end, host view or device uint8 tensor)."""
+
+    def __init__(self, ops: DeviceOps | None) -> None:
+        self.ops = ops
+        self.targets: list[list[tuple[int, int, memoryview | torch.Tensor]]] = []
+        self._starts: list[list[int]] = []
+        self._staging: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def add_job(self, targets: list[tuple[int, int, memoryview | torch.Tensor]]) -> int:
+        targets = sorted((t for t in targets if t[1] > t[0]), key=lambda t: t[0])
+        self.targets.append(targets)
+        self._starts.append([t[0] for t in targets])
+        return len(self.targets) - 1
+
+    def _overlapping(
+        self, job: int, lo: int, hi: int
+    ) -> list[tuple[int, int, memoryview | torch.Tensor]]:
+        starts, targets = self._starts[job], self.targets[job]
+        i = max(0, bisect.bisect_right(starts, lo) - 1)
+        out = []
+        while i < len(targets) and targets[i][0] < hi:
+            if targets[i][1] > lo:
+                out.append(targets[i])
+            i += 1
+        return out
+
+    # -- fetch.Sink --
+
+    def direct(self, job: int, offset: int, length: int) -> memoryview | None:
+        found = self._overlapping(job, offset, offset + length)
+        if len(found) != 1:
+            return None
+        start, end, target = found[0]
+        if not isinstance(target, memoryview) or start > offset or end < offset + length:
+            return None
+        return target[offset - start : offset - start + length]
+
+    def deliver(self, job: int, offset: int, data: memoryview) -> Waiter | None:
+        waiters = []
+        hi = offset + len(data)
+        for start, end, target in self._overlapping(job, offset, hi):
+            lo, up = max(start, offset), min(end, hi)
+            piece = data[lo - offset : up - offset]
+            if isinstance(target, memoryview):
+                target[lo - start : up - start] = piece
+            else:
+                assert self.ops is not None
+                src = self._staging_of(data)[lo - offset : up - offset]
+                waiters.append(self.ops.copy(target[lo - start : up - start], src))
+        if not waiters:
+            return None
+
+        def wait() -> None:
+            for w in waiters:
+                w()
+
+        return wait
+
+    def landed(self, job: int, offset: int, length: int) -> None:
+        return None
+
+    def scratch(self, size: int) -> memoryview:
+        if self.ops is None:
+            return memoryview(bytearray(size))
+        buf = self.ops.staging(size)
+        view = buf.numpy().data.cast("B")
+        with self._lock:
+            self._staging[id(view.obj)] = buf
+        return view
+
+    def _staging_of(self, data: memoryview) -> torch.Tensor:
+        """The staging tensor a scratch view (always sliced from its start) lies in."""
+        with self._lock:
+            buf = self._staging[id(data.obj)]
+        return buf[: len(data)]
+
+
+# --------------------------------------------------------------------------- one checkpoint
+
+
+@dataclasses.dataclass
+class _Files:
+    state: FileEntry
+    tensors: FileEntry | None
+    objects: FileEntry | None
+
+
+def _files_of(manifest: Manifest, names: tuple[str, str, str]) -> _Files:
+    by_path = {e.path: e for e in manifest.files}
+    state_file, tensors_file, objects_file = names
+    if state_file not in by_path:
+        raise CloudCkptError(
+            f"the checkpoint of step {manifest.step} was not written by save_state (it has "
+            f"no {state_file})",
+            hint="Restore it into a directory with restore(), or pass step= of a checkpoint "
+            "saved with save_state",
+        )
+    return _Files(by_path[state_file], by_path.get(tensors_file), by_path.get(objects_file))
+
+
+class _Loader:
+    """One ``load_state`` from the store (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: Store,
+        engine: TransferEngine,
+        *,
+        ops: DeviceOps | None,
+        local: LocalCopies | None,
+        report: LoadReport,
+        names: tuple[str, str, str],
+        dtypes: Mapping[str, torch.dtype],
+        build: Callable[[dict[str, Any], Mapping[str, torch.Tensor], bytes | None], Any],
+    ) -> None:
+        self.store, self.engine, self.ops, self.local = store, engine, ops, local
+        self.report, self.names, self.dtypes, self.build = report, names, dtypes, build
+
+    def try_one(self, record: CheckpointRecord) -> Any:
+        """The state of ``record``, or ``reader.Damaged``."""
+        try:
+            return self._load(record)
+        except (CorruptionError, UnsafePathError) as exc:
+            return reader.Damaged.of(exc)
+
+    def _load(self, record: CheckpointRecord) -> Any:
+        report = self.report
+        t0 = time.perf_counter()
+        copy = self.local.find(record) if self.local is not None else None
+        manifest = copy.manifest(record) if copy is not None else None
+        if manifest is None:
+            manifest = reader.fetch_manifest(self.store, record)
+        files = _files_of(manifest, self.names)
+        if copy is None:
+            reader.check_objects(self.store, record, manifest)
+        prefix = record.ckpt + protocol.FILES_DIR
+        stats, small_stats = fetch.ReadStats(), fetch.ReadStats()
+        small = self._small_files(prefix, manifest, files, copy, small_stats)
+        doc = self._doc(small[0], record.step)
+        slots: list[_Slot] = []
+        head = b""
+        if files.tensors is not None:
+            head = self._head(prefix, files.tensors, copy, small_stats)
+            base, slots = parse_header(head, files.tensors.size, self.dtypes)
+            head = head[:base]
+        missing = set(doc.get("tensors", {})) - {s.name for s in slots}
+        if missing:
+            raise CorruptionError(f"tensors.safetensors lacks {sorted(missing)[:5]}")
+        report.listing_s += time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        tensors, sink, header = self._allocate(slots, len(head))
+        alloc_s = time.perf_counter() - t1
+        try:
+            if files.tensors is not None:
+                job = fetch.FileJob(
+                    files.tensors, local=copy.file(files.tensors.path) if copy else None
+                )
+                fetch.read_files(
+                    self.engine,
+                    self.store,
+                    prefix,
+                    [job],
+                    sink,
+                    leaf_size=manifest.chunk_size,
+                    stats=stats,
+                )
+            if self.ops is not None:
+                self.ops.finish()
+        except BaseException:
+            if self.ops is not None:
+                self.ops.finish()  # no copy may write into tensors being freed
+            raise
+        done = time.perf_counter()
+        if bytes(header) != head:
+            raise CorruptionError("the header of tensors.safetensors changed while it was read")
+        first = stats.first_request or t1
+        last = max(stats.last_landed or first, first)
+        report.transfer_s += last - first
+        report.verify_s += done - last
+
+        t2 = time.perf_counter()
+        state = self.build(doc, tensors, small[1])
+        report.load_s += time.perf_counter() - t2 + alloc_s
+        report.total_bytes = manifest.total_bytes
+        for st in (small_stats, stats):
+            report.bytes_downloaded += st.bytes_from_store
+            report.bytes_local += st.bytes_from_local
+            report.bytes_scratch += st.bytes_scratch
+            report.requests += st.requests
+            report.hash_cpu_s += st.hash_cpu_s
+        return state
+
+    def _small_files(
+        self,
+        prefix: str,
+        manifest: Manifest,
+        files: _Files,
+        copy: LocalCopy | None,
+        stats: fetch.ReadStats,
+    ) -> tuple[bytes, bytes | None]:
+        """``state.json`` and ``objects.pt`` (or None), verified."""
+        entries = [files.state] + ([files.objects] if files.objects is not None else [])
+        sink = TensorSink(None)
+        buffers = []
+        jobs = []
+        for e in entries:
+            buf = bytearray(e.size)
+            buffers.append(buf)
+            sink.add_job([(0, e.size, memoryview(buf))])
+            jobs.append(fetch.FileJob(e, local=copy.file(e.path) if copy else None))
+        fetch.read_files(
+            self.engine, self.store, prefix, jobs, sink, leaf_size=manifest.chunk_size, stats=stats
+        )
+        return bytes(buffers[0]), (bytes(buffers[1]) if len(buffers) > 1 else None)
+
+    def _doc(self, data: bytes, step: int) -> dict[str, Any]:
+        state_file = self.names[0]
+        try:
+            doc = json.loads(data)
+        except ValueError:
+            raise CloudCkptError(f"{state_file} of step {step} does not parse") from None
+        return doc if isinstance(doc, dict) else {}
+
+    def _head(
+        self, prefix: str, entry: FileEntry, copy: LocalCopy | None, stats: fetch.ReadStats
+    ) -> bytes:
+        """The first bytes of the safetensors file, through its header (unverified: the
+        whole file is checked later, and the header against them)."""
+        want = min(entry.size, HEAD_PROBE)
+        while True:
+            data = self._read_head(prefix, entry, copy, want, stats)
+            try:
+                parse_header(data, entry.size, self.dtypes)
+            except ValueError as more:
+                if want >= more.args[0] or len(data) < want:
+                    raise CorruptionError(
+                        "tensors.safetensors is shorter than its header"
+                    ) from None
+                want = more.args[0]
+                continue
+            return data
+
+    def _read_head(
+        self, prefix: str, entry: FileEntry, copy: LocalCopy | None, n: int, stats: fetch.ReadStats
+    ) -> bytes:
+        if copy is not None:
+            try:
+                with open(copy.file(entry.path), "rb") as f:
+                    data = f.read(n)
+                if len(data) == n:
+                    return data
+            except OSError:
+                pass
+        pieces = []
+        offset = 0
+        refs = entry.chunks or ()
+        if not refs:
+            return self._get(prefix + entry.path, 0, n, stats)
+        for ref in refs:  # the header may span the first chunks
+            if offset >= n:
+                break
+            pieces.append(self._get(ref.key, 0, min(ref.size, n - offset), stats))
+            offset += ref.size
+        return b"".join(pieces)
+
+    def _get(self, key: str, start: int, n: int, stats: fetch.ReadStats) -> bytes:
+        stats.requests += 1
+        try:
+            return bytes(
+                call_with_retries(lambda: self.store.get_range(key, start, n), what=f"read {key}")
+            )
+        except ObjectNotFoundError:
+            raise CorruptionError(f"{key} is missing from the store") from None
+
+    def _allocate(
+        self, slots: list[_Slot], base: int
+    ) -> tuple[dict[str, torch.Tensor], TensorSink, bytearray]:
+        """The tensors (host, or on the device) and the sink that fills them."""
+        sink = TensorSink(self.ops)
+        header = bytearray(base)
+        tensors: dict[str, torch.Tensor] = {}
+        targets: list[tuple[int, int, memoryview | torch.Tensor]] = [(0, base, memoryview(header))]
+        for s in slots:
+            if self.ops is None:
+                t = torch.empty(s.shape, dtype=s.dtype)
+                if s.end > s.start:
+                    targets.append((s.start, s.end, _host_view(t)))
+            else:
+                t = self.ops.empty(s.shape, s.dtype)
+                if s.end > s.start:
+                    targets.append((s.start, s.end, _bytes_of(t)))
+            tensors[s.name] = t
+        sink.add_job(targets)
+        return tensors, sink, header
+
+
+def load_from_store(
+    store: Store,
+    engine: TransferEngine,
+    *,
+    step: int | None,
+    ops: DeviceOps | None,
+    local: LocalCopies | None,
+    report: LoadReport,
+    names: tuple[str, str, str],
+    dtypes: Mapping[str, torch.dtype],
+    build: Callable[[dict[str, Any], Mapping[str, torch.Tensor], bytes | None], Any],
+) -> Any:
+    """The state of the newest intact ``save_state`` checkpoint (or ``step``), falling
+    back past damaged ones (module docstring). ``build(doc, tensors, objects_bytes)``
+    turns the verified parts into the state.
+
+    Raises: CheckpointNotFoundError, CorruptionError (nothing intact; ``exc.skipped``),
+    CloudCkptError (not a save_state checkpoint), StoreError.
+    """
+    started = time.perf_counter()
+    todo, from_records = reader.readable(store, step)
+    report.listing_s += time.perf_counter() - started
+    loader = _Loader(
+        store, engine, ops=ops, local=local, report=report, names=names, dtypes=dtypes, build=build
+    )
+    found = reader.first_intact(store, todo, step, loader.try_one, from_records=from_records)
+    report.step = found.record.step
+    report.commit_id = found.record.commit_id
+    report.skipped = found.skipped
+    report.from_commit_records = found.from_records
+    report.total_s = time.perf_counter() - started
+    return found.value
