@@ -1,7 +1,7 @@
 """Retention by metric and by time: the store keeps the newest checkpoints, the best ones by
 an evaluation metric, and one per hour for the last day.
 
-    pip install cloudckpt                     # nothing else: no torch needed here
+    pip install .                             # from the repository root; no torch needed
     python examples/keep_best.py              # 12 "evaluations", then what is retained
     python examples/keep_best.py              # again: the run continues; the best stay
     cloudckpt ls file:///tmp/cloudckpt-examples/keep-best --json \\
