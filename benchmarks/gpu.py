@@ -36,9 +36,10 @@ Sections, in order, each side by side in one process:
    The first cloudckpt save (which allocates and pins its host memory) is reported apart,
    and so is ``reserve_host_memory`` (which moves that out of the first stall).
 3. ``restore``: the last checkpoint back onto the device, each from local disk (page cache
-   warm): cloudckpt ``load_state(mgr.restore(...), device=...)`` on a fresh manager (every
-   byte verified, files fsynced), ``torch.load(map_location=...)``, DCP ``load`` into
-   preallocated tensors on the device.
+   warm): cloudckpt ``load_state(mgr, device=...)`` on a fresh manager (straight from the
+   store into the tensors through pinned staging buffers, every byte verified, no local
+   file), ``torch.load(map_location=...)``, DCP ``load`` into preallocated tensors on the
+   device.
 4. ``training``: median step time without checkpoints, and while a checkpoint of each
    background saver (cloudckpt, DCP async_save) is being written; slowdown = steps during
    the write over steps without, minus one.
@@ -774,8 +775,10 @@ class GPUBench:
                 staging_dir=self.work / f"staging-restore-{r}",
             )
             try:
-                # The one call that brings the checkpoint onto the device:
-                loaded = load_state(mgr.restore(into=self.work / f"restored-{r}"), device=dev)
+                # The one call that brings the checkpoint onto the device: straight from
+                # the store into the tensors (through pinned staging buffers, host-to-device
+                # copies overlapped with the reads), every byte verified, no local file.
+                loaded = load_state(mgr, device=dev)
                 _sync(dev)
             finally:
                 mgr.close()
@@ -798,7 +801,7 @@ class GPUBench:
             (
                 "cloudckpt",
                 cloudckpt,
-                "load_state(mgr.restore(into=dir), device=...) on a new manager: LATEST, manifest, every byte verified, files fsynced, then onto the device",
+                "load_state(mgr, device=...) on a new manager with an empty staging directory (a new host): LATEST, manifest, ranged reads into pinned staging buffers, every byte verified, host-to-device copies overlapped; no local file",
             ),
             (
                 "torch.load",

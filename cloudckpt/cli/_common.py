@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import json
 import logging
-import re
 import signal
 import sys
 import traceback
@@ -43,6 +42,7 @@ from cloudckpt.errors import (
     TransientStoreError,
     UnsafePathError,
 )
+from cloudckpt.retention import parse_duration
 
 if TYPE_CHECKING:
     from cloudckpt.stores import RunURL, Store
@@ -313,24 +313,7 @@ def progress_bar(description: str, total: int | None) -> Iterator[Callable[[int]
 
 # --- durations and key=value options -----------------------------------------------------
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw]?)")
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-def parse_duration(text: str) -> float:
-    """``90``, ``90s``, ``30m``, ``2h``, ``1d``, ``1h30m`` -> seconds. ValueError if bad."""
-    s = text.strip().lower().replace(" ", "")
-    if not s:
-        raise ValueError("empty duration")
-    total, pos = 0.0, 0
-    for m in _DURATION.finditer(s):
-        if m.start() != pos or (not m.group(2) and (m.start() or m.end() != len(s))):
-            break  # a bare number is seconds only on its own ("1h30" is ambiguous)
-        total += float(m.group(1)) * _UNITS[m.group(2)]
-        pos = m.end()
-    if pos != len(s):
-        raise ValueError(f"{text!r} is not a duration (examples: 90s, 30m, 2h, 1d, 1h30m)")
-    return total
+# One parser for durations everywhere (the retention options parse the same strings).
 
 
 class Duration(click.ParamType):

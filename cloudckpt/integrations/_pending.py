@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from cloudckpt.errors import CloudCkptError
 from cloudckpt.manager import CheckpointManager, CommitInfo, SaveHandle
@@ -15,6 +16,42 @@ from cloudckpt.preemption import PreemptionNotice
 log = logging.getLogger("cloudckpt")
 
 DEFAULT_EMERGENCY_TIMEOUT = 120.0  # when neither the user nor the notice says
+
+
+class SaveTracker(Protocol):
+    """An integration's bookkeeping of its saves (HF's callback, Lightning's plugin)."""
+
+    last_commit: CommitInfo | None
+    _handles: list[SaveHandle]
+
+
+def collect_finished(tracker: SaveTracker, logger: logging.Logger) -> None:
+    """Note ``tracker``'s finished saves: keep the pending handles, record the newest
+    commit. A failed save (fenced, or any other failure) is logged and raised, which stops
+    training; it and the handles after it are no longer tracked (the manager still raises
+    any later failure from ``wait()``/``close()``).
+
+    Raises: the failed save's exception."""
+    pending = []
+    for handle in tracker._handles:
+        if not handle.done():
+            pending.append(handle)
+            continue
+        exc = handle.exception()
+        if exc is None:
+            tracker.last_commit = handle.result()
+            continue
+        tracker._handles = pending
+        committed = tracker.last_commit.step if tracker.last_commit is not None else None
+        logger.error(
+            "the save of step %d failed; stopping training (newest committed "
+            "checkpoint: step %s): %s",
+            handle.step,
+            committed,
+            exc,
+        )
+        raise exc
+    tracker._handles = pending
 
 
 def emergency_timeout(

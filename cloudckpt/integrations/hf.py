@@ -82,6 +82,7 @@ from cloudckpt.errors import (
 )
 from cloudckpt.integrations._pending import DEFAULT_EMERGENCY_TIMEOUT as DEFAULT_EMERGENCY_TIMEOUT
 from cloudckpt.integrations._pending import (
+    collect_finished,
     emergency_timeout,
     finish_pending,
     wait_for_emergency,
@@ -651,28 +652,8 @@ class CheckpointCallback(TrainerCallback):
         return self._mgr
 
     def _collect(self) -> None:
-        """Note finished saves; a failed one (fenced, or any other failure) is raised, which
-        stops training."""
-        pending = []
-        for handle in self._handles:
-            if not handle.done():
-                pending.append(handle)
-                continue
-            exc = handle.exception()
-            if exc is None:
-                self.last_commit = handle.result()
-                continue
-            self._handles = pending
-            committed = self.last_commit.step if self.last_commit is not None else None
-            log.error(
-                "the save of step %d failed; stopping training (newest committed "
-                "checkpoint: step %s): %s",
-                handle.step,
-                committed,
-                exc,
-            )
-            raise exc
-        self._handles = pending
+        """Note finished saves; a failed one is raised, which stops training."""
+        collect_finished(self, log)
 
     def _wait_emergency(self, handle: SaveHandle) -> None:
         notice = self.watcher.notice if self.watcher is not None else None
