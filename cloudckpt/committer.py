@@ -271,6 +271,7 @@ class Committer:
             except CorruptRecordError as exc:
                 raise NeedsRepairError(f"LATEST of {self.store.url} is unreadable: {exc}") from None
             now = self._clock()
+            mode: PutMode
             if current is None:
                 if run_has_data(self.store):
                     if self._reread_quietly() is not None:

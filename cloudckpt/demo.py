@@ -233,7 +233,10 @@ def _inspect(
     kill = report["kill"]
     store = open_store(url, storage_options)
     try:
-        latest = read_latest(store).latest
+        versioned = read_latest(store)
+        if versioned is None:
+            raise DemoError(f"the demo's run at {url} has no LATEST after both hosts finished")
+        latest = versioned.latest
         h1_epoch = next(e["epoch"] for e in host1.of("claimed"))
         resumed = host2.of("resumed")[0]
         # The torn attempt: host 1's prefix for the step it was uploading.

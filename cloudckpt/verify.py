@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 from cloudckpt import chunks, digest, protocol
 from cloudckpt.committer import read_latest, run_has_data
@@ -35,7 +35,7 @@ from cloudckpt.errors import (
     ObjectNotFoundError,
     UnsafePathError,
 )
-from cloudckpt.protocol import CheckpointRecord, CorruptRecordError, Latest, Manifest
+from cloudckpt.protocol import CheckpointRecord, CorruptRecordError, FileEntry, Latest, Manifest
 from cloudckpt.reader import check_chunk_objects, fetch_manifest, load_latest_for_reading
 from cloudckpt.retry import call_with_retries
 from cloudckpt.stores import Store
@@ -170,6 +170,30 @@ def _check_listing(
             check.damaged(f"{entry.path} is {size} bytes, the manifest says {entry.size}")
 
 
+# A file being read back: a chunked file's one task (its problems), or a plain file's
+# range reads (each range's leaf digests), in order.
+_Job: TypeAlias = cf.Future[list[str]] | list[cf.Future[list[bytes]]]
+
+
+def _check_ranges(
+    entry: FileEntry, ranges: list[cf.Future[list[bytes]]], chunk: int, check: CheckpointCheck
+) -> None:
+    """Wait for a plain file's range reads; record what is missing, short or wrong."""
+    leaves: list[bytes] = []
+    try:
+        for f in ranges:
+            leaves.extend(f.result())
+    except ObjectNotFoundError:
+        check.damaged(f"{entry.path} is missing")
+        return
+    except _Short:
+        check.damaged(f"{entry.path} is shorter than its recorded {entry.size} bytes")
+        return
+    check.bytes_read += entry.size
+    if digest.root(leaves, entry.size, chunk) != entry.digest:
+        check.damaged(f"{entry.path}: content does not match its digest")
+
+
 class _Hasher:
     """Reads files back in chunk-aligned ranges on a thread pool and checks their digests."""
 
@@ -200,7 +224,7 @@ class _Hasher:
         chunk = manifest.chunk_size
         step = max(chunk, self._range_size // chunk * chunk)
         prefix = record.ckpt + protocol.FILES_DIR
-        jobs = []
+        jobs: list[tuple[FileEntry, _Job]] = []
         for entry in manifest.files:
             if entry.chunks is not None:
                 jobs.append((entry, self._pool.submit(self._chunked, store, entry)))
@@ -213,32 +237,20 @@ class _Hasher:
             ]
             jobs.append((entry, ranges))
         try:
-            for entry, ranges in jobs:
-                if entry.chunks is not None:
-                    for problem in ranges.result():
-                        check.damaged(problem)
-                    check.bytes_read += entry.size
+            for entry, job in jobs:
+                if isinstance(job, list):
+                    _check_ranges(entry, job, chunk, check)
                     continue
-                leaves: list[bytes] = []
-                try:
-                    for f in ranges:
-                        leaves.extend(f.result())
-                except ObjectNotFoundError:
-                    check.damaged(f"{entry.path} is missing")
-                    continue
-                except _Short:
-                    check.damaged(f"{entry.path} is shorter than its recorded {entry.size} bytes")
-                    continue
+                for problem in job.result():  # a chunked file: its chunks' problems
+                    check.damaged(problem)
                 check.bytes_read += entry.size
-                if digest.root(leaves, entry.size, chunk) != entry.digest:
-                    check.damaged(f"{entry.path}: content does not match its digest")
         except BaseException:
-            for _, ranges in jobs:
-                for f in ranges if isinstance(ranges, list) else [ranges]:
+            for _, job in jobs:
+                for f in job if isinstance(job, list) else [job]:
                     f.cancel()
             raise
 
-    def _chunked(self, store: Store, entry) -> list[str]:
+    def _chunked(self, store: Store, entry: FileEntry) -> list[str]:
         """Every chunk of a chunked file read back and checked (one at a time: this runs
         on a pool worker itself)."""
         problems = chunks.read_and_check(_Inline(), store, entry)

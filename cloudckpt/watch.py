@@ -482,7 +482,7 @@ class Watcher:
         if self.fenced is not None or not self._directory_exists():
             return 0
         now = time.monotonic()
-        ready: list[tuple[Candidate, Signature, Verdict]] = []
+        ready: list[tuple[int, Candidate, Signature, Verdict]] = []  # (its step first)
         present = set()
         for c in self.scan():
             present.add(c.source)
@@ -495,25 +495,25 @@ class Watcher:
                 self._skip(c, "already committed (recorded in LATEST)", quiet=True)
                 continue
             if (looked := self._look(c, now)) is not None:
-                ready.append(looked)
+                ready.append((c.step, *looked))
         for source in list(self._seen):
             if source not in present:
                 del self._seen[source]
         self._report_loose()
-        ready.sort(key=lambda r: (r[0].step, r[0].source))
-        self._ready = [(c, v) for c, _, v in ready]
+        ready.sort(key=lambda r: (r[0], r[1].source))
+        self._ready = [(c, v) for _, c, _, v in ready]
         handed = 0
-        for c, sig, verdict in ready:
-            if self._floor is not None and c.step <= self._floor:
+        for step, c, sig, verdict in ready:
+            if self._floor is not None and step <= self._floor:
                 self._ready.remove((c, verdict))
                 self._skip(
-                    c, f"step {c.step} is not newer than step {self._floor}, already committed"
+                    c, f"step {step} is not newer than step {self._floor}, already committed"
                 )
                 continue
             if self._deadline_passed() or self.in_flight >= self.max_pending:
                 break  # taken at a later look (saving never blocks the loop)
             self._ready.remove((c, verdict))
-            if self._hand_over(c, sig, verdict):
+            if self._hand_over(c, step, sig, verdict):
                 handed += 1
             elif c.source not in self._done:  # it changed meanwhile: look again
                 self._settling.append((c, verdict))
@@ -596,11 +596,12 @@ class Watcher:
             log.info("not uploading %s: %s", c.source, reason)
         self._emit({"event": "skipped", "source": c.source, "step": c.step, "reason": reason})
 
-    def _hand_over(self, c: Candidate, sig: Signature, verdict: Verdict) -> bool:
-        """Snapshot ``c`` into a save and queue it. False if it changed or vanished."""
+    def _hand_over(self, c: Candidate, step: int, sig: Signature, verdict: Verdict) -> bool:
+        """Snapshot ``c`` into a save of ``step`` (``c.step``, known) and queue it. False if
+        it changed or vanished."""
         metadata = {"watch": {"source": c.source, "kind": c.kind}}
         try:
-            handle = self.manager.save(c.step, metadata, metrics=_metrics(c))
+            handle = self.manager.save(step, metadata, metrics=_metrics(c))
             with handle as staging:
                 _link_snapshot(c, sig, staging)
         except _Changed as exc:
@@ -619,7 +620,7 @@ class Watcher:
             return False
         handle._reported = True  # _reap reports (and retries) it; the manager need not
         self._done.add(c.source)
-        self._floor = c.step
+        self._floor = step
         self._pending.append((handle, c, staging))
         size = sum(s for _, s, _ in sig)
         log.info(
@@ -693,7 +694,7 @@ class Watcher:
             self._seen.pop(c.source, None)
         else:
             self._done.add(c.source)
-        steps = [p.step for _, p, _ in self._pending if p is not c]
+        steps = [handle.step for handle, p, _ in self._pending if p is not c]
         if self.committed_step is not None:
             steps.append(self.committed_step)
         self._floor = max(steps) if steps else None

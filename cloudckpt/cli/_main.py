@@ -42,6 +42,7 @@ from cloudckpt.cli._retention import format_metrics, parse_metrics, retention_op
 from cloudckpt.errors import CheckpointNotFoundError, ConfigurationError, CorruptionError
 
 if TYPE_CHECKING:
+    from cloudckpt.chunks import ChunkingMode
     from cloudckpt.gc import GCReport
     from cloudckpt.manager import CommitInfo, SaveHandle
     from cloudckpt.stores import RunURL, Store
@@ -439,7 +440,7 @@ def push_cmd(
     keep_every: int | None,
     retention: dict[str, Any],
     staging_dir: Path | None,
-    chunking: str,
+    chunking: ChunkingMode,  # (click's Choice gives one of them)
     store_args: StoreArgs,
     as_json: bool,
 ) -> None:

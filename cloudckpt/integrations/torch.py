@@ -373,9 +373,10 @@ def _decode(node: Any, tensors: Mapping[str, torch.Tensor], objects: list[Any]) 
         return tensors[node["__tensor__"]]
     if "__dict__" in node or "__odict__" in node:
         cls = dict if "__dict__" in node else collections.OrderedDict
-        items = node.get("__dict__", node.get("__odict__"))
+        items = node["__dict__"] if "__dict__" in node else node["__odict__"]
         out = cls((_decode(k, tensors, objects), _decode(v, tensors, objects)) for k, v in items)
         if "__metadata__" in node:
+            # a state_dict's OrderedDict carries torch's ``_metadata`` attribute; the type has none
             out._metadata = _decode(node["__metadata__"], tensors, objects)  # type: ignore[attr-defined]
         return out
     if "__tuple__" in node:
@@ -464,7 +465,7 @@ def _memory_files(
             "data_offsets": [offset, offset + nbytes],
         }
         if nbytes:
-            segments.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            segments.append(t.reshape(-1).view(torch.uint8).numpy().data)  # (a memoryview)
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
@@ -806,7 +807,7 @@ def _load_objects(
     """The leaves ``objects.pt`` holds. Raises CloudCkptError for a type
     ``torch.load(weights_only=True)`` refuses."""
     try:
-        return torch.load(  # type: ignore[no-any-return]
+        return torch.load(
             io.BytesIO(source) if isinstance(source, bytes) else source,
             map_location=target,
             weights_only=weights_only,

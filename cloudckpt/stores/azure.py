@@ -42,6 +42,7 @@ installed (imported lazily; it asks for a token on the first request). Nothing f
 from __future__ import annotations
 
 import base64
+import builtins
 import datetime as dt
 import email.utils
 import hashlib
@@ -658,7 +659,7 @@ class AzureStore(Store):
         except AzureError as exc:
             self._raise(exc, upload.key, write=True)
 
-    def list_multipart(self, prefix: str = "") -> list[PendingUpload]:
+    def list_multipart(self, prefix: str = "") -> builtins.list[PendingUpload]:
         """Uploads whose marker names a key starting with ``prefix``, started when the
         marker was created (the store's clock)."""
         base = self._root + _UPLOADS
@@ -676,7 +677,7 @@ class AzureStore(Store):
                 pending.append(PendingUpload(key, upload_id, started))
         return sorted(pending, key=lambda p: (p.key, p.upload_id))
 
-    def uncommitted_blocks(self, key: str) -> list[tuple[str, int]]:
+    def uncommitted_blocks(self, key: str) -> builtins.list[tuple[str, int]]:
         """(block id, size) of the uncommitted blocks staged on ``key``'s blob (for
         diagnostics: Azure discards them itself after 7 days)."""
         blob = self._blob(key)

@@ -23,6 +23,7 @@ outcome is unknown raises ``OutcomeUnknownError``; the caller decides.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import datetime as dt
 import email.utils
 import functools
@@ -850,7 +851,7 @@ class GCSStore(Store):
 
         self._run(go, write=True, key=upload.key)
 
-    def list_multipart(self, prefix: str = "") -> list[PendingUpload]:
+    def list_multipart(self, prefix: str = "") -> builtins.list[PendingUpload]:
         """Uploads with a marker whose key starts with ``prefix``, started at the marker's
         creation time. Parts whose marker is gone (an abort raced an upload_part) are
         reported with key ``""`` when ``prefix`` is empty, so GC can abort them."""

@@ -25,6 +25,7 @@ the region falls back to ``AWS_REGION`` and then ``us-east-1``.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import datetime as dt
 import email.utils
@@ -33,7 +34,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
@@ -335,9 +336,10 @@ def _use_prehashed_payloads(client: Any) -> None:
     """Make this client's plain S3 SigV4 signer a ``_PrehashedS3SigV4Auth`` (only this
     client; other signature versions are left alone; no-op if botocore's internals differ)."""
     signer = getattr(client, "_request_signer", None)
-    get_auth = getattr(signer, "get_auth_instance", None)
-    if get_auth is None:
+    found = getattr(signer, "get_auth_instance", None)
+    if signer is None or found is None:
         return
+    get_auth: Callable[..., Any] = found  # (bound once: the closure below sees it non-None)
 
     def get_auth_instance(*args: Any, **kwargs: Any) -> Any:
         auth = get_auth(*args, **kwargs)
@@ -369,7 +371,7 @@ def _read_body_into(resp: Mapping[str, Any], buf: memoryview) -> int:
     """
     body = resp["Body"]
     declared = resp.get("ContentLength")
-    raw = getattr(body, "_raw_stream", None)
+    raw: Any = getattr(body, "_raw_stream", None)  # botocore/urllib3 internals, untyped
     fp = getattr(raw, "_fp", None)
     if not (
         type(body) is botocore.response.StreamingBody
@@ -958,7 +960,7 @@ class S3Store(Store):
                 UploadId=upload.upload_id,
             )
 
-    def list_multipart(self, prefix: str = "") -> list[PendingUpload]:
+    def list_multipart(self, prefix: str = "") -> builtins.list[PendingUpload]:
         """Incomplete uploads under ``prefix``, sorted by (key, upload id).
         ``initiated`` is on the store's clock (moto reports 2010 for every upload)."""
         paginator = self._client.get_paginator("list_multipart_uploads")

@@ -314,6 +314,7 @@ def check_clock(opener: StoreOpener) -> None:
         head = store.head(key)
         now = store.now()
         assert now.tzinfo is not None
+        assert head.last_modified is not None, "head() of a fresh write has no modification time"
         delta = abs((now - head.last_modified).total_seconds())
         assert delta < 120, f"store clock and object times disagree by {delta:.0f}s"
         del info
@@ -379,7 +380,10 @@ def check_chunked_checkpoint_roundtrip(opener: StoreOpener) -> None:
             writer.close()
         store = opener()
         try:
-            current = read_latest(store).latest.current
+            versioned = read_latest(store)
+            assert versioned is not None, "no LATEST after two committed saves"
+            current = versioned.latest.current
+            assert current is not None, "LATEST has no current checkpoint after two saves"
             manifest = fetch_manifest(store, current)
             (entry,) = [f for f in manifest.files if f.path == "shared.bin"]
             assert entry.chunks is not None and len(entry.chunks) == 2, entry
