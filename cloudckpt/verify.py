@@ -315,37 +315,48 @@ def verify_run(
                 total_bytes=record.total_bytes,
             )
             report.checkpoints.append(check)
-            try:
-                manifest = fetch_manifest(store, record)
-            except (CorruptionError, UnsafePathError) as exc:
-                check.damaged(f"manifest: {exc.message}")
-                continue
-            if len(manifest.files) != record.num_files or manifest.total_bytes != (
-                record.total_bytes
-            ):
-                check.damaged("the manifest's file count or size differs from LATEST's record")
-            _check_listing(store, record, manifest, check)
-            if hasher is not None and check.ok:
-                hasher.check(store, record, manifest, check)
-            log.info("step %d: %s", record.step, "ok" if check.ok else "; ".join(check.reasons))
+            _check_checkpoint(store, record, check, hasher)
     finally:
         if hasher is not None:
             hasher.close()
     if all:
-        retained = {r.commit_id for r in latest.retained()}
-        for pin in latest.pins:
-            if pin.commit_id not in retained:
-                report.problems.append(
-                    f"pin {pin.label!r} of step {pin.step} names a checkpoint LATEST no "
-                    "longer retains"
-                )
-        for obj in store.list(protocol.COMMITS_PREFIX):
-            report.commit_records_checked += 1
-            try:
-                data, _ = store.get(obj.key)
-                protocol.parse_latest(data, what=obj.key)
-            except ObjectNotFoundError:
-                report.commit_records_checked -= 1  # removed by GC meanwhile
-            except CorruptRecordError as exc:
-                report.commit_records_damaged.append(f"{obj.key}: {exc.message}")
+        _check_pins_and_records(store, latest, report)
     return report
+
+
+def _check_checkpoint(
+    store: Store, record: CheckpointRecord, check: CheckpointCheck, hasher: _Hasher | None
+) -> None:
+    """Record in ``check`` what is wrong with ``record``'s manifest and objects (and, with
+    a ``hasher``, its bytes). Raises StoreError (the store failed)."""
+    try:
+        manifest = fetch_manifest(store, record)
+    except (CorruptionError, UnsafePathError) as exc:
+        check.damaged(f"manifest: {exc.message}")
+        return
+    if len(manifest.files) != record.num_files or manifest.total_bytes != record.total_bytes:
+        check.damaged("the manifest's file count or size differs from LATEST's record")
+    _check_listing(store, record, manifest, check)
+    if hasher is not None and check.ok:
+        hasher.check(store, record, manifest, check)
+    log.info("step %d: %s", record.step, "ok" if check.ok else "; ".join(check.reasons))
+
+
+def _check_pins_and_records(store: Store, latest: Latest, report: VerifyReport) -> None:
+    """``verify --all``'s run-wide checks: every pin names a retained checkpoint, and every
+    commit record parses. Raises StoreError (the store failed)."""
+    retained = {r.commit_id for r in latest.retained()}
+    for pin in latest.pins:
+        if pin.commit_id not in retained:
+            report.problems.append(
+                f"pin {pin.label!r} of step {pin.step} names a checkpoint LATEST no longer retains"
+            )
+    for obj in store.list(protocol.COMMITS_PREFIX):
+        report.commit_records_checked += 1
+        try:
+            data, _ = store.get(obj.key)
+            protocol.parse_latest(data, what=obj.key)
+        except ObjectNotFoundError:
+            report.commit_records_checked -= 1  # removed by GC meanwhile
+        except CorruptRecordError as exc:
+            report.commit_records_damaged.append(f"{obj.key}: {exc.message}")

@@ -460,21 +460,7 @@ class S3Store(Store):
         candidates += [client_kwargs.get(f"aws_{n}") for n in _CREDENTIAL_NAMES]
         candidates += [os.environ.get(f"AWS_{n.upper()}") for n in _CREDENTIAL_NAMES]
         self._secrets = [c for c in candidates if isinstance(c, str) and len(c) >= 4]
-
-        try:
-            config = botocore.config.Config(
-                **{**_DEFAULT_CONFIG, **dict(options.get("config_kwargs") or {})}
-            )
-        except TypeError as exc:
-            raise ConfigurationError(
-                f"invalid config_kwargs for {self.url}: {exc}",
-                hint="config_kwargs are botocore.config.Config arguments",
-            ) from None
-        if options.get("anon"):
-            config = config.merge(botocore.config.Config(signature_version=botocore.UNSIGNED))
-        if isinstance(client_kwargs.get("config"), botocore.config.Config):
-            config = config.merge(client_kwargs.pop("config"))
-
+        config = self._client_config(options, client_kwargs)
         try:
             session = _session(options.get("profile"))
         except bce.ProfileNotFound as exc:
@@ -518,6 +504,25 @@ class S3Store(Store):
         _send_views_whole(client)
         _use_prehashed_payloads(client)
         return client
+
+    def _client_config(self, options: Mapping[str, Any], client_kwargs: dict[str, Any]) -> Any:
+        """botocore's Config: our defaults, then ``config_kwargs``, unsigned for ``anon``,
+        then a Config given in ``client_kwargs`` (taken out of them). Raises
+        ConfigurationError for arguments botocore does not know."""
+        try:
+            config = botocore.config.Config(
+                **{**_DEFAULT_CONFIG, **dict(options.get("config_kwargs") or {})}
+            )
+        except TypeError as exc:
+            raise ConfigurationError(
+                f"invalid config_kwargs for {self.url}: {exc}",
+                hint="config_kwargs are botocore.config.Config arguments",
+            ) from None
+        if options.get("anon"):
+            config = config.merge(botocore.config.Config(signature_version=botocore.UNSIGNED))
+        if isinstance(client_kwargs.get("config"), botocore.config.Config):
+            config = config.merge(client_kwargs.pop("config"))
+        return config
 
     # --- error mapping --------------------------------------------------------------
 

@@ -287,6 +287,8 @@ class FaultProxy:
                     return rule.fault
         return None
 
+    # Kept whole (62 lines): one request's way through the proxy, with each fault at the
+    # point a request meets it, in that order.
     def _serve(self, client: socket.socket) -> None:
         upstream: socket.socket | None = None
         reader = _Reader(client)
