@@ -413,6 +413,7 @@ class CheckpointManager:
         ConfigurationError, UnsupportedBackendError: bad URL or options.
     """
 
+    # Long by its signature (every option of the manager); the code is ~45 lines.
     def __init__(
         self,
         url: str | Store,
@@ -1054,6 +1055,8 @@ class CheckpointManager:
         self.local.adopt(attempt, begun.commit_id, manifest.to_bytes())
         return self._committed(handle, begun, latest, manifest)
 
+    # Long by its docstring and its two thread bodies (``stage``, ``keep``), which are read
+    # beside the upload and the commit they run alongside.
     def _save_from_memory(
         self, job: QueuedSave, files: builtins.list[tuple[str, MemoryFile]]
     ) -> CommitInfo:
