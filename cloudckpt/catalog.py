@@ -439,6 +439,7 @@ def _download_one(
     return into.joinpath(*entry.path.split("/"))
 
 
+# Long by its signature and its docstring (public API); the code is ~45 lines.
 def get_file(
     where: Where,
     path: str,
@@ -775,22 +776,42 @@ def copy_checkpoint(
         todo, from_records = reader.readable(source, step)
         previous = check_takeover(target, force=force, finished=_FINISHED_COPIES)
         writer_id = protocol.new_writer_id()
-        writer = AttemptWriter(
-            target,
-            engine,
-            Committer(
-                target,
-                writer_id,
-                protocol.Settings(),
-                inherit=("keep_last", "keep_every", "gc_grace_s"),
-            ),
-            chunking="tensor",
-            progress=progress,
-        )
+        writer = _copy_writer(target, engine, writer_id, progress)
         try:
             done = _copy_first_intact(source, writer, todo, step, dest_step, from_records, progress)
         finally:
             _FINISHED_COPIES.add(writer_id)  # it never writes again
+    return _copy_result(source, target, done, writer, previous, time.perf_counter() - started)
+
+
+def _copy_writer(
+    target: Store, engine: TransferEngine, writer_id: str, progress: ProgressCallback | None
+) -> AttemptWriter:
+    """The copy's writer into ``target``: a new writer id, the run's settings inherited
+    (a new run gets the defaults), tensor-aware chunking."""
+    return AttemptWriter(
+        target,
+        engine,
+        Committer(
+            target,
+            writer_id,
+            protocol.Settings(),
+            inherit=("keep_last", "keep_every", "gc_grace_s"),
+        ),
+        chunking="tensor",
+        progress=progress,
+    )
+
+
+def _copy_result(
+    source: Store,
+    target: Store,
+    done: reader.Intact[Any],
+    writer: AttemptWriter,
+    previous: WriterStatus | None,
+    seconds: float,
+) -> CopyResult:
+    """What ``copy_checkpoint`` returns for the copy ``done`` (``_copy_first_intact``'s)."""
     record, (begun, latest, manifest, read) = done.record, done.value
     stats = writer.last_upload or chunks.UploadStats()
     return CopyResult(
@@ -812,7 +833,7 @@ def copy_checkpoint(
         skipped=done.skipped,
         from_commit_records=done.from_records,
         fenced_writer=previous,
-        seconds=round(time.perf_counter() - started, 3),
+        seconds=round(seconds, 3),
     )
 
 

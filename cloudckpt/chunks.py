@@ -51,7 +51,7 @@ import threading
 import zipfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 from cloudckpt import digest, protocol
 from cloudckpt.errors import (
@@ -434,10 +434,13 @@ def _stored_chunk_sizes(store: Store, owner_prefixes: Iterable[str]) -> dict[str
     """Chunk key -> stored size, by one listing of each owner prefix's ``chunks/``."""
     sizes: dict[str, int] = {}
     for owner in sorted(set(owner_prefixes)):
-        where = owner + protocol.CHUNKS_DIR
-        listed = call_with_retries(lambda w=where: list(store.list(w)), what=f"list {where}")
-        sizes.update((o.key, o.size) for o in listed)
+        sizes.update((o.key, o.size) for o in _listed(store, owner + protocol.CHUNKS_DIR))
     return sizes
+
+
+def _listed(store: Store, prefix: str) -> list[ObjectInfo]:
+    """Every object under ``prefix``, the listing retried whole on a transient error."""
+    return call_with_retries(lambda: list(store.list(prefix)), what=f"list {prefix}")
 
 
 def check_uploaded(store: Store, prefix: str, entries: Sequence[FileEntry]) -> None:
@@ -483,7 +486,7 @@ def _fetch_chunk(engine, store: Store, ref: ChunkRef, into: memoryview | None = 
     read_into = getattr(store, "get_range_into", None) if into is not None else None
     for _ in range(2):
         try:
-            if read_into is not None:
+            if read_into is not None and into is not None:
                 view = into[: ref.size]
                 got = engine.retry(lambda v=view: read_into(ref.key, 0, v), f"download {ref.key}")
                 data = view[:got]
@@ -535,7 +538,8 @@ class _Target:
     def finish(self) -> None:
         """Raises CorruptionError if the chunks, in the manifest's order, are not the file
         the recorded digest names (valid chunks listed in the wrong order, say)."""
-        if digest.root(self.leaves, self.entry.size) != self.entry.digest:
+        leaves = cast("list[bytes]", self.leaves)  # finish() runs once add() filled every slot
+        if digest.root(leaves, self.entry.size) != self.entry.digest:
             raise CorruptionError(
                 f"{self.entry.path} does not match its digest: its chunks are intact but do "
                 "not make up the file the manifest records"

@@ -271,6 +271,7 @@ class Committer:
             except CorruptRecordError as exc:
                 raise NeedsRepairError(f"LATEST of {self.store.url} is unreadable: {exc}") from None
             now = self._clock()
+            mode: PutMode
             if current is None:
                 if run_has_data(self.store):
                     if self._reread_quietly() is not None:
@@ -314,6 +315,8 @@ class Committer:
 
     # -- commit -------------------------------------------------------------------------
 
+    # Long by its docstring (the protocol's commit, every error it raises); the code is
+    # ~40 lines, the age check and the landed-after-all case in helpers.
     def commit(
         self,
         record: CheckpointRecord,
@@ -346,18 +349,8 @@ class Committer:
             self._check_fence(base.latest)
             if age is not None:
                 # After ``base`` was read or written, before the write that replaces it.
-                try:
-                    store_now = age.check(self.store, record.step)
-                    record = dataclasses.replace(record, committed_at=protocol.iso(store_now))
-                except StaleAttemptError:
-                    raise
-                except StoreError as exc:
-                    if unknown_rounds:  # an earlier write's fate is unknown: say so
-                        raise CommitStateUnknownError(
-                            f"the commit of step {record.step} to {self.store.url} got no "
-                            f"answer, and the store's clock cannot be read ({exc})"
-                        ) from None
-                    raise
+                store_now = self._check_age(age, record.step, unknown_rounds)
+                record = dataclasses.replace(record, committed_at=protocol.iso(store_now))
             if requires is not None:
                 # E.g. the checkpoints whose chunks this save reuses must still be retained
                 # in the very LATEST the compare-and-swap replaces (cloudckpt.chunks).
@@ -379,14 +372,7 @@ class Committer:
             seen = self._reread()
             if seen.latest.find(record.commit_id):
                 # Our write landed; its answer was lost, or an SDK retry met our own write.
-                write_commit_record(self.store, new.to_bytes(), new.seq)
-                if seen.latest.writer == self._mine.latest.writer:
-                    self._mine = seen
-                else:
-                    # A newer writer claimed after our commit landed. Keep our own writer
-                    # (not theirs) as the fencing reference: the next commit must fail.
-                    self._mine = VersionedLatest(new, base.version)
-                return seen.latest
+                return self._landed(seen, new, base)
             if seen.version == base.version:
                 continue  # nothing changed: the write did not land; send it again
             base = seen  # a same-epoch edit (pin, GC) or a newer writer: loop re-checks
@@ -394,6 +380,35 @@ class Committer:
             f"the commit of step {record.step} to {self.store.url} lost "
             f"{MAX_CAS_ATTEMPTS} compare-and-swap races in a row"
         )
+
+    def _check_age(self, age: AttemptAge, step: int, unknown_rounds: int) -> dt.datetime:
+        """``age.check`` before a compare-and-swap; returns the store's time it read.
+        Raises StaleAttemptError, or StoreError when the clock cannot be read:
+        CommitStateUnknownError if an earlier write of this commit got no answer (its fate
+        is unknown)."""
+        try:
+            return age.check(self.store, step)
+        except StaleAttemptError:
+            raise
+        except StoreError as exc:
+            if unknown_rounds:  # an earlier write's fate is unknown: say so
+                raise CommitStateUnknownError(
+                    f"the commit of step {step} to {self.store.url} got no "
+                    f"answer, and the store's clock cannot be read ({exc})"
+                ) from None
+            raise
+
+    def _landed(self, seen: VersionedLatest, new: Latest, base: VersionedLatest) -> Latest:
+        """Our commit ``new`` (written over ``base``) is in ``seen``, the LATEST read back:
+        record it, and keep the right fencing reference. Returns ``seen``'s LATEST."""
+        write_commit_record(self.store, new.to_bytes(), new.seq)
+        if self._mine is not None and seen.latest.writer == self._mine.latest.writer:
+            self._mine = seen
+        else:
+            # A newer writer claimed after our commit landed. Keep our own writer
+            # (not theirs) as the fencing reference: the next commit must fail.
+            self._mine = VersionedLatest(new, base.version)
+        return seen.latest
 
     def _check_fence(self, latest: Latest) -> None:
         mine = self._mine.latest.writer if self._mine else None

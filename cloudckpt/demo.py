@@ -28,11 +28,15 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cloudckpt import protocol
 from cloudckpt._install import install_hint
 from cloudckpt.errors import ConfigurationError, DemoError
+
+if TYPE_CHECKING:
+    from cloudckpt.stores import Store
+    from cloudckpt.verify import VerifyReport
 
 MiB = 1024 * 1024
 BUCKET = "cloudckpt-demo"
@@ -152,7 +156,23 @@ def run_demo(
 def _run(
     cfg: DemoConfig, work: Path, base: dict[str, Any], say: Callable[[str], None]
 ) -> tuple[dict[str, Any], _Child, _Child]:
+    """Host 1 trains until it is killed mid-upload, then host 2 resumes and finishes.
+    Returns (the kill: step and bytes sent, host 1, host 2). Raises DemoError."""
     deadline = time.monotonic() + cfg.timeout
+    kill, host1 = _run_host1(cfg, work, base, say, deadline)
+    host2 = _run_host2(work, base, say, deadline)
+    return kill, host1, host2
+
+
+def _run_host1(
+    cfg: DemoConfig,
+    work: Path,
+    base: dict[str, Any],
+    say: Callable[[str], None],
+    deadline: float,
+) -> tuple[dict[str, Any], _Child]:
+    """Host 1 trains and checkpoints until ``cfg.kill_after`` saves committed, then is
+    SIGKILLed while it uploads the next. Returns (the kill, host 1). Raises DemoError."""
     host1 = _Child(
         "host-1",
         work,
@@ -188,6 +208,14 @@ def _run(
         f"SIGKILL host 1 while it uploads step {kill['step']} "
         f"({kill['bytes_sent'] / MiB:.0f} of {base['size'] / MiB:.0f} MiB sent)"
     )
+    return kill, host1
+
+
+def _run_host2(
+    work: Path, base: dict[str, Any], say: Callable[[str], None], deadline: float
+) -> _Child:
+    """Host 2, with an empty staging directory, resumes from LATEST and trains to the
+    end. Raises DemoError if it fails or misses ``deadline``."""
     host2 = _Child(
         "host-2",
         work,
@@ -213,7 +241,7 @@ def _run(
             raise DemoError(host2.failure())
     finally:
         host2.kill()
-    return kill, host1, host2
+    return host2
 
 
 def _inspect(
@@ -225,49 +253,14 @@ def _inspect(
     cfg: DemoConfig,
     say: Callable[[str], None],
 ) -> None:
+    """Read the run back after both hosts finished and fill ``report`` with what happened
+    and with the proofs the demo set out to show. Raises DemoError (no LATEST)."""
     from cloudckpt._demo_train import final_digest
-    from cloudckpt.committer import read_latest
-    from cloudckpt.stores import open_store
-    from cloudckpt.verify import verify_run
 
     kill = report["kill"]
-    store = open_store(url, storage_options)
-    try:
-        latest = read_latest(store).latest
-        h1_epoch = next(e["epoch"] for e in host1.of("claimed"))
-        resumed = host2.of("resumed")[0]
-        # The torn attempt: host 1's prefix for the step it was uploading.
-        torn_prefixes = sorted(
-            {
-                o.key.split("/")[0] + "/" + o.key.split("/")[1] + "/"
-                for o in store.list(f"{protocol.CKPT_PREFIX}{kill['step']:012d}-e{h1_epoch}-")
-            }
-        )
-        records = [o.key for o in store.list(protocol.COMMITS_PREFIX)]
-        referencing = []
-        for key in records:
-            body = protocol.parse_latest(store.get(key)[0], what=key)
-            refs = body.referenced_prefixes()
-            referencing += [(key, p) for p in torn_prefixes if p in refs]
-        torn = None
-        if torn_prefixes:
-            prefix = torn_prefixes[0]
-            objects = [o.key[len(prefix) :] for o in store.list(prefix)]
-            uploads = store.list_multipart(prefix)
-            torn = {
-                "step": kill["step"],
-                "prefix": prefix,
-                "objects": objects,
-                "has_manifest": protocol.MANIFEST_NAME in objects,
-                "incomplete_uploads": len(uploads),
-                "referenced_by_latest": prefix in latest.referenced_prefixes(),
-                "commit_records_checked": len(records),
-                "commit_records_referencing": len([k for k, _ in referencing]),
-            }
-        say("verify --all --read-data: reading back every byte of every retained checkpoint")
-        verified = verify_run(store, all=True, read_data=True)
-    finally:
-        store.close()
+    latest, h1_epoch, resumed, torn, verified = _read_back(
+        url, storage_options, kill["step"], host1, host2, say
+    )
     expected = final_digest(cfg.size_mib * MiB, cfg.seed, cfg.steps)
     committed = host1.of("committed") + host2.of("committed")
     saved = host1.of("saved") + host2.of("saved")
@@ -276,37 +269,8 @@ def _inspect(
         {
             "steps": cfg.steps,
             "checkpoint_bytes": max((e["bytes"] for e in committed), default=0),
-            "hosts": [
-                {
-                    "name": "host-1",
-                    "pid": host1.proc.pid,
-                    "epoch": h1_epoch,
-                    "trained_steps": [e["step"] for e in host1.of("saved")],
-                    "committed_steps": [e["step"] for e in host1.of("committed")],
-                    "killed_while_uploading_step": kill["step"],
-                    "killed_after_bytes": kill["bytes_sent"],
-                },
-                {
-                    "name": "host-2",
-                    "pid": host2.proc.pid,
-                    "epoch": resumed["epoch"],
-                    "resumed_from_step": resumed["step"],
-                    "restore_seconds": round(resumed["seconds"], 3),
-                    "restored_weights_verified": resumed["digest_ok"],
-                    "bytes_downloaded": resumed.get("bytes_downloaded"),
-                    "time_to_first_step": _first_step(resumed, host2.of("first-step")),
-                    "trained_steps": [e["step"] for e in host2.of("saved")],
-                    "committed_steps": [e["step"] for e in host2.of("committed")],
-                },
-            ],
-            "saves": {
-                "committed": len(committed),
-                "blocking_seconds": _stats([e["blocking_seconds"] for e in committed]),
-                "staging_write_seconds": _stats([e["write_seconds"] for e in saved]),
-                "commit_seconds": _stats([e["commit_seconds"] for e in committed]),
-                "bytes_uploaded": sum(e["bytes"] for e in committed),
-                "bytes_sent_by_killed_upload": kill["bytes_sent"],
-            },
+            "hosts": _hosts(host1, host2, h1_epoch, kill, resumed),
+            "saves": _saves(committed, saved, kill),
             "torn_attempt": torn,
             "latest": {
                 "step": final.step if final else None,
@@ -337,6 +301,114 @@ def _inspect(
     }
     report["proofs"] = proofs
     report["ok"] = all(proofs.values())
+
+
+def _read_back(
+    url: str,
+    storage_options: dict[str, Any],
+    step: int,
+    host1: _Child,
+    host2: _Child,
+    say: Callable[[str], None],
+) -> tuple[protocol.Latest, int, dict[str, Any], dict[str, Any] | None, VerifyReport]:
+    """The run's LATEST, host 1's writer epoch, host 2's resume event, what is left of the
+    attempt host 1 was killed in while uploading ``step`` (``_torn_attempt``) and
+    ``verify --all --read-data``'s report. Raises DemoError (no LATEST)."""
+    from cloudckpt.committer import read_latest
+    from cloudckpt.stores import open_store
+    from cloudckpt.verify import verify_run
+
+    store = open_store(url, storage_options)
+    try:
+        versioned = read_latest(store)
+        if versioned is None:
+            raise DemoError(f"the demo's run at {url} has no LATEST after both hosts finished")
+        latest = versioned.latest
+        h1_epoch = next(e["epoch"] for e in host1.of("claimed"))
+        resumed = host2.of("resumed")[0]
+        torn = _torn_attempt(store, step, h1_epoch, latest)
+        say("verify --all --read-data: reading back every byte of every retained checkpoint")
+        verified = verify_run(store, all=True, read_data=True)
+    finally:
+        store.close()
+    return latest, h1_epoch, resumed, torn, verified
+
+
+def _torn_attempt(
+    store: Store, step: int, epoch: int, latest: protocol.Latest
+) -> dict[str, Any] | None:
+    """What the store holds of the attempt host 1 (writer ``epoch``) was uploading for
+    ``step`` when it was killed, and whether anything references it; None if nothing."""
+    torn_prefixes = sorted(
+        {
+            o.key.split("/")[0] + "/" + o.key.split("/")[1] + "/"
+            for o in store.list(f"{protocol.CKPT_PREFIX}{step:012d}-e{epoch}-")
+        }
+    )
+    records = [o.key for o in store.list(protocol.COMMITS_PREFIX)]
+    referencing = []
+    for key in records:
+        body = protocol.parse_latest(store.get(key)[0], what=key)
+        refs = body.referenced_prefixes()
+        referencing += [(key, p) for p in torn_prefixes if p in refs]
+    if not torn_prefixes:
+        return None
+    prefix = torn_prefixes[0]
+    objects = [o.key[len(prefix) :] for o in store.list(prefix)]
+    uploads = store.list_multipart(prefix)
+    return {
+        "step": step,
+        "prefix": prefix,
+        "objects": objects,
+        "has_manifest": protocol.MANIFEST_NAME in objects,
+        "incomplete_uploads": len(uploads),
+        "referenced_by_latest": prefix in latest.referenced_prefixes(),
+        "commit_records_checked": len(records),
+        "commit_records_referencing": len([k for k, _ in referencing]),
+    }
+
+
+def _hosts(
+    host1: _Child, host2: _Child, h1_epoch: int, kill: dict[str, Any], resumed: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """The report's account of the two hosts: the killed one and the one that resumed."""
+    return [
+        {
+            "name": "host-1",
+            "pid": host1.proc.pid,
+            "epoch": h1_epoch,
+            "trained_steps": [e["step"] for e in host1.of("saved")],
+            "committed_steps": [e["step"] for e in host1.of("committed")],
+            "killed_while_uploading_step": kill["step"],
+            "killed_after_bytes": kill["bytes_sent"],
+        },
+        {
+            "name": "host-2",
+            "pid": host2.proc.pid,
+            "epoch": resumed["epoch"],
+            "resumed_from_step": resumed["step"],
+            "restore_seconds": round(resumed["seconds"], 3),
+            "restored_weights_verified": resumed["digest_ok"],
+            "bytes_downloaded": resumed.get("bytes_downloaded"),
+            "time_to_first_step": _first_step(resumed, host2.of("first-step")),
+            "trained_steps": [e["step"] for e in host2.of("saved")],
+            "committed_steps": [e["step"] for e in host2.of("committed")],
+        },
+    ]
+
+
+def _saves(
+    committed: list[dict[str, Any]], saved: list[dict[str, Any]], kill: dict[str, Any]
+) -> dict[str, Any]:
+    """The report's account of the saves: how many, how long they blocked, the bytes."""
+    return {
+        "committed": len(committed),
+        "blocking_seconds": _stats([e["blocking_seconds"] for e in committed]),
+        "staging_write_seconds": _stats([e["write_seconds"] for e in saved]),
+        "commit_seconds": _stats([e["commit_seconds"] for e in committed]),
+        "bytes_uploaded": sum(e["bytes"] for e in committed),
+        "bytes_sent_by_killed_upload": kill["bytes_sent"],
+    }
 
 
 def _first_step(resumed: dict[str, Any], first: list[dict[str, Any]]) -> dict[str, float]:

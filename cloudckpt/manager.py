@@ -36,6 +36,7 @@ and a save refused on one rank only would misalign the collectives); its ``wait(
 
 from __future__ import annotations
 
+import builtins
 import collections
 import concurrent.futures as cf
 import contextlib
@@ -178,6 +179,12 @@ class SaveHandle:
         self._attempt = self._manager._open_attempt(self)
         self.blocking_seconds = time.perf_counter() - started
         return self._attempt.files_dir
+
+    def _staged_attempt(self) -> Attempt:
+        """The attempt ``__enter__`` opened. Raises RuntimeError if it was never entered."""
+        if self._attempt is None:
+            raise RuntimeError(f"the save of step {self.step} has not begun: enter its handle")
+        return self._attempt
 
     def __exit__(
         self,
@@ -406,6 +413,7 @@ class CheckpointManager:
         ConfigurationError, UnsupportedBackendError: bad URL or options.
     """
 
+    # Long by its signature (every option of the manager); the code is ~45 lines.
     def __init__(
         self,
         url: str | Store,
@@ -437,9 +445,9 @@ class CheckpointManager:
             raise ConfigurationError("keep_local and local_budget_bytes must be >= 0")
         self._owns_store = not isinstance(url, Store)
         self.store: Store = (
-            open_store(url, storage_options, unsafe_single_writer=unsafe_single_writer)
-            if self._owns_store
-            else url
+            url
+            if isinstance(url, Store)
+            else open_store(url, storage_options, unsafe_single_writer=unsafe_single_writer)
         )
         self.url = self.store.url
         settings, inherit = _run_settings(
@@ -581,8 +589,7 @@ class CheckpointManager:
         """
         self.check_open()
         with self.attempts.commit_lock:
-            latest = self.committer.claim()
-            recovered = self._recover(latest)
+            recovered = self._recover(self.committer.claim())
         self._drain()
         for job in recovered:
             try:
@@ -648,7 +655,7 @@ class CheckpointManager:
         handle = self.save(step, metadata, metrics=metrics)
         handle.__enter__()
         try:
-            self.staging.snapshot(src, handle._attempt)
+            self.staging.snapshot(src, handle._staged_attempt())
         except BaseException as exc:
             handle.__exit__(type(exc), exc, exc.__traceback__)
             raise
@@ -886,7 +893,7 @@ class CheckpointManager:
 
     def _hand_over(self, handle: SaveHandle) -> None:
         try:
-            handle._attempt.set_state(STAGED, sync=False)
+            handle._staged_attempt().set_state(STAGED, sync=False)
         except BaseException as exc:  # e.g. a full staging disk: release the queue slot
             self._abandon(handle, exc)
             raise
@@ -894,11 +901,12 @@ class CheckpointManager:
 
     def _enqueue(self, handle: SaveHandle) -> None:
         """Queue a save whose block has ended for the background worker."""
+        job = QueuedSave(handle, handle._staged_attempt())
         handle.handed_over_at = time.perf_counter()
         with self._cv:
             self._reserved -= 1
             self._open.pop(handle, None)
-            self._queue.append(QueuedSave(handle, handle._attempt))
+            self._queue.append(job)
             self._handles.append(handle)
             self._ensure_worker()
             self._cv.notify_all()
@@ -978,13 +986,13 @@ class CheckpointManager:
                 earlier.handle._future.set_exception(exc)
                 log.warning("could not commit recovered step %d: %s", earlier.handle.step, exc)
 
-    def _claim_if_needed(self) -> list[QueuedSave]:
+    def _claim_if_needed(self) -> builtins.list[QueuedSave]:
         """Claim on the first save if resume() did not; return recovered jobs to run."""
         if self.committer.latest is not None:
             return []
         return self._recover(self.committer.claim())
 
-    def _recover(self, latest: Latest) -> list[QueuedSave]:
+    def _recover(self, latest: Latest) -> builtins.list[QueuedSave]:
         """Decide about attempts a crashed process left in staging (module doc of staging)."""
         committed_step = latest.current.step if latest.current else -1
         jobs = []
@@ -1047,7 +1055,11 @@ class CheckpointManager:
         self.local.adopt(attempt, begun.commit_id, manifest.to_bytes())
         return self._committed(handle, begun, latest, manifest)
 
-    def _save_from_memory(self, job: QueuedSave, files: list[tuple[str, MemoryFile]]) -> CommitInfo:
+    # Long by its docstring and its two thread bodies (``stage``, ``keep``), which are read
+    # beside the upload and the commit they run alongside.
+    def _save_from_memory(
+        self, job: QueuedSave, files: builtins.list[tuple[str, MemoryFile]]
+    ) -> CommitInfo:
         """``_save`` for files held in memory (``save_state``'s host buffers): upload them
         straight from memory, no round trip through the staging file system. The staged
         copy, which only a crash before the commit would need, is written and fsynced on a

@@ -824,22 +824,8 @@ def parse_manifest(data: bytes, record: CheckpointRecord | None = None) -> Manif
         owners = _get(body, "chunk_owners", list, what)
         if not all(isinstance(o, str) and parse_ckpt_prefix(o) for o in owners):
             raise CorruptRecordError(f"{what}: a chunk owner is not a checkpoint prefix")
-    files = []
-    for f in _get(body, "files", list, what):
-        if not isinstance(f, dict):
-            raise CorruptRecordError(f"{what}: file entry is not an object")
-        chunks = None
-        if fmt == MANIFEST_FORMAT_CHUNKED and "chunks" in f:
-            chunks = tuple(_chunk_ref(c, owners, what) for c in _get(f, "chunks", list, what))
-        files.append(
-            FileEntry(
-                _get(f, "path", str, what),
-                _get(f, "size", int, what),
-                _get(f, "digest", str, what),
-                chunks,
-                None if f.get("mode") is None else _get(f, "mode", int, what),
-            )
-        )
+    chunked = fmt == MANIFEST_FORMAT_CHUNKED
+    files = [_file_entry(f, chunked, owners, what) for f in _get(body, "files", list, what)]
     manifest = Manifest(
         ckpt=_get(body, "ckpt", str, what),
         step=_get(body, "step", int, what),
@@ -862,6 +848,23 @@ def parse_manifest(data: bytes, record: CheckpointRecord | None = None) -> Manif
     ):
         raise CorruptRecordError(f"{what} belongs to another checkpoint")
     return manifest
+
+
+def _file_entry(f: Any, chunked: bool, owners: list[str], what: str) -> FileEntry:
+    """One of a manifest's file entries (``chunked``: the format that may name chunks of
+    ``owners``). Raises CorruptRecordError (``what`` says whose manifest)."""
+    if not isinstance(f, dict):
+        raise CorruptRecordError(f"{what}: file entry is not an object")
+    chunks = None
+    if chunked and "chunks" in f:
+        chunks = tuple(_chunk_ref(c, owners, what) for c in _get(f, "chunks", list, what))
+    return FileEntry(
+        _get(f, "path", str, what),
+        _get(f, "size", int, what),
+        _get(f, "digest", str, what),
+        chunks,
+        None if f.get("mode") is None else _get(f, "mode", int, what),
+    )
 
 
 def attempt_body(

@@ -161,7 +161,10 @@ def place(tmp: Path, dest: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
 
 
-_NO_SPACE = {errno.ENOSPC: "the disk filled up", errno.EDQUOT: "the disk quota ran out"}
+_NO_SPACE: dict[int | None, str] = {
+    errno.ENOSPC: "the disk filled up",
+    errno.EDQUOT: "the disk quota ran out",
+}
 
 
 def check_space(step: int, need: int, where: Path) -> None:
@@ -399,6 +402,7 @@ def _restore_one(
     return manifest
 
 
+# Long by its signature and its docstring (public API); the code is ~35 lines.
 def restore(
     store: Store,
     into: str | os.PathLike[str],

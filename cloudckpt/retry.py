@@ -34,17 +34,23 @@ def call_with_retries(
 ) -> T:
     """Call ``fn``; on ``retry_on`` errors back off (jittered exponential) and try again,
     up to ``attempts`` calls in all. The last error is re-raised unchanged."""
+
+    def log_retry(state: tenacity.RetryCallState) -> None:
+        # before_sleep runs after a failed call, so the outcome is always set
+        error = state.outcome.exception() if state.outcome else None
+        log.info(
+            "%s failed (%s), retry %d of %d",
+            what,
+            type(error).__name__,
+            state.attempt_number,
+            attempts - 1,
+        )
+
     retrying = tenacity.Retrying(
         retry=tenacity.retry_if_exception_type(retry_on),
         stop=tenacity.stop_after_attempt(attempts),
         wait=tenacity.wait_random_exponential(multiplier=initial, max=maximum),
         reraise=True,
-        before_sleep=lambda rs: log.info(
-            "%s failed (%s), retry %d of %d",
-            what,
-            type(rs.outcome.exception()).__name__,
-            rs.attempt_number,
-            attempts - 1,
-        ),
+        before_sleep=log_retry,
     )
     return retrying(fn)

@@ -175,7 +175,7 @@ class StagingArea:
         self.attempts_dir = self.root / "attempts"
         try:
             self.attempts_dir.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            self._lock_fd: int | None = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             raise _staging_error(exc, f"create the staging directory {self.root}") from None
         try:

@@ -257,7 +257,8 @@ class TransferEngine:
 
     def __init__(self, config: TransferConfig | None = None) -> None:
         self.config = config or TransferConfig()
-        self._pool = cf.ThreadPoolExecutor(
+        # (any Executor: the simulation swaps in one that runs each call at once)
+        self._pool: cf.Executor = cf.ThreadPoolExecutor(
             self.config.concurrency, thread_name_prefix="cloudckpt-transfer"
         )
         self._buffers = _BufferPool(self.config.concurrency)
@@ -515,11 +516,12 @@ class _FileUpload:
         self.part_size = choose_part_size(
             self.before.size, self.store, self.engine.config.part_size
         )
-        self.upload = self.engine._retry(
+        upload = self.engine._retry(
             lambda: self.store.create_multipart(self.key), f"start upload of {self.key}", False
         )
+        self.upload = upload
         self.futures = [
-            pool.submit(self._part, n, offset)
+            pool.submit(self._part, upload, n, offset)
             for n, offset in enumerate(range(0, self.before.size, self.part_size), start=1)
         ]
 
@@ -534,7 +536,9 @@ class _FileUpload:
         self.report(self.before.size)
         return leaves, None
 
-    def _part(self, number: int, offset: int) -> tuple[list[bytes], PartInfo]:
+    def _part(
+        self, upload: MultipartUpload, number: int, offset: int
+    ) -> tuple[list[bytes], PartInfo]:
         length = min(self.part_size, self.before.size - offset)
         with self.engine.reading(self.path, offset, length) as data:
             leaves = digest.leaves_of(data)
@@ -543,7 +547,7 @@ class _FileUpload:
             known = digest.known_sha256(data, leaves[0]) if len(leaves) == 1 else nullcontext()
             with known:
                 part = self.engine._retry(
-                    lambda: self.store.upload_part(self.upload, number, data, crc32c=crc),
+                    lambda: self.store.upload_part(upload, number, data, crc32c=crc),
                     f"upload part {number} of {self.key}",
                 )
         failpoint("save.after_part")
@@ -556,7 +560,7 @@ class _FileUpload:
             results = self.engine._wait_all(self.futures)
             leaves = [leaf for part_leaves, _ in results for leaf in part_leaves]
             if self.upload is not None:
-                self._complete([part for _, part in results])
+                self._complete(self.upload, [part for _, part in results])
             if isinstance(self.path, MemoryFile):
                 return FileEntry(self.rel, self.before.size, digest.root(leaves, self.before.size))
             after = _Stat.of(self.path)
@@ -566,8 +570,7 @@ class _FileUpload:
             raise StagingError(f"staged file {self.path} changed while it was being uploaded")
         return FileEntry(self.rel, self.before.size, digest.root(leaves, self.before.size))
 
-    def _complete(self, parts: list[PartInfo]) -> None:
-        upload = self.upload
+    def _complete(self, upload: MultipartUpload, parts: list[PartInfo]) -> None:
         try:
             self.engine._retry(
                 lambda: self.store.complete_multipart(upload, parts, mode=OVERWRITE),

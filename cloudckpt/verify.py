@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 from cloudckpt import chunks, digest, protocol
 from cloudckpt.committer import read_latest, run_has_data
@@ -35,7 +35,7 @@ from cloudckpt.errors import (
     ObjectNotFoundError,
     UnsafePathError,
 )
-from cloudckpt.protocol import CheckpointRecord, CorruptRecordError, Latest, Manifest
+from cloudckpt.protocol import CheckpointRecord, CorruptRecordError, FileEntry, Latest, Manifest
 from cloudckpt.reader import check_chunk_objects, fetch_manifest, load_latest_for_reading
 from cloudckpt.retry import call_with_retries
 from cloudckpt.stores import Store
@@ -170,6 +170,30 @@ def _check_listing(
             check.damaged(f"{entry.path} is {size} bytes, the manifest says {entry.size}")
 
 
+# A file being read back: a chunked file's one task (its problems), or a plain file's
+# range reads (each range's leaf digests), in order.
+_Job: TypeAlias = cf.Future[list[str]] | list[cf.Future[list[bytes]]]
+
+
+def _check_ranges(
+    entry: FileEntry, ranges: list[cf.Future[list[bytes]]], chunk: int, check: CheckpointCheck
+) -> None:
+    """Wait for a plain file's range reads; record what is missing, short or wrong."""
+    leaves: list[bytes] = []
+    try:
+        for f in ranges:
+            leaves.extend(f.result())
+    except ObjectNotFoundError:
+        check.damaged(f"{entry.path} is missing")
+        return
+    except _Short:
+        check.damaged(f"{entry.path} is shorter than its recorded {entry.size} bytes")
+        return
+    check.bytes_read += entry.size
+    if digest.root(leaves, entry.size, chunk) != entry.digest:
+        check.damaged(f"{entry.path}: content does not match its digest")
+
+
 class _Hasher:
     """Reads files back in chunk-aligned ranges on a thread pool and checks their digests."""
 
@@ -200,7 +224,7 @@ class _Hasher:
         chunk = manifest.chunk_size
         step = max(chunk, self._range_size // chunk * chunk)
         prefix = record.ckpt + protocol.FILES_DIR
-        jobs = []
+        jobs: list[tuple[FileEntry, _Job]] = []
         for entry in manifest.files:
             if entry.chunks is not None:
                 jobs.append((entry, self._pool.submit(self._chunked, store, entry)))
@@ -213,32 +237,20 @@ class _Hasher:
             ]
             jobs.append((entry, ranges))
         try:
-            for entry, ranges in jobs:
-                if entry.chunks is not None:
-                    for problem in ranges.result():
-                        check.damaged(problem)
-                    check.bytes_read += entry.size
+            for entry, job in jobs:
+                if isinstance(job, list):
+                    _check_ranges(entry, job, chunk, check)
                     continue
-                leaves: list[bytes] = []
-                try:
-                    for f in ranges:
-                        leaves.extend(f.result())
-                except ObjectNotFoundError:
-                    check.damaged(f"{entry.path} is missing")
-                    continue
-                except _Short:
-                    check.damaged(f"{entry.path} is shorter than its recorded {entry.size} bytes")
-                    continue
+                for problem in job.result():  # a chunked file: its chunks' problems
+                    check.damaged(problem)
                 check.bytes_read += entry.size
-                if digest.root(leaves, entry.size, chunk) != entry.digest:
-                    check.damaged(f"{entry.path}: content does not match its digest")
         except BaseException:
-            for _, ranges in jobs:
-                for f in ranges if isinstance(ranges, list) else [ranges]:
+            for _, job in jobs:
+                for f in job if isinstance(job, list) else [job]:
                     f.cancel()
             raise
 
-    def _chunked(self, store: Store, entry) -> list[str]:
+    def _chunked(self, store: Store, entry: FileEntry) -> list[str]:
         """Every chunk of a chunked file read back and checked (one at a time: this runs
         on a pool worker itself)."""
         problems = chunks.read_and_check(_Inline(), store, entry)
@@ -303,37 +315,48 @@ def verify_run(
                 total_bytes=record.total_bytes,
             )
             report.checkpoints.append(check)
-            try:
-                manifest = fetch_manifest(store, record)
-            except (CorruptionError, UnsafePathError) as exc:
-                check.damaged(f"manifest: {exc.message}")
-                continue
-            if len(manifest.files) != record.num_files or manifest.total_bytes != (
-                record.total_bytes
-            ):
-                check.damaged("the manifest's file count or size differs from LATEST's record")
-            _check_listing(store, record, manifest, check)
-            if hasher is not None and check.ok:
-                hasher.check(store, record, manifest, check)
-            log.info("step %d: %s", record.step, "ok" if check.ok else "; ".join(check.reasons))
+            _check_checkpoint(store, record, check, hasher)
     finally:
         if hasher is not None:
             hasher.close()
     if all:
-        retained = {r.commit_id for r in latest.retained()}
-        for pin in latest.pins:
-            if pin.commit_id not in retained:
-                report.problems.append(
-                    f"pin {pin.label!r} of step {pin.step} names a checkpoint LATEST no "
-                    "longer retains"
-                )
-        for obj in store.list(protocol.COMMITS_PREFIX):
-            report.commit_records_checked += 1
-            try:
-                data, _ = store.get(obj.key)
-                protocol.parse_latest(data, what=obj.key)
-            except ObjectNotFoundError:
-                report.commit_records_checked -= 1  # removed by GC meanwhile
-            except CorruptRecordError as exc:
-                report.commit_records_damaged.append(f"{obj.key}: {exc.message}")
+        _check_pins_and_records(store, latest, report)
     return report
+
+
+def _check_checkpoint(
+    store: Store, record: CheckpointRecord, check: CheckpointCheck, hasher: _Hasher | None
+) -> None:
+    """Record in ``check`` what is wrong with ``record``'s manifest and objects (and, with
+    a ``hasher``, its bytes). Raises StoreError (the store failed)."""
+    try:
+        manifest = fetch_manifest(store, record)
+    except (CorruptionError, UnsafePathError) as exc:
+        check.damaged(f"manifest: {exc.message}")
+        return
+    if len(manifest.files) != record.num_files or manifest.total_bytes != record.total_bytes:
+        check.damaged("the manifest's file count or size differs from LATEST's record")
+    _check_listing(store, record, manifest, check)
+    if hasher is not None and check.ok:
+        hasher.check(store, record, manifest, check)
+    log.info("step %d: %s", record.step, "ok" if check.ok else "; ".join(check.reasons))
+
+
+def _check_pins_and_records(store: Store, latest: Latest, report: VerifyReport) -> None:
+    """``verify --all``'s run-wide checks: every pin names a retained checkpoint, and every
+    commit record parses. Raises StoreError (the store failed)."""
+    retained = {r.commit_id for r in latest.retained()}
+    for pin in latest.pins:
+        if pin.commit_id not in retained:
+            report.problems.append(
+                f"pin {pin.label!r} of step {pin.step} names a checkpoint LATEST no longer retains"
+            )
+    for obj in store.list(protocol.COMMITS_PREFIX):
+        report.commit_records_checked += 1
+        try:
+            data, _ = store.get(obj.key)
+            protocol.parse_latest(data, what=obj.key)
+        except ObjectNotFoundError:
+            report.commit_records_checked -= 1  # removed by GC meanwhile
+        except CorruptRecordError as exc:
+            report.commit_records_damaged.append(f"{obj.key}: {exc.message}")

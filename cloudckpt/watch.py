@@ -202,6 +202,41 @@ def _is_temp(name: str) -> bool:
     return name.startswith(".") or name.startswith("tmp-") or name.endswith(TEMP_SUFFIXES)
 
 
+def _check_options(
+    directory: Path,
+    settle: float,
+    quiet_period: float,
+    final_upload_timeout: float,
+    max_pending: int,
+) -> None:
+    """Raises ConfigurationError for a ``Watcher`` argument out of range."""
+    if directory.exists() and not directory.is_dir():
+        raise ConfigurationError(
+            f"{directory} is not a directory",
+            hint="Pass the trainer's output directory (it may also not exist yet)",
+        )
+    for name, value in (
+        ("settle", settle),
+        ("quiet_period", quiet_period),
+        ("final_upload_timeout", final_upload_timeout),
+    ):
+        if value < 0:
+            raise ConfigurationError(f"{name} must be >= 0 seconds")
+    if max_pending < 1:
+        raise ConfigurationError("max_pending must be >= 1")
+
+
+def _watched_sources(latest: Latest) -> set[str]:
+    """The sources (paths in the watched directory) of the run's checkpoints a watcher
+    uploaded, retained or tombstoned: never uploaded again."""
+    sources = set()
+    for rec in [*latest.retained(), *(t.record for t in latest.tombstones)]:
+        watch = rec.metadata.get("watch") if isinstance(rec.metadata, Mapping) else None
+        if isinstance(watch, Mapping) and isinstance(watch.get("source"), str):
+            sources.add(watch["source"])
+    return sources
+
+
 class Watcher:
     """Watch ``directory`` and commit each complete checkpoint to ``url``.
 
@@ -247,20 +282,7 @@ class Watcher:
         **manager_options: Any,
     ) -> None:
         self.directory = Path(directory).expanduser().absolute()
-        if self.directory.exists() and not self.directory.is_dir():
-            raise ConfigurationError(
-                f"{self.directory} is not a directory",
-                hint="Pass the trainer's output directory (it may also not exist yet)",
-            )
-        for name, value in (
-            ("settle", settle),
-            ("quiet_period", quiet_period),
-            ("final_upload_timeout", final_upload_timeout),
-        ):
-            if value < 0:
-                raise ConfigurationError(f"{name} must be >= 0 seconds")
-        if max_pending < 1:
-            raise ConfigurationError("max_pending must be >= 1")
+        _check_options(self.directory, settle, quiet_period, final_upload_timeout, max_pending)
         self.settle = settle
         self.quiet_period = quiet_period
         self.markers = tuple(markers)
@@ -290,39 +312,45 @@ class Watcher:
         self.fenced: FencedError | None = None
         self._flushing = False  # close() has begun: no poll follows, so no retry either
 
+        latest = self._open_run(url, storage_options, max_pending, manager_options)
+        self.committed_step: int | None = None
+        self.committed_sources: set[str] = set()
+        if latest is not None:
+            self.committed_step = latest.current.step if latest.current is not None else None
+            self.committed_sources = _watched_sources(latest)
+        self._floor = self.committed_step  # highest step committed or handed over
+
+    def _open_run(
+        self,
+        url: str | Store | CheckpointManager,
+        storage_options: Mapping[str, Any] | None,
+        max_pending: int,
+        manager_options: dict[str, Any],
+    ) -> Latest | None:
+        """Set ``manager`` (built here unless given) and return the run's LATEST, read
+        first (raises as the constructor says)."""
         if isinstance(url, CheckpointManager):
             self.manager, self._owns_manager = url, False
-            latest = self._read_run(self.manager.store)
-        elif isinstance(url, Store):
+            return self._read_run(self.manager.store)
+        if isinstance(url, Store):
             latest = self._read_run(url)
             manager_options.setdefault("max_pending", max_pending)
             # A sidecar restores nothing itself: no local copies (docs/design.md §12).
             manager_options.setdefault("keep_local", 0)
             self.manager = CheckpointManager(url, **manager_options)
             self._owns_manager = True
-        else:
-            store = open_store(url, storage_options)
-            try:
-                latest = self._read_run(store)
-            finally:
-                store.close()
-            # Retention and grace left unset keep the run's own (the manager inherits them).
-            manager_options.setdefault("max_pending", max_pending)
-            manager_options.setdefault("keep_local", 0)  # a sidecar restores nothing itself
-            self.manager = CheckpointManager(
-                url, storage_options=storage_options, **manager_options
-            )
-            self._owns_manager = True
-        self.committed_step: int | None = None
-        self.committed_sources: set[str] = set()
-        if latest is not None:
-            if latest.current is not None:
-                self.committed_step = latest.current.step
-            for rec in [*latest.retained(), *(t.record for t in latest.tombstones)]:
-                watch = rec.metadata.get("watch") if isinstance(rec.metadata, Mapping) else None
-                if isinstance(watch, Mapping) and isinstance(watch.get("source"), str):
-                    self.committed_sources.add(watch["source"])
-        self._floor = self.committed_step  # highest step committed or handed over
+            return latest
+        store = open_store(url, storage_options)
+        try:
+            latest = self._read_run(store)
+        finally:
+            store.close()
+        # Retention and grace left unset keep the run's own (the manager inherits them).
+        manager_options.setdefault("max_pending", max_pending)
+        manager_options.setdefault("keep_local", 0)  # a sidecar restores nothing itself
+        self.manager = CheckpointManager(url, storage_options=storage_options, **manager_options)
+        self._owns_manager = True
+        return latest
 
     @staticmethod
     def _read_run(store: Any) -> Latest | None:
@@ -482,7 +510,7 @@ class Watcher:
         if self.fenced is not None or not self._directory_exists():
             return 0
         now = time.monotonic()
-        ready: list[tuple[Candidate, Signature, Verdict]] = []
+        ready: list[tuple[int, Candidate, Signature, Verdict]] = []  # (its step first)
         present = set()
         for c in self.scan():
             present.add(c.source)
@@ -495,25 +523,25 @@ class Watcher:
                 self._skip(c, "already committed (recorded in LATEST)", quiet=True)
                 continue
             if (looked := self._look(c, now)) is not None:
-                ready.append(looked)
+                ready.append((c.step, *looked))
         for source in list(self._seen):
             if source not in present:
                 del self._seen[source]
         self._report_loose()
-        ready.sort(key=lambda r: (r[0].step, r[0].source))
-        self._ready = [(c, v) for c, _, v in ready]
+        ready.sort(key=lambda r: (r[0], r[1].source))
+        self._ready = [(c, v) for _, c, _, v in ready]
         handed = 0
-        for c, sig, verdict in ready:
-            if self._floor is not None and c.step <= self._floor:
+        for step, c, sig, verdict in ready:
+            if self._floor is not None and step <= self._floor:
                 self._ready.remove((c, verdict))
                 self._skip(
-                    c, f"step {c.step} is not newer than step {self._floor}, already committed"
+                    c, f"step {step} is not newer than step {self._floor}, already committed"
                 )
                 continue
             if self._deadline_passed() or self.in_flight >= self.max_pending:
                 break  # taken at a later look (saving never blocks the loop)
             self._ready.remove((c, verdict))
-            if self._hand_over(c, sig, verdict):
+            if self._hand_over(c, step, sig, verdict):
                 handed += 1
             elif c.source not in self._done:  # it changed meanwhile: look again
                 self._settling.append((c, verdict))
@@ -596,11 +624,12 @@ class Watcher:
             log.info("not uploading %s: %s", c.source, reason)
         self._emit({"event": "skipped", "source": c.source, "step": c.step, "reason": reason})
 
-    def _hand_over(self, c: Candidate, sig: Signature, verdict: Verdict) -> bool:
-        """Snapshot ``c`` into a save and queue it. False if it changed or vanished."""
+    def _hand_over(self, c: Candidate, step: int, sig: Signature, verdict: Verdict) -> bool:
+        """Snapshot ``c`` into a save of ``step`` (``c.step``, known) and queue it. False if
+        it changed or vanished."""
         metadata = {"watch": {"source": c.source, "kind": c.kind}}
         try:
-            handle = self.manager.save(c.step, metadata, metrics=_metrics(c))
+            handle = self.manager.save(step, metadata, metrics=_metrics(c))
             with handle as staging:
                 _link_snapshot(c, sig, staging)
         except _Changed as exc:
@@ -619,7 +648,7 @@ class Watcher:
             return False
         handle._reported = True  # _reap reports (and retries) it; the manager need not
         self._done.add(c.source)
-        self._floor = c.step
+        self._floor = step
         self._pending.append((handle, c, staging))
         size = sum(s for _, s, _ in sig)
         log.info(
@@ -693,7 +722,7 @@ class Watcher:
             self._seen.pop(c.source, None)
         else:
             self._done.add(c.source)
-        steps = [p.step for _, p, _ in self._pending if p is not c]
+        steps = [handle.step for handle, p, _ in self._pending if p is not c]
         if self.committed_step is not None:
             steps.append(self.committed_step)
         self._floor = max(steps) if steps else None

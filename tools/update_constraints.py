@@ -6,7 +6,14 @@ registry resolves today, so CI and benchmark runs are reproducible and resolve w
 backtracking. Run it with the pip CI uses, then run the tests before committing the result:
 
     python tools/update_constraints.py        # rewrites constraints.txt
+    python tools/update_constraints.py --keep   # pins only what the lock lacks
     python tools/update_constraints.py --check  # exit 1 if the lock no longer resolves
+
+``--keep`` resolves with the current lock as constraints: every package it pins keeps its
+version, a package new to the install (a dependency just added) gets the newest release
+that fits, and one no longer installed drops out. Use it to add a dependency without
+re-pinning everything; the full re-resolution can backtrack for many minutes over the
+s3fs/aiobotocore/botocore window (measured 2026-12-04: no result after 30 minutes).
 
 torch is pinned to the CPU build CI installs (see .ci/run); it is not a dependency of the
 package.
@@ -58,12 +65,15 @@ def resolve(extra_args: list[str]) -> tuple[dict[str, str], float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="resolve with the lock only")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the lock's pins; pin only new packages"
+    )
     args = parser.parse_args()
     if args.check:
         _, elapsed = resolve(["-c", str(LOCK)])
         print(f"constraints.txt resolves in {elapsed:.1f} s")
         return 0
-    pins, elapsed = resolve([])
+    pins, elapsed = resolve(["-c", str(LOCK)] if args.keep else [])
     lines = [f"{name}=={version}" for name, version in sorted(pins.items())]
     LOCK.write_text(HEADER.format(date=time.strftime("%Y-%m-%d")) + "\n".join(lines) + "\n")
     print(f"wrote {len(lines)} pins to {LOCK.name} (resolved in {elapsed:.1f} s)")

@@ -38,10 +38,16 @@ from cloudckpt.cli._common import (
     two_stage_interrupts,
     warn,
 )
-from cloudckpt.cli._retention import format_metrics, parse_metrics, retention_options
+from cloudckpt.cli._retention import (
+    format_metrics,
+    parse_metrics,
+    retention_options,
+    with_keep,
+)
 from cloudckpt.errors import CheckpointNotFoundError, ConfigurationError, CorruptionError
 
 if TYPE_CHECKING:
+    from cloudckpt.chunks import ChunkingMode
     from cloudckpt.gc import GCReport
     from cloudckpt.manager import CommitInfo, SaveHandle
     from cloudckpt.stores import RunURL, Store
@@ -439,7 +445,7 @@ def push_cmd(
     keep_every: int | None,
     retention: dict[str, Any],
     staging_dir: Path | None,
-    chunking: str,
+    chunking: ChunkingMode,  # (click's Choice gives one of them)
     store_args: StoreArgs,
     as_json: bool,
 ) -> None:
@@ -450,7 +456,6 @@ def push_cmd(
     LATEST within the last hour it is probably still training, and push refuses (exit 5)
     unless --force is given.
     """
-    from cloudckpt import CheckpointManager
     from cloudckpt.staging import holds_files
 
     user_metadata = parse_key_values(metadata, "--metadata")
@@ -463,41 +468,76 @@ def push_cmd(
         )
     files = [p for p in src_dir.rglob("*") if p.is_file()]
     total = sum(p.stat().st_size for p in files)
-    # Unset: the manager keeps the run's retention and grace.
-    settings: dict[str, Any] = dict(retention)
-    if keep_last is not None:
-        settings["keep_last"] = keep_last
-    if keep_every is not None:
-        settings["keep_every"] = keep_every
+    settings = with_keep(retention, keep_last, keep_every)  # unset: the run's stay
     with _closing(store_args.open(url)) as store:
         previous = _check_push_takeover(store, step, force)
         started = time.perf_counter()
-        own_staging = None
-        if staging_dir is None:  # ours, so an abandoned push leaves no copy behind
-            own_staging = Path(tempfile.mkdtemp(prefix="cloudckpt-push-"))
-        try:
-            with progress_bar(f"pushing {src_dir.name}", total) as progress:
-                mgr = CheckpointManager(
-                    store,
-                    staging_dir=staging_dir or own_staging,
-                    auto_gc=False,
-                    progress=progress,
-                    chunking=chunking,
-                    keep_local=0,  # a push restores nothing: keep no local copy
-                    **settings,
-                )
-                try:
-                    result = _wait_for_push(
-                        lambda: mgr.save_dir(step, src_dir, user_metadata, metrics=user_metrics),
-                        own_staging,
-                    )
-                finally:
-                    mgr.close()
-        finally:
-            if own_staging is not None:
-                shutil.rmtree(own_staging, ignore_errors=True)
-    doc = {
-        "url": store.url,
+        result = _push(
+            store,
+            src_dir,
+            step,
+            total,
+            staging_dir,
+            save=lambda mgr: mgr.save_dir(step, src_dir, user_metadata, metrics=user_metrics),
+            chunking=chunking,
+            settings=settings,
+        )
+    doc = _push_doc(store.url, result, previous, time.perf_counter() - started)
+    if as_json:
+        emit_json(doc)
+        return
+    click.echo(
+        f"committed step {result.step} ({result.commit_id}) to {store.url}: "
+        f"{result.num_files} files, {human_bytes(result.total_bytes)} "
+        f"in {doc['seconds']:.1f}s (writer epoch {result.epoch})"
+    )
+    click.echo(f"  {transfer_summary(result)}")
+
+
+def _push(
+    store: Store,
+    src_dir: Path,
+    step: int,
+    total: int,
+    staging_dir: Path | None,
+    *,
+    save: Callable[[Any], SaveHandle],
+    chunking: ChunkingMode,
+    settings: dict[str, Any],
+) -> CommitInfo:
+    """``push``'s upload: a manager on ``store`` (run ``settings``), ``save(manager)``
+    started and waited for under a progress bar of ``total`` bytes, staged in
+    ``staging_dir`` or a temporary directory of our own (removed after). Raises what the
+    save raises."""
+    from cloudckpt import CheckpointManager
+
+    own_staging = None
+    if staging_dir is None:  # ours, so an abandoned push leaves no copy behind
+        own_staging = Path(tempfile.mkdtemp(prefix="cloudckpt-push-"))
+    try:
+        with progress_bar(f"pushing {src_dir.name}", total) as progress:
+            mgr = CheckpointManager(
+                store,
+                staging_dir=staging_dir or own_staging,
+                auto_gc=False,
+                progress=progress,
+                chunking=chunking,
+                keep_local=0,  # a push restores nothing: keep no local copy
+                **settings,
+            )
+            try:
+                return _wait_for_push(lambda: save(mgr), own_staging)
+            finally:
+                mgr.close()
+    finally:
+        if own_staging is not None:
+            shutil.rmtree(own_staging, ignore_errors=True)
+
+
+def _push_doc(url: str, result: CommitInfo, previous: Any, seconds: float) -> dict[str, Any]:
+    """``push --json``'s output: the commit, and the writer it fenced (None: a new run)."""
+    return {
+        "url": url,
         "step": result.step,
         "commit_id": result.commit_id,
         "ckpt": result.ckpt,
@@ -511,17 +551,8 @@ def push_cmd(
         "metadata": dict(result.metadata),
         "metrics": dict(result.metrics),
         "fenced_writer": previous.to_dict() if previous is not None else None,
-        "seconds": round(time.perf_counter() - started, 3),
+        "seconds": round(seconds, 3),
     }
-    if as_json:
-        emit_json(doc)
-        return
-    click.echo(
-        f"committed step {result.step} ({result.commit_id}) to {store.url}: "
-        f"{result.num_files} files, {human_bytes(result.total_bytes)} "
-        f"in {doc['seconds']:.1f}s (writer epoch {result.epoch})"
-    )
-    click.echo(f"  {transfer_summary(result)}")
 
 
 def transfer_summary(result: CommitInfo) -> str:

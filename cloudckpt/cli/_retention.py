@@ -100,6 +100,19 @@ def retention_settings(
     return options
 
 
+def with_keep(
+    retention: dict[str, Any], keep_last: int | None, keep_every: int | None
+) -> dict[str, Any]:
+    """``retention`` (``retention_settings``) plus ``--keep-last`` and ``--keep-every``
+    where given: the run settings a writing command sets (unset: the run's stay)."""
+    settings = dict(retention)
+    if keep_last is not None:
+        settings["keep_last"] = keep_last
+    if keep_every is not None:
+        settings["keep_every"] = keep_every
+    return settings
+
+
 def parse_metrics(items: tuple[str, ...]) -> dict[str, float]:
     """``NAME=VALUE`` pairs (``--metric eval_loss=0.31``; ``nan`` and ``inf`` are numbers
     too, recorded as such and never ranked best). Raises click.BadParameter."""

@@ -103,8 +103,6 @@ def print_ls(console: Any, doc: Mapping[str, Any]) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from cloudckpt.protocol import parse_iso
-
     now = time.time()
     wide = console.width >= WIDE
     w, settings = doc["writer"], doc["settings"] or {}
@@ -120,6 +118,23 @@ def print_ls(console: Any, doc: Mapping[str, Any]) -> None:
     checkpoints = doc["checkpoints"]
     summaries = [metrics_summary(c["metadata"]) for c in checkpoints]
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+    _ls_columns(table, wide, any(summaries))
+    for c, summary in zip(checkpoints, summaries, strict=True):
+        cells: list[Any] = _ls_row(c, now, wide)
+        if any(summaries):
+            cells.append(Text(summary, no_wrap=True, overflow="ellipsis"))
+        table.add_row(*cells)
+    console.print(table)
+    if doc["tombstones"]:
+        console.print(
+            f"{len(doc['tombstones'])} checkpoint(s) dropped by retention, waiting for "
+            "`cloudckpt gc`"
+        )
+
+
+def _ls_columns(table: Any, wide: bool, metrics: bool) -> None:
+    """``ls``'s columns (the wide ones on a wide terminal; metrics if any checkpoint has
+    some) added to the rich ``table``."""
     # Every column but the metrics keeps its width (no_wrap); the metrics column is the
     # one that gives way, each cell cut with "…" rather than wrapped onto a second line.
     table.add_column("step", justify="right", no_wrap=True)
@@ -133,29 +148,25 @@ def print_ls(console: Any, doc: Mapping[str, Any]) -> None:
     if wide:
         table.add_column("epoch", justify="right", no_wrap=True)
         table.add_column("commit", no_wrap=True)
-    if any(summaries):
+    if metrics:
         table.add_column("metrics / metadata", overflow="ellipsis", ratio=1)
-    for c, summary in zip(checkpoints, summaries, strict=True):
-        try:
-            ago = age(now - parse_iso(c["committed_at"]).timestamp()) + " ago"
-        except ValueError:
-            ago = c["committed_at"]
-        row = [str(c["step"]), status(c)]
-        row.append(f"{c['committed_at'][:16].replace('T', ' ')} ({ago})" if wide else ago)
-        row.append(short_bytes(c["total_bytes"]))
-        if wide:
-            for key in ("owned_bytes", "shared_bytes"):
-                row.append("" if c[key] is None else short_bytes(c[key]))
-        row.append(str(c["num_files"]))
-        if wide:
-            row += [str(c["epoch"]), c["commit_id"]]
-        cells: list[Any] = list(row)
-        if any(summaries):
-            cells.append(Text(summary, no_wrap=True, overflow="ellipsis"))
-        table.add_row(*cells)
-    console.print(table)
-    if doc["tombstones"]:
-        console.print(
-            f"{len(doc['tombstones'])} checkpoint(s) dropped by retention, waiting for "
-            "`cloudckpt gc`"
-        )
+
+
+def _ls_row(c: Mapping[str, Any], now: float, wide: bool) -> list[Any]:
+    """The cells of checkpoint ``c``'s row, up to its metrics (``_ls_columns``)."""
+    from cloudckpt.protocol import parse_iso
+
+    try:
+        ago = age(now - parse_iso(c["committed_at"]).timestamp()) + " ago"
+    except ValueError:
+        ago = c["committed_at"]
+    row = [str(c["step"]), status(c)]
+    row.append(f"{c['committed_at'][:16].replace('T', ' ')} ({ago})" if wide else ago)
+    row.append(short_bytes(c["total_bytes"]))
+    if wide:
+        for key in ("owned_bytes", "shared_bytes"):
+            row.append("" if c[key] is None else short_bytes(c[key]))
+    row.append(str(c["num_files"]))
+    if wide:
+        row += [str(c["epoch"]), c["commit_id"]]
+    return list(row)

@@ -29,7 +29,7 @@ from cloudckpt.cli._common import (
     warn,
 )
 from cloudckpt.cli._main import cli
-from cloudckpt.cli._retention import retention_options
+from cloudckpt.cli._retention import retention_options, with_keep
 from cloudckpt.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -134,6 +134,8 @@ def _describe(event: dict[str, Any]) -> str | None:
 @chunking_option
 @store_options
 @json_lines_option
+# Long by its click options (one parameter each) and its --help text (the docstring); the
+# body is the watcher's set-up, its two-stage signal handling and the hand-off to _conclude.
 def watch_cmd(
     directory: Path,
     url: RunURL,
@@ -185,12 +187,8 @@ def watch_cmd(
     options: dict[str, Any] = {
         "staging_dir": staging_dir or own_staging,
         "chunking": chunking,
-        **retention,
+        **with_keep(retention, keep_last, keep_every),
     }
-    if keep_last is not None:
-        options["keep_last"] = keep_last
-    if keep_every is not None:
-        options["keep_every"] = keep_every
     try:
         watcher = Watcher(
             directory,

@@ -277,7 +277,7 @@ class DistributedCheckpointManager(CheckpointManager):
 
     def _hand_over(self, handle: SaveHandle) -> None:
         try:
-            handle._attempt.set_state(STAGED, sync=False)
+            handle._staged_attempt().set_state(STAGED, sync=False)
         except Exception as exc:  # still take part in the save, reporting the failure
             self._abandoned[handle] = exc
         self._enqueue(handle)

@@ -355,6 +355,15 @@ def _files_of(manifest: Manifest, names: tuple[str, str, str]) -> _Files:
     return _Files(by_path[state_file], by_path.get(tensors_file), by_path.get(objects_file))
 
 
+def _count(report: LoadReport, stats: fetch.ReadStats) -> None:
+    """Add what one set of reads (``stats``) fetched, and how, to ``report``."""
+    report.bytes_downloaded += stats.bytes_from_store
+    report.bytes_local += stats.bytes_from_local
+    report.bytes_scratch += stats.bytes_scratch
+    report.requests += stats.requests
+    report.hash_cpu_s += stats.hash_cpu_s
+
+
 class _Loader:
     """One ``load_state`` from the store (see the module docstring)."""
 
@@ -408,26 +417,7 @@ class _Loader:
         t1 = time.perf_counter()
         tensors, sink, header = self._allocate(slots, len(head))
         alloc_s = time.perf_counter() - t1
-        try:
-            if files.tensors is not None:
-                job = fetch.FileJob(
-                    files.tensors, local=copy.file(files.tensors.path) if copy else None
-                )
-                fetch.read_files(
-                    self.engine,
-                    self.store,
-                    prefix,
-                    [job],
-                    sink,
-                    leaf_size=manifest.chunk_size,
-                    stats=stats,
-                )
-            if self.ops is not None:
-                self.ops.finish()
-        except BaseException:
-            if self.ops is not None:
-                self.ops.finish()  # no copy may write into tensors being freed
-            raise
+        self._read_tensors(files.tensors, copy, prefix, sink, manifest.chunk_size, stats)
         done = time.perf_counter()
         if bytes(header) != head:
             raise CorruptionError("the header of tensors.safetensors changed while it was read")
@@ -441,12 +431,34 @@ class _Loader:
         report.load_s += time.perf_counter() - t2 + alloc_s
         report.total_bytes = manifest.total_bytes
         for st in (small_stats, stats):
-            report.bytes_downloaded += st.bytes_from_store
-            report.bytes_local += st.bytes_from_local
-            report.bytes_scratch += st.bytes_scratch
-            report.requests += st.requests
-            report.hash_cpu_s += st.hash_cpu_s
+            _count(report, st)
         return state
+
+    def _read_tensors(
+        self,
+        entry: FileEntry | None,
+        copy: LocalCopy | None,
+        prefix: str,
+        sink: TensorSink,
+        leaf_size: int,
+        stats: fetch.ReadStats,
+    ) -> None:
+        """Read ``entry`` (tensors.safetensors; None: there is none) from the local
+        ``copy`` or the store into ``sink``, verified, then let the device copies finish
+        (also when the read fails: no copy may write into tensors being freed). Raises
+        CorruptionError, StoreError."""
+        try:
+            if entry is not None:
+                job = fetch.FileJob(entry, local=copy.file(entry.path) if copy else None)
+                fetch.read_files(
+                    self.engine, self.store, prefix, [job], sink, leaf_size=leaf_size, stats=stats
+                )
+            if self.ops is not None:
+                self.ops.finish()
+        except BaseException:
+            if self.ops is not None:
+                self.ops.finish()  # no copy may write into tensors being freed
+            raise
 
     def _small_files(
         self,

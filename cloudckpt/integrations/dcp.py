@@ -74,7 +74,7 @@ from pathlib import Path
 from typing import Any
 
 from cloudckpt import digest, fetch, protocol, reader
-from cloudckpt.attempts import CommitInfo
+from cloudckpt.attempts import BegunAttempt, CommitInfo
 from cloudckpt.distributed import WORLD_SIZE_KEY, DistributedCheckpointManager
 from cloudckpt.errors import (
     CheckpointNotFoundError,
@@ -84,7 +84,7 @@ from cloudckpt.errors import (
     UnsafePathError,
 )
 from cloudckpt.manager import CheckpointManager
-from cloudckpt.protocol import CheckpointRecord, FileEntry, Manifest
+from cloudckpt.protocol import CheckpointRecord, FileEntry, Latest, Manifest
 from cloudckpt.reader import SkippedCheckpoint, check_objects, fetch_manifest
 from cloudckpt.retry import call_with_retries
 from cloudckpt.stores import Store
@@ -270,7 +270,7 @@ class CloudStorageWriter(StorageWriter):
         self._local: Path | None = None
         self._inner: _LocalWriter | None = None
         self._is_coordinator = False
-        self._begun: Any = None
+        self._begun: BegunAttempt | None = None
         self._started = 0.0
 
     # -- lifecycle --
@@ -297,6 +297,20 @@ class CloudStorageWriter(StorageWriter):
         if self._local is not None:
             shutil.rmtree(self._local, ignore_errors=True)
             self._local = None
+
+    def _set_up(self) -> tuple[_LocalWriter, Path]:
+        """DCP's local writer and its directory, from ``set_up_storage_writer``. Raises
+        RuntimeError when DCP calls out of its order (nothing set up, or already done)."""
+        if self._inner is None or self._local is None:
+            raise RuntimeError("CloudStorageWriter: set_up_storage_writer was not called first")
+        return self._inner, self._local
+
+    def _begun_attempt(self) -> BegunAttempt:
+        """The attempt ``prepare_global_plan`` began (the coordinator's). Raises
+        RuntimeError when DCP calls out of its order."""
+        if self._begun is None:
+            raise RuntimeError("CloudStorageWriter: prepare_global_plan was not called first")
+        return self._begun
 
     # -- StorageWriter --
 
@@ -343,7 +357,7 @@ class CloudStorageWriter(StorageWriter):
         self._inner.set_up_storage_writer(is_coordinator, *args, **kwargs)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        plan = self._inner.prepare_local_plan(plan)
+        plan = self._set_up()[0].prepare_local_plan(plan)
         return dataclasses.replace(plan, storage_data=_LocalInfo(self._token, self.step))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -376,14 +390,12 @@ class CloudStorageWriter(StorageWriter):
                     "same order (rank 0 commits)",
                 )
             mgr.attempts.check_fenced()
-        plans = self._inner.prepare_global_plan(
+        plans = self._set_up()[0].prepare_global_plan(
             [dataclasses.replace(p, storage_data=None) for p in plans]
         )
-        self._begun = mgr.attempts.begin(steps[0])
+        self._begun = begun = mgr.attempts.begin(steps[0])
         return [
-            dataclasses.replace(
-                p, storage_data=_CloudPlan(i.token, self._begun.prefix, p.storage_data)
-            )
+            dataclasses.replace(p, storage_data=_CloudPlan(i.token, begun.prefix, p.storage_data))
             for p, i in zip(plans, infos, strict=True)
         ]
 
@@ -397,14 +409,15 @@ class CloudStorageWriter(StorageWriter):
             )
         mgr = self.manager
         try:
-            fut = self._inner.write_data(
+            inner, local = self._set_up()
+            fut = inner.write_data(
                 dataclasses.replace(plan, storage_data=cloud.file_prefix), planner
             )
             fut.wait()
             written: list[WriteResult] = fut.value()
             files = sorted({wr.storage_data.relative_path for wr in written})
             entries = mgr.attempts.upload_files(
-                cloud.prefix, [(f, self._local / f) for f in files], chunked=True
+                cloud.prefix, [(f, local / f) for f in files], chunked=True
             )
         finally:
             if not self._is_coordinator:
@@ -423,8 +436,9 @@ class CloudStorageWriter(StorageWriter):
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        mgr, begun = self.manager, self._begun
+        mgr = self.manager
         try:
+            (inner, local), begun = self._set_up(), self._begun_attempt()
             plain = [
                 [WriteResult(wr.index, wr.size_in_bytes, wr.storage_data.info) for wr in rank]
                 for rank in results
@@ -435,9 +449,9 @@ class CloudStorageWriter(StorageWriter):
                 for wr in rank
                 if wr.storage_data.entry is not None
             ]
-            self._inner.finish(metadata, plain)  # writes .metadata locally, DCP's way
+            inner.finish(metadata, plain)  # writes .metadata locally, DCP's way
             entries += mgr.attempts.upload_files(
-                begun.prefix, [(METADATA_FILE, self._local / METADATA_FILE)]
+                begun.prefix, [(METADATA_FILE, local / METADATA_FILE)]
             )
             recorded = {
                 **self.metadata,
@@ -555,6 +569,7 @@ class CloudStorageReader(StorageReader):
     def _pick(self, step: int | None, claim: bool) -> _Chosen | None:
         """(Coordinator.) The newest intact DCP checkpoint (or ``step``), verified."""
         mgr = self.manager
+        latest: Latest | None
         if claim:
             latest = mgr.attempts.claim()
         else:
@@ -619,9 +634,14 @@ class CloudStorageReader(StorageReader):
             )
         self.load_id = secrets.token_hex(16)
 
-    def read_metadata(self) -> Metadata:
-        if self.record is None:
+    def _chosen(self) -> tuple[CheckpointRecord, Manifest]:
+        """The checkpoint this reader loads. Raises CheckpointNotFoundError if none is."""
+        if self.record is None or self.manifest is None:
             raise CheckpointNotFoundError(f"{self.manager.url} has no committed checkpoint")
+        return self.record, self.manifest
+
+    def read_metadata(self) -> Metadata:
+        self._chosen()  # raises if there is no checkpoint
         metadata = pickle.loads(self._metadata_bytes)  # verified against LATEST's digest chain
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()

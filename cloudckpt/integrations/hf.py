@@ -109,6 +109,9 @@ log = logging.getLogger("cloudckpt.hf")
 PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
 TRAINER_STATE_NAME = "trainer_state.json"
 STAGING_SUBDIR = ".cloudckpt-staging"
+# TrainingArguments' own default for ``output_dir`` (typed optional; its __post_init__
+# replaces None with this)
+DEFAULT_OUTPUT_DIR = "trainer_output"
 _CKPT_NAME = re.compile(rf"^{PREFIX}-(\d+)$")
 
 
@@ -549,7 +552,7 @@ class CheckpointCallback(TrainerCallback):
                 self.watcher.start()
                 self._started_watcher = True
         if state.is_world_process_zero:
-            mgr = self._manager(args.output_dir)
+            mgr = self._manager(args.output_dir or DEFAULT_OUTPUT_DIR)
             best = _trainer_best(args, *self._best)
             if best and self._best[0] == "auto":
                 best["keep_best"] = _at_least_the_runs(best, mgr.settings)
@@ -579,7 +582,7 @@ class CheckpointCallback(TrainerCallback):
         if not state.is_world_process_zero:
             return
         step = state.global_step
-        ckpt_dir = Path(args.output_dir) / f"{PREFIX}-{step}"
+        ckpt_dir = Path(args.output_dir or DEFAULT_OUTPUT_DIR) / f"{PREFIX}-{step}"
         if not ckpt_dir.is_dir():
             log.error(
                 "on_save for step %d but %s does not exist (hyperparameter search runs are not "
@@ -615,7 +618,9 @@ class CheckpointCallback(TrainerCallback):
             metadata["loss"] = loss
         metadata.update(_best_metadata(args, state))
         metrics = logged_eval_metrics(state.log_history, step)
-        handle = self._manager(args.output_dir).save_dir(step, ckpt_dir, metadata, metrics=metrics)
+        handle = self._manager(args.output_dir or DEFAULT_OUTPUT_DIR).save_dir(
+            step, ckpt_dir, metadata, metrics=metrics
+        )
         self._handles.append(handle)
         if emergency:
             self._wait_emergency(handle)
@@ -666,7 +671,8 @@ class CheckpointCallback(TrainerCallback):
         """Wait for pending saves and close the manager; raise the earliest failure."""
         mgr, self._mgr = self._mgr, None
         handles, self._handles = self._handles, []
-        finish_pending(mgr, handles, timeout, self._record_commit)
+        if mgr is not None:
+            finish_pending(mgr, handles, timeout, self._record_commit)
 
     def _record_commit(self, info: CommitInfo) -> None:
         self.last_commit = info

@@ -73,7 +73,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -99,10 +99,11 @@ try:
     from lightning.fabric.utilities.cloud_io import _load as _pl_load
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # the standalone ``pytorch_lightning`` package
+    # (the same classes under another module path: mypy sees them as other types)
     try:
-        from lightning_fabric.plugins import CheckpointIO  # type: ignore[no-redef]
-        from lightning_fabric.utilities.cloud_io import _load as _pl_load  # type: ignore[no-redef]
-        from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
+        from lightning_fabric.plugins import CheckpointIO  # type: ignore[assignment]
+        from lightning_fabric.utilities.cloud_io import _load as _pl_load
+        from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]
     except ImportError as _exc:  # pragma: no cover - exercised only without the extra
         from cloudckpt._install import install_hint
 
@@ -115,11 +116,11 @@ try:  # Lightning >= 2.3 raises this on SIGTERM; older versions exit another way
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 except ImportError:
     try:
-        from pytorch_lightning.utilities.exceptions import (  # type: ignore[no-redef]
-            SIGTERMException,
+        from pytorch_lightning.utilities.exceptions import (  # type: ignore[assignment]
+            SIGTERMException,  # (the same class under another module path, as above)
         )
     except ImportError:
-        SIGTERMException = SystemExit  # type: ignore[misc,assignment]
+        SIGTERMException = SystemExit  # type: ignore[misc,assignment]  # a stand-in class
 
 __all__ = ["CloudCheckpointIO", "PreemptionCallback", "RNGStateCallback", "resume"]
 
@@ -569,7 +570,7 @@ class RNGStateCallback(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         mine = _collect_rng()
-        states = [mine]
+        states: list[dict[str, Any] | None] = [mine]
         with contextlib.suppress(ImportError):
             import torch.distributed as dist
 
@@ -592,7 +593,9 @@ def _collect_rng() -> dict[str, Any]:
     import numpy as np
 
     version, state, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    # np.random's global generator is MT19937, whose legacy state is this tuple
+    legacy = cast("tuple[str, Any, int, int, float]", np.random.get_state())
+    kind, keys, pos, has_gauss, cached = legacy
     out: dict[str, Any] = {
         "python": [version, list(state), gauss],
         "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],

@@ -86,6 +86,7 @@ import collections
 import concurrent.futures as cf
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import logging
@@ -365,6 +366,8 @@ def _numpy() -> Any:
 
 
 def _decode(node: Any, tensors: Mapping[str, torch.Tensor], objects: list[Any]) -> Any:
+    """The object a JSON node of ``STATE_FILE`` stands for (the inverse of the encoder's
+    tagged nodes). Raises CorruptionError for a node it does not know."""
     if isinstance(node, list):
         return [_decode(v, tensors, objects) for v in node]
     if not isinstance(node, dict):
@@ -372,12 +375,7 @@ def _decode(node: Any, tensors: Mapping[str, torch.Tensor], objects: list[Any]) 
     if "__tensor__" in node:
         return tensors[node["__tensor__"]]
     if "__dict__" in node or "__odict__" in node:
-        cls = dict if "__dict__" in node else collections.OrderedDict
-        items = node.get("__dict__", node.get("__odict__"))
-        out = cls((_decode(k, tensors, objects), _decode(v, tensors, objects)) for k, v in items)
-        if "__metadata__" in node:
-            out._metadata = _decode(node["__metadata__"], tensors, objects)  # type: ignore[attr-defined]
-        return out
+        return _decode_mapping(node, tensors, objects)
     if "__tuple__" in node:
         return tuple(_decode(v, tensors, objects) for v in node["__tuple__"])
     if "__list__" in node:
@@ -388,10 +386,7 @@ def _decode(node: Any, tensors: Mapping[str, torch.Tensor], objects: list[Any]) 
         data = base64.b64decode(node["__bytes__"])
         return bytearray(data) if node.get("ba") else data
     if "__dtype__" in node:
-        dtype = getattr(torch, node["__dtype__"], None)
-        if not isinstance(dtype, torch.dtype):
-            raise CorruptionError(f"unknown torch dtype {node['__dtype__']!r} in {STATE_FILE}")
-        return dtype
+        return _decode_dtype(node["__dtype__"])
     if "__device__" in node:
         return torch.device(node["__device__"])
     if "__size__" in node:
@@ -405,6 +400,27 @@ def _decode(node: Any, tensors: Mapping[str, torch.Tensor], objects: list[Any]) 
     if "__object__" in node:
         return objects[node["__object__"]]
     raise CorruptionError(f"{STATE_FILE} holds an unknown node {sorted(node)!r}")
+
+
+def _decode_dtype(name: str) -> torch.dtype:
+    """The torch dtype ``torch.<name>``. Raises CorruptionError if there is none."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptionError(f"unknown torch dtype {name!r} in {STATE_FILE}")
+    return dtype
+
+
+def _decode_mapping(
+    node: dict[str, Any], tensors: Mapping[str, torch.Tensor], objects: list[Any]
+) -> dict[Any, Any]:
+    """A ``__dict__`` or ``__odict__`` node: its (key, value) pairs, in order."""
+    cls = dict if "__dict__" in node else collections.OrderedDict
+    items = node["__dict__"] if "__dict__" in node else node["__odict__"]
+    out = cls((_decode(k, tensors, objects), _decode(v, tensors, objects)) for k, v in items)
+    if "__metadata__" in node:
+        # a state_dict's OrderedDict carries torch's ``_metadata`` attribute; the type has none
+        out._metadata = _decode(node["__metadata__"], tensors, objects)  # type: ignore[attr-defined]
+    return out
 
 
 # ------------------------------------------------------------------------------ saving
@@ -464,7 +480,7 @@ def _memory_files(
             "data_offsets": [offset, offset + nbytes],
         }
         if nbytes:
-            segments.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            segments.append(t.reshape(-1).view(torch.uint8).numpy().data)  # (a memoryview)
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
@@ -482,6 +498,26 @@ def _memory_files(
     doc = json.dumps(_state_doc(tree, flat), allow_nan=False, sort_keys=True).encode()
     files.append((STATE_FILE, MemoryFile([doc])))
     return sorted(files)
+
+
+def _flatten(state: Any, step: int) -> tuple[_Flattener, Any, bytes | None]:
+    """``state`` as its tensors, its JSON tree, and its other objects pickled (None if
+    there are none) for the save of ``step``."""
+    flat = _Flattener()
+    tree = flat.node(state, ())
+    objects_blob = None
+    if flat.objects:
+        log.info(
+            "step %d: %d value(s) are neither tensors nor plain data and are pickled "
+            "(loaded with weights_only=True): %s",
+            step,
+            len(flat.objects),
+            ", ".join(flat.object_paths[:5]) + (" ..." if len(flat.objects) > 5 else ""),
+        )
+        buf = io.BytesIO()
+        torch.save(flat.objects, buf)
+        objects_blob = buf.getvalue()
+    return flat, tree, objects_blob
 
 
 class StateSaver:
@@ -504,6 +540,9 @@ class StateSaver:
         self._last: SaveHandle | None = None
         self._lock = threading.Lock()  # one save_state at a time per saver
 
+    # Long because the caller's half of the hand-off (flatten, copy to host buffers, then
+    # return) and the background writer's half (``background``) share its events and are
+    # read side by side; the flattening is in ``_flatten``.
     def save(
         self,
         step: int,
@@ -521,20 +560,7 @@ class StateSaver:
                 extra="torch",
             )
         with self._lock:
-            flat = _Flattener()
-            tree = flat.node(state, ())
-            objects_blob = None
-            if flat.objects:
-                log.info(
-                    "step %d: %d value(s) are neither tensors nor plain data and are pickled "
-                    "(loaded with weights_only=True): %s",
-                    step,
-                    len(flat.objects),
-                    ", ".join(flat.object_paths[:5]) + (" ..." if len(flat.objects) > 5 else ""),
-                )
-                buf = io.BytesIO()
-                torch.save(flat.objects, buf)
-                objects_blob = buf.getvalue()
+            flat, tree, objects_blob = _flatten(state, step)
             # The previous save's write must be done before its buffers are reused. Its
             # outcome is its handle's: if it failed and no one has been told, the
             # manager's save() below raises it (and this save starts nothing).
@@ -806,7 +832,7 @@ def _load_objects(
     """The leaves ``objects.pt`` holds. Raises CloudCkptError for a type
     ``torch.load(weights_only=True)`` refuses."""
     try:
-        return torch.load(  # type: ignore[no-any-return]
+        return torch.load(
             io.BytesIO(source) if isinstance(source, bytes) else source,
             map_location=target,
             weights_only=weights_only,
@@ -905,37 +931,24 @@ def _load_from_run(
             raise CorruptionError(f"the checkpoint lacks {OBJECTS_FILE}")
         return _decode(doc["tree"], tensors, objects)
 
-    names = (STATE_FILE, TENSORS_FILE, OBJECTS_FILE)
-    dtypes = getattr(_st, "_TYPES", {})
+    load = functools.partial(
+        tr.load_from_store,
+        step=step,
+        ops=ops,
+        report=report,
+        names=(STATE_FILE, TENSORS_FILE, OBJECTS_FILE),
+        dtypes=getattr(_st, "_TYPES", {}),
+        build=build,
+    )
     if isinstance(source, CheckpointManager):
         source.check_open()
-        return tr.load_from_store(
-            source.store,
-            source.engine,
-            step=step,
-            ops=ops,
-            local=source.local,
-            report=report,
-            names=names,
-            dtypes=dtypes,
-            build=build,
-        )
+        return load(source.store, source.engine, local=source.local)
     store = (
         open_store(source, storage_options, writable=False) if isinstance(source, str) else source
     )
     try:
         with TransferEngine() as engine:
-            return tr.load_from_store(
-                store,
-                engine,
-                step=step,
-                ops=ops,
-                local=None,
-                report=report,
-                names=names,
-                dtypes=dtypes,
-                build=build,
-            )
+            return load(store, engine, local=None)
     finally:
         if store is not source:
             store.close()

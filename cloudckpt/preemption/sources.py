@@ -57,6 +57,10 @@ def _request(
     """One HTTP request with ``http.client`` (never through an HTTP proxy: metadata
     services are link-local). Returns (status, lower-cased headers, body)."""
     parts = urlsplit(url)
+    if not parts.hostname:  # every configured URL went through _base_url
+        raise ConfigurationError(
+            f"metadata URL {url!r} has no host", hint="Pass e.g. http://169.254.169.254"
+        )
     cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     conn = cls(parts.hostname, parts.port, timeout=timeout)
     try:

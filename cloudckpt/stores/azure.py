@@ -42,6 +42,7 @@ installed (imported lazily; it asks for a token on the first request). Nothing f
 from __future__ import annotations
 
 import base64
+import builtins
 import datetime as dt
 import email.utils
 import hashlib
@@ -242,18 +243,10 @@ class AzureStore(Store):
     def _make_client(
         self, url_account: str | None, account_name: str | None, opts: Mapping[str, Any]
     ) -> BlobServiceClient:
-        env = os.environ
-        session = requests.Session()
-        adapter = requests.adapters.HTTPAdapter(pool_connections=_POOL, pool_maxsize=_POOL)
-        session.mount("http://", adapter)
-        session.mount("https://", adapter)
-        kwargs: dict[str, Any] = {
-            "retry_total": 0,
-            "connection_timeout": opts.get("connection_timeout", 30),
-            "read_timeout": opts.get("read_timeout", 120),
-            "max_single_put_size": _MAX_SINGLE_PUT,
-            "transport": RequestsTransport(session=session, session_owner=True),
-        }
+        """The SDK client: from a connection string (options, else the environment, when no
+        other credential is given), else from an account URL and a credential. Raises
+        ConfigurationError (inconsistent options) or CredentialsError (none found)."""
+        kwargs = _client_kwargs(opts)
         account = account_name or url_account
         if account_name and url_account and account_name.lower() != url_account:
             raise ConfigurationError(
@@ -264,49 +257,67 @@ class AzureStore(Store):
             opts.get(k) for k in ("account_key", "sas_token", "credential", "anon")
         )
         if not conn and not has_credential:
-            conn = env.get("AZURE_STORAGE_CONNECTION_STRING") or None
+            conn = os.environ.get("AZURE_STORAGE_CONNECTION_STRING") or None
         if conn:
-            parsed = _parse_connection_string(conn)
-            named = parsed.get("accountname", "").lower()
-            if account and named and named != account.lower():
-                raise ConfigurationError(
-                    f"{self.url}: the connection string is for account {named!r}, the URL "
-                    f"or options name {account!r}"
-                )
-            override = opts.get("account_url") or opts.get("endpoint_url")
-            if override:  # an explicit endpoint wins over the connection string's
-                credential: Any = parsed.get("sharedaccesssignature")
-                if parsed.get("accountkey"):
-                    credential = {"account_name": named, "account_key": parsed["accountkey"]}
-                try:
-                    return BlobServiceClient(override, credential=credential, **kwargs)
-                except ValueError as exc:
-                    raise ConfigurationError(
-                        f"{self.url}: invalid Azure account URL ({exc})"
-                    ) from None
-            try:
-                return BlobServiceClient.from_connection_string(conn, **kwargs)
-            except ValueError as exc:  # malformed; the message quotes no secrets
-                raise ConfigurationError(
-                    f"{self.url}: invalid Azure connection string ({exc})"
-                ) from None
+            return self._client_from_connection_string(conn, account, opts, kwargs)
+        account = account or os.environ.get("AZURE_STORAGE_ACCOUNT_NAME") or None
+        account_url = self._account_url(account, opts)
+        credential = self._credential(account, opts)
+        try:
+            return BlobServiceClient(account_url, credential=credential, **kwargs)
+        except ValueError as exc:
+            raise ConfigurationError(f"{self.url}: invalid Azure account URL ({exc})") from None
 
-        account = account or env.get("AZURE_STORAGE_ACCOUNT_NAME") or None
+    def _client_from_connection_string(
+        self, conn: str, account: str | None, opts: Mapping[str, Any], kwargs: dict[str, Any]
+    ) -> BlobServiceClient:
+        """A client from a connection string; an explicit ``account_url`` (or
+        ``endpoint_url``) option wins over the string's endpoint."""
+        parsed = _parse_connection_string(conn)
+        named = parsed.get("accountname", "").lower()
+        if account and named and named != account.lower():
+            raise ConfigurationError(
+                f"{self.url}: the connection string is for account {named!r}, the URL "
+                f"or options name {account!r}"
+            )
+        override = opts.get("account_url") or opts.get("endpoint_url")
+        if override:  # an explicit endpoint wins over the connection string's
+            credential: Any = parsed.get("sharedaccesssignature")
+            if parsed.get("accountkey"):
+                credential = {"account_name": named, "account_key": parsed["accountkey"]}
+            try:
+                return BlobServiceClient(override, credential=credential, **kwargs)
+            except ValueError as exc:
+                raise ConfigurationError(f"{self.url}: invalid Azure account URL ({exc})") from None
+        try:
+            return BlobServiceClient.from_connection_string(conn, **kwargs)
+        except ValueError as exc:  # malformed; the message quotes no secrets
+            raise ConfigurationError(
+                f"{self.url}: invalid Azure connection string ({exc})"
+            ) from None
+
+    def _account_url(self, account: str | None, opts: Mapping[str, Any]) -> str:
+        """The blob endpoint: ``account_url``/``endpoint_url``, else ``account_host``, else
+        the account's public endpoint. Raises CredentialsError without any of them."""
         account_url = opts.get("account_url") or opts.get("endpoint_url")
-        if not account_url:
-            if opts.get("account_host"):
-                account_url = f"https://{opts['account_host']}"
-            elif account:
-                account_url = f"https://{account}.blob.core.windows.net"
-            else:
-                raise CredentialsError(
-                    f"no Azure storage account or credentials for {self.url}",
-                    hint=_WHAT_TO_SET,
-                )
-        credential = None
+        if account_url:
+            return account_url
+        if opts.get("account_host"):
+            return f"https://{opts['account_host']}"
+        if account:
+            return f"https://{account}.blob.core.windows.net"
+        raise CredentialsError(
+            f"no Azure storage account or credentials for {self.url}", hint=_WHAT_TO_SET
+        )
+
+    def _credential(self, account: str | None, opts: Mapping[str, Any]) -> Any:
+        """The credential, first found of: ``credential``; an account key (option, else
+        environment); a SAS token (likewise); none for ``anon``; else DefaultAzureCredential.
+        Raises CredentialsError (an account key without an account name; nothing found)."""
+        env = os.environ
         if opts.get("credential") is not None:
-            credential = opts["credential"]
-        elif opts.get("account_key") or (
+            return opts["credential"]
+        if opts.get("account_key") or (
             not opts.get("sas_token")
             and not opts.get("anon")
             and env.get("AZURE_STORAGE_ACCOUNT_KEY")
@@ -317,17 +328,12 @@ class AzureStore(Store):
                     f"an account key for {self.url} needs the account name",
                     hint="Set AZURE_STORAGE_ACCOUNT_NAME or storage_options['account_name']",
                 )
-            credential = {"account_name": account, "account_key": key}
-        elif opts.get("sas_token") or (not opts.get("anon") and env.get("AZURE_STORAGE_SAS_TOKEN")):
-            credential = str(opts.get("sas_token") or env["AZURE_STORAGE_SAS_TOKEN"]).lstrip("?")
-        elif opts.get("anon"):
-            credential = None
-        else:
-            credential = self._default_credential()
-        try:
-            return BlobServiceClient(account_url, credential=credential, **kwargs)
-        except ValueError as exc:
-            raise ConfigurationError(f"{self.url}: invalid Azure account URL ({exc})") from None
+            return {"account_name": account, "account_key": key}
+        if opts.get("sas_token") or (not opts.get("anon") and env.get("AZURE_STORAGE_SAS_TOKEN")):
+            return str(opts.get("sas_token") or env["AZURE_STORAGE_SAS_TOKEN"]).lstrip("?")
+        if opts.get("anon"):
+            return None
+        return self._default_credential()
 
     def _default_credential(self) -> Any:
         try:
@@ -344,55 +350,12 @@ class AzureStore(Store):
     def _raise(
         self, exc: AzureError, key: str | None, *, write: bool, update: bool = False
     ) -> NoReturn:
+        """Map an Azure SDK failure into the ``cloudckpt.errors`` tree. ``write`` marks calls
+        whose effect is not idempotent (a lost answer is then OutcomeUnknownError);
+        ``update``, a compare-and-swap (a missing object is then PreconditionFailedError)."""
         where = f"{self.url}{key or ''}"
         if isinstance(exc, HttpResponseError) and exc.status_code is not None:
-            status, code = exc.status_code, error_code(exc)
-            text = f"{status} {code}".strip()
-            if status == 404:
-                if code == "ContainerNotFound":
-                    raise BucketNotFoundError(
-                        f"Azure container {self._container_name!r} does not exist",
-                        key=key,
-                        hint="Check the container name in the URL, or create the container",
-                    ) from None
-                if update:
-                    raise PreconditionFailedError(f"{where} does not exist", key=key) from None
-                raise ObjectNotFoundError(f"{where} does not exist", key=key) from None
-            if status == 412:
-                raise PreconditionFailedError(
-                    f"{where}: precondition failed ({text})", key=key
-                ) from None
-            if status == 409:
-                if code == "BlobAlreadyExists":
-                    raise PreconditionFailedError(
-                        f"{where} already exists ({text})", key=key
-                    ) from None
-                raise StoreConflictError(f"{where}: conflict ({text})", key=key) from None
-            if status == 400 and code in _CHECKSUM_CODES:
-                raise ChecksumMismatchError(
-                    f"{where}: the store rejected the bytes ({text})", key=key
-                ) from None
-            if status == 401 or (status == 403 and code in _AUTH_CODES):
-                raise CredentialsError(
-                    f"{where}: the store rejected the credentials ({text})",
-                    key=key,
-                    hint=_WHAT_TO_SET,
-                ) from None
-            if status == 403:
-                raise PermissionDeniedError(
-                    f"{where}: permission denied ({text})",
-                    key=key,
-                    hint="Grant the identity Storage Blob Data Contributor (writers) or "
-                    "Reader (restore) on the container (terraform/azure), or check the SAS "
-                    "token's permissions and the account's network rules",
-                ) from None
-            if status == 429:
-                raise TransientStoreError(f"{where}: throttled ({text})", key=key) from None
-            if status == 408 or status >= 500:
-                if write:
-                    raise OutcomeUnknownError(f"{where}: {text} on a write", key=key) from None
-                raise TransientStoreError(f"{where}: {text}", key=key) from None
-            raise StoreError(f"{where}: {text}", key=key) from None
+            self._raise_http(exc.status_code, error_code(exc), where, key, write, update)
         if isinstance(exc, ClientAuthenticationError):  # a credential could not get a token
             raise CredentialsError(
                 f"{where}: cannot get Azure credentials ({type(exc).__name__}: "
@@ -415,6 +378,55 @@ class AzureStore(Store):
                 f"{where}: no answer ({type(exc).__name__})", key=key
             ) from None
         raise StoreError(f"{where}: {type(exc).__name__}", key=key) from None
+
+    def _raise_http(
+        self, status: int, code: str, where: str, key: str | None, write: bool, update: bool
+    ) -> NoReturn:
+        """``_raise`` for an HTTP error answer: its status and Azure error code."""
+        text = f"{status} {code}".strip()
+        if status == 404:
+            if code == "ContainerNotFound":
+                raise BucketNotFoundError(
+                    f"Azure container {self._container_name!r} does not exist",
+                    key=key,
+                    hint="Check the container name in the URL, or create the container",
+                ) from None
+            if update:
+                raise PreconditionFailedError(f"{where} does not exist", key=key) from None
+            raise ObjectNotFoundError(f"{where} does not exist", key=key) from None
+        if status == 412:
+            raise PreconditionFailedError(
+                f"{where}: precondition failed ({text})", key=key
+            ) from None
+        if status == 409:
+            if code == "BlobAlreadyExists":
+                raise PreconditionFailedError(f"{where} already exists ({text})", key=key) from None
+            raise StoreConflictError(f"{where}: conflict ({text})", key=key) from None
+        if status == 400 and code in _CHECKSUM_CODES:
+            raise ChecksumMismatchError(
+                f"{where}: the store rejected the bytes ({text})", key=key
+            ) from None
+        if status == 401 or (status == 403 and code in _AUTH_CODES):
+            raise CredentialsError(
+                f"{where}: the store rejected the credentials ({text})",
+                key=key,
+                hint=_WHAT_TO_SET,
+            ) from None
+        if status == 403:
+            raise PermissionDeniedError(
+                f"{where}: permission denied ({text})",
+                key=key,
+                hint="Grant the identity Storage Blob Data Contributor (writers) or "
+                "Reader (restore) on the container (terraform/azure), or check the SAS "
+                "token's permissions and the account's network rules",
+            ) from None
+        if status == 429:
+            raise TransientStoreError(f"{where}: throttled ({text})", key=key) from None
+        if status == 408 or status >= 500:
+            if write:
+                raise OutcomeUnknownError(f"{where}: {text} on a write", key=key) from None
+            raise TransientStoreError(f"{where}: {text}", key=key) from None
+        raise StoreError(f"{where}: {text}", key=key) from None
 
     def _endpoint(self) -> str:
         return self._service.primary_endpoint.split("?", 1)[0]
@@ -658,7 +670,7 @@ class AzureStore(Store):
         except AzureError as exc:
             self._raise(exc, upload.key, write=True)
 
-    def list_multipart(self, prefix: str = "") -> list[PendingUpload]:
+    def list_multipart(self, prefix: str = "") -> builtins.list[PendingUpload]:
         """Uploads whose marker names a key starting with ``prefix``, started when the
         marker was created (the store's clock)."""
         base = self._root + _UPLOADS
@@ -676,7 +688,7 @@ class AzureStore(Store):
                 pending.append(PendingUpload(key, upload_id, started))
         return sorted(pending, key=lambda p: (p.key, p.upload_id))
 
-    def uncommitted_blocks(self, key: str) -> list[tuple[str, int]]:
+    def uncommitted_blocks(self, key: str) -> builtins.list[tuple[str, int]]:
         """(block id, size) of the uncommitted blocks staged on ``key``'s blob (for
         diagnostics: Azure discards them itself after 7 days)."""
         blob = self._blob(key)
@@ -724,6 +736,22 @@ class AzureStore(Store):
             self._service.close()
         except Exception:  # closing is best effort
             logger.debug("closing the Azure client failed", exc_info=True)
+
+
+def _client_kwargs(opts: Mapping[str, Any]) -> dict[str, Any]:
+    """The SDK client's options: no SDK retries (ours retry), the timeouts, the single-put
+    size, and a pooled requests session of its own."""
+    session = requests.Session()
+    adapter = requests.adapters.HTTPAdapter(pool_connections=_POOL, pool_maxsize=_POOL)
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return {
+        "retry_total": 0,
+        "connection_timeout": opts.get("connection_timeout", 30),
+        "read_timeout": opts.get("read_timeout", 120),
+        "max_single_put_size": _MAX_SINGLE_PUT,
+        "transport": RequestsTransport(session=session, session_owner=True),
+    }
 
 
 def error_code(exc: BaseException) -> str:

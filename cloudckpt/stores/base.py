@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import base64
+import builtins
 import dataclasses
 import datetime as dt
 from collections.abc import Iterator, Sequence
@@ -244,7 +245,7 @@ class Store(abc.ABC):
             f"{self.url} has no multipart uploads", capability="multipart"
         )
 
-    def list_multipart(self, prefix: str = "") -> list[PendingUpload]:
+    def list_multipart(self, prefix: str = "") -> builtins.list[PendingUpload]:
         """Incomplete multipart uploads whose key starts with ``prefix``."""
         return []
 

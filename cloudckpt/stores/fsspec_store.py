@@ -265,8 +265,8 @@ class FsspecStore(Store):
             if isinstance(error, ObjectNotFoundError):
                 return
             raise error from None
-        for exc in failures:
-            error = self._error(exc, prefix)
+        for failure in failures:
+            error = self._error(failure, prefix)
             if not isinstance(error, ObjectNotFoundError):  # (absent: deleted meanwhile)
                 raise error from None
         items = []

@@ -23,6 +23,7 @@ outcome is unknown raises ``OutcomeUnknownError``; the caller decides.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import datetime as dt
 import email.utils
 import functools
@@ -728,39 +729,8 @@ class GCSStore(Store):
         mode: PutMode,
     ) -> ObjectInfo:
         key = upload.key
-        stored = {
-            o["name"][len(scratch) :]: o
-            for o in await self._list_raw(scratch, "name,generation,metadata")
-        }
-        marker = stored.get(_MARKER)
-        if marker is None or (marker.get("metadata") or {}).get(_KEY_META) != key:
-            raise ObjectNotFoundError(
-                f"multipart upload {upload.upload_id} of {self.url}{key} does not exist", key=key
-            )
-        sources = []
-        for part in parts:
-            obj = stored.get(f"{part.part_number:05d}")
-            if obj is None or str(obj["generation"]) != part.etag:
-                raise StoreError(
-                    f"part {part.part_number} was not uploaded (or was replaced)", key=key
-                )
-            sources.append((obj["name"], part.etag))
-
-        level = 0
-        while len(sources) > _MAX_COMPOSE_SOURCES:
-            groups = [
-                sources[i : i + _MAX_COMPOSE_SOURCES]
-                for i in range(0, len(sources), _MAX_COMPOSE_SOURCES)
-            ]
-            results = await self._gather(
-                [
-                    self._compose(f"{scratch}c{level}-{i:05d}", group, {}, key)
-                    for i, group in enumerate(groups)
-                ]
-            )
-            sources = [(o["name"], str(o["generation"])) for o in results]
-            level += 1
-
+        sources = await self._part_sources(upload, parts, scratch)
+        sources = await self._compose_down(sources, scratch, key)
         if not await self._compose_is_trustworthy() and not (
             isinstance(mode, Overwrite) and not await self._exists(name)
         ):
@@ -781,6 +751,52 @@ class GCSStore(Store):
 
         await self._cleanup(scratch, key)
         return self._info(key, obj)
+
+    async def _part_sources(
+        self, upload: MultipartUpload, parts: Sequence[PartInfo], scratch: str
+    ) -> builtins.list[tuple[str, str]]:
+        """(object name, generation) of each part, in order. Raises ObjectNotFoundError (no
+        such upload) or StoreError (a part missing, or replaced since it was uploaded)."""
+        key = upload.key
+        stored = {
+            o["name"][len(scratch) :]: o
+            for o in await self._list_raw(scratch, "name,generation,metadata")
+        }
+        marker = stored.get(_MARKER)
+        if marker is None or (marker.get("metadata") or {}).get(_KEY_META) != key:
+            raise ObjectNotFoundError(
+                f"multipart upload {upload.upload_id} of {self.url}{key} does not exist", key=key
+            )
+        sources = []
+        for part in parts:
+            obj = stored.get(f"{part.part_number:05d}")
+            if obj is None or str(obj["generation"]) != part.etag:
+                raise StoreError(
+                    f"part {part.part_number} was not uploaded (or was replaced)", key=key
+                )
+            sources.append((obj["name"], part.etag))
+        return sources
+
+    async def _compose_down(
+        self, sources: builtins.list[tuple[str, str]], scratch: str, key: str
+    ) -> builtins.list[tuple[str, str]]:
+        """Compose ``sources`` in groups, level by level under ``scratch``, until one
+        compose can take them all (GCS composes at most ``_MAX_COMPOSE_SOURCES``)."""
+        level = 0
+        while len(sources) > _MAX_COMPOSE_SOURCES:
+            groups = [
+                sources[i : i + _MAX_COMPOSE_SOURCES]
+                for i in range(0, len(sources), _MAX_COMPOSE_SOURCES)
+            ]
+            results = await self._gather(
+                [
+                    self._compose(f"{scratch}c{level}-{i:05d}", group, {}, key)
+                    for i, group in enumerate(groups)
+                ]
+            )
+            sources = [(o["name"], str(o["generation"])) for o in results]
+            level += 1
+        return sources
 
     async def _exists(self, name: str) -> bool:
         r = await self._send("GET", self._object_url(name), params={"fields": "generation"})
@@ -850,7 +866,7 @@ class GCSStore(Store):
 
         self._run(go, write=True, key=upload.key)
 
-    def list_multipart(self, prefix: str = "") -> list[PendingUpload]:
+    def list_multipart(self, prefix: str = "") -> builtins.list[PendingUpload]:
         """Uploads with a marker whose key starts with ``prefix``, started at the marker's
         creation time. Parts whose marker is gone (an abort raced an upload_part) are
         reported with key ``""`` when ``prefix`` is empty, so GC can abort them."""

@@ -22,6 +22,7 @@ never needs that.
 from __future__ import annotations
 
 import base64
+import builtins
 import contextlib
 import datetime as dt
 import errno
@@ -406,7 +407,7 @@ class LocalStore(Store):
     def abort_multipart(self, upload: MultipartUpload) -> None:
         shutil.rmtree(self._upload_dir(upload.upload_id), ignore_errors=True)
 
-    def list_multipart(self, prefix: str = "") -> list[PendingUpload]:
+    def list_multipart(self, prefix: str = "") -> builtins.list[PendingUpload]:
         uploads_dir = os.path.join(self._internal, "uploads")
         try:
             upload_ids = os.listdir(uploads_dir)

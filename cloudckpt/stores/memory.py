@@ -8,6 +8,7 @@ process-global and created on first use, so two managers in one process see the 
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import datetime as dt
 import itertools
@@ -270,7 +271,7 @@ class MemoryStore(Store):
         with self._bucket.lock:
             self._bucket.uploads.pop(upload.upload_id, None)
 
-    def list_multipart(self, prefix: str = "") -> list[PendingUpload]:
+    def list_multipart(self, prefix: str = "") -> builtins.list[PendingUpload]:
         full_prefix = self._prefix + prefix
         with self._bucket.lock:
             return sorted(

@@ -25,6 +25,7 @@ the region falls back to ``AWS_REGION`` and then ``us-east-1``.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import datetime as dt
 import email.utils
@@ -33,7 +34,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
@@ -335,9 +336,10 @@ def _use_prehashed_payloads(client: Any) -> None:
     """Make this client's plain S3 SigV4 signer a ``_PrehashedS3SigV4Auth`` (only this
     client; other signature versions are left alone; no-op if botocore's internals differ)."""
     signer = getattr(client, "_request_signer", None)
-    get_auth = getattr(signer, "get_auth_instance", None)
-    if get_auth is None:
+    found = getattr(signer, "get_auth_instance", None)
+    if signer is None or found is None:
         return
+    get_auth: Callable[..., Any] = found  # (bound once: the closure below sees it non-None)
 
     def get_auth_instance(*args: Any, **kwargs: Any) -> Any:
         auth = get_auth(*args, **kwargs)
@@ -369,7 +371,7 @@ def _read_body_into(resp: Mapping[str, Any], buf: memoryview) -> int:
     """
     body = resp["Body"]
     declared = resp.get("ContentLength")
-    raw = getattr(body, "_raw_stream", None)
+    raw: Any = getattr(body, "_raw_stream", None)  # botocore/urllib3 internals, untyped
     fp = getattr(raw, "_fp", None)
     if not (
         type(body) is botocore.response.StreamingBody
@@ -458,21 +460,7 @@ class S3Store(Store):
         candidates += [client_kwargs.get(f"aws_{n}") for n in _CREDENTIAL_NAMES]
         candidates += [os.environ.get(f"AWS_{n.upper()}") for n in _CREDENTIAL_NAMES]
         self._secrets = [c for c in candidates if isinstance(c, str) and len(c) >= 4]
-
-        try:
-            config = botocore.config.Config(
-                **{**_DEFAULT_CONFIG, **dict(options.get("config_kwargs") or {})}
-            )
-        except TypeError as exc:
-            raise ConfigurationError(
-                f"invalid config_kwargs for {self.url}: {exc}",
-                hint="config_kwargs are botocore.config.Config arguments",
-            ) from None
-        if options.get("anon"):
-            config = config.merge(botocore.config.Config(signature_version=botocore.UNSIGNED))
-        if isinstance(client_kwargs.get("config"), botocore.config.Config):
-            config = config.merge(client_kwargs.pop("config"))
-
+        config = self._client_config(options, client_kwargs)
         try:
             session = _session(options.get("profile"))
         except bce.ProfileNotFound as exc:
@@ -516,6 +504,25 @@ class S3Store(Store):
         _send_views_whole(client)
         _use_prehashed_payloads(client)
         return client
+
+    def _client_config(self, options: Mapping[str, Any], client_kwargs: dict[str, Any]) -> Any:
+        """botocore's Config: our defaults, then ``config_kwargs``, unsigned for ``anon``,
+        then a Config given in ``client_kwargs`` (taken out of them). Raises
+        ConfigurationError for arguments botocore does not know."""
+        try:
+            config = botocore.config.Config(
+                **{**_DEFAULT_CONFIG, **dict(options.get("config_kwargs") or {})}
+            )
+        except TypeError as exc:
+            raise ConfigurationError(
+                f"invalid config_kwargs for {self.url}: {exc}",
+                hint="config_kwargs are botocore.config.Config arguments",
+            ) from None
+        if options.get("anon"):
+            config = config.merge(botocore.config.Config(signature_version=botocore.UNSIGNED))
+        if isinstance(client_kwargs.get("config"), botocore.config.Config):
+            config = config.merge(client_kwargs.pop("config"))
+        return config
 
     # --- error mapping --------------------------------------------------------------
 
@@ -958,7 +965,7 @@ class S3Store(Store):
                 UploadId=upload.upload_id,
             )
 
-    def list_multipart(self, prefix: str = "") -> list[PendingUpload]:
+    def list_multipart(self, prefix: str = "") -> builtins.list[PendingUpload]:
         """Incomplete uploads under ``prefix``, sorted by (key, upload id).
         ``initiated`` is on the store's clock (moto reports 2010 for every upload)."""
         paginator = self._client.get_paginator("list_multipart_uploads")

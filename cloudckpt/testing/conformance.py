@@ -47,7 +47,15 @@ from cloudckpt.errors import (
     PreconditionFailedError,
     StoreConflictError,
 )
-from cloudckpt.stores import CREATE, OVERWRITE, Store, Update, crc32c_b64, open_store
+from cloudckpt.stores import (
+    CREATE,
+    OVERWRITE,
+    ObjectInfo,
+    Store,
+    Update,
+    crc32c_b64,
+    open_store,
+)
 
 StoreOpener = Callable[[], Store]
 
@@ -262,48 +270,61 @@ def check_multipart_roundtrip(opener: StoreOpener, verifies_checksums: bool = Tr
         assert data == b"".join(parts_data)
         assert info.size == len(data) and got.version == info.version
         assert store.list_multipart(key) == []
-
         if verifies_checksums:
-            bad = store.create_multipart(key + "-bad")
-            try:
-                store.upload_part(bad, 1, parts_data[0], crc32c=crc32c_b64(b"other bytes"))
-            except ChecksumMismatchError:
-                pass
-            else:
-                raise AssertionError("a part with a wrong CRC32C was accepted")
-            finally:
-                store.abort_multipart(bad)
+            _check_part_checksum_refused(store, key + "-bad", parts_data[0])
+        _check_create_completion_refused(store, key, data)
+        _check_overwrite_completion(store, key, info)
 
-        again = store.create_multipart(key)
-        part = store.upload_part(again, 1, b"late", crc32c=crc32c_b64(b"late"))
-        try:
-            store.complete_multipart(again, [part], mode=CREATE)
-        except PreconditionFailedError:
-            pass
-        else:
-            raise AssertionError("create-only multipart completion overwrote an object")
-        finally:
-            store.abort_multipart(again)
-        assert store.get(key)[0] == data
-        assert store.list_multipart(key) == []
 
-        # Completing onto an existing key (OVERWRITE) is a write like any other: the version
-        # changes and a compare-and-swap from the old version must fail.
-        replacement = os.urandom(size) + b"tail"
-        again = store.create_multipart(key)
-        parts = [
-            store.upload_part(again, 1, replacement[:size], crc32c=crc32c_b64(replacement[:size])),
-            store.upload_part(again, 2, replacement[size:], crc32c=crc32c_b64(replacement[size:])),
-        ]
-        replaced = store.complete_multipart(again, parts, mode=OVERWRITE)
-        assert store.get(key)[0] == replacement
-        assert replaced.version != info.version
-        try:
-            store.put(key, b"stale", mode=Update(info.version))
-        except PreconditionFailedError:
-            pass
-        else:
-            raise AssertionError("compare-and-swap blind to a multipart overwrite")
+def _check_part_checksum_refused(store: Store, key: str, data: bytes) -> None:
+    """A part sent with a CRC32C of other bytes is refused."""
+    bad = store.create_multipart(key)
+    try:
+        store.upload_part(bad, 1, data, crc32c=crc32c_b64(b"other bytes"))
+    except ChecksumMismatchError:
+        pass
+    else:
+        raise AssertionError("a part with a wrong CRC32C was accepted")
+    finally:
+        store.abort_multipart(bad)
+
+
+def _check_create_completion_refused(store: Store, key: str, data: bytes) -> None:
+    """Completing a multipart upload with CREATE onto ``key`` (holding ``data``) fails and
+    leaves ``data``; the aborted upload is no longer listed."""
+    again = store.create_multipart(key)
+    part = store.upload_part(again, 1, b"late", crc32c=crc32c_b64(b"late"))
+    try:
+        store.complete_multipart(again, [part], mode=CREATE)
+    except PreconditionFailedError:
+        pass
+    else:
+        raise AssertionError("create-only multipart completion overwrote an object")
+    finally:
+        store.abort_multipart(again)
+    assert store.get(key)[0] == data
+    assert store.list_multipart(key) == []
+
+
+def _check_overwrite_completion(store: Store, key: str, info: ObjectInfo) -> None:
+    """Completing onto an existing key (OVERWRITE) is a write like any other: the version
+    changes and a compare-and-swap from the old version (``info``'s) must fail."""
+    size = store.capabilities.min_part_size
+    replacement = os.urandom(size) + b"tail"
+    again = store.create_multipart(key)
+    parts = [
+        store.upload_part(again, 1, replacement[:size], crc32c=crc32c_b64(replacement[:size])),
+        store.upload_part(again, 2, replacement[size:], crc32c=crc32c_b64(replacement[size:])),
+    ]
+    replaced = store.complete_multipart(again, parts, mode=OVERWRITE)
+    assert store.get(key)[0] == replacement
+    assert replaced.version != info.version
+    try:
+        store.put(key, b"stale", mode=Update(info.version))
+    except PreconditionFailedError:
+        pass
+    else:
+        raise AssertionError("compare-and-swap blind to a multipart overwrite")
 
 
 def check_clock(opener: StoreOpener) -> None:
@@ -314,6 +335,7 @@ def check_clock(opener: StoreOpener) -> None:
         head = store.head(key)
         now = store.now()
         assert now.tzinfo is not None
+        assert head.last_modified is not None, "head() of a fresh write has no modification time"
         delta = abs((now - head.last_modified).total_seconds())
         assert delta < 120, f"store clock and object times disagree by {delta:.0f}s"
         del info
@@ -379,7 +401,10 @@ def check_chunked_checkpoint_roundtrip(opener: StoreOpener) -> None:
             writer.close()
         store = opener()
         try:
-            current = read_latest(store).latest.current
+            versioned = read_latest(store)
+            assert versioned is not None, "no LATEST after two committed saves"
+            current = versioned.latest.current
+            assert current is not None, "LATEST has no current checkpoint after two saves"
             manifest = fetch_manifest(store, current)
             (entry,) = [f for f in manifest.files if f.path == "shared.bin"]
             assert entry.chunks is not None and len(entry.chunks) == 2, entry

@@ -9,6 +9,7 @@ conformance suite must catch it.
 
 from __future__ import annotations
 
+import builtins
 import datetime as dt
 from collections.abc import Iterator, Sequence
 
@@ -76,7 +77,7 @@ class ForwardingStore(Store):
     def abort_multipart(self, upload: MultipartUpload) -> None:
         self.inner.abort_multipart(upload)
 
-    def list_multipart(self, prefix: str = "") -> list[PendingUpload]:
+    def list_multipart(self, prefix: str = "") -> builtins.list[PendingUpload]:
         return self.inner.list_multipart(prefix)
 
     def now(self) -> dt.datetime:

@@ -14,7 +14,7 @@ import datetime as dt
 import hashlib
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from cloudckpt import digest, protocol
 from cloudckpt.errors import CloudCkptError, StoreError
@@ -82,7 +82,7 @@ class Checker:
         self.op_writes: collections.Counter = collections.Counter()  # (actor, op) -> LATEST writes
         self._latest_version = ""
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str) -> NoReturn:
         """Record a violation (where it is detected, so no handler can hide it) and stop."""
         self.sim.violation(message)
         raise InvariantViolation(message)
@@ -199,48 +199,50 @@ class Checker:
     def _current_change(self, prev: Latest, new: Latest, actor: Actor | None, who: str) -> None:
         """I4-I7: only the writer that owns the epoch commits, each attempt once, never one
         GC touched or one reported failed; nothing but a commit changes the current one."""
-        op = new.op
+        op, current = new.op, new.current
         if op == "commit":
+            if current is None:
+                self.fail(f"I4: a commit by {who} left no current checkpoint")
             if actor is None or actor.writer_id != new.writer.id:
                 self.fail(
                     f"I4: {who} (writer {actor.writer_id if actor else None}) committed "
-                    f"{new.current.ckpt} on top of epoch {new.writer.epoch} owned by "
+                    f"{current.ckpt} on top of epoch {new.writer.epoch} owned by "
                     f"{new.writer.id}: a fenced writer's commit landed after a newer claim"
                 )
-            if new.current.epoch != new.writer.epoch:
+            if current.epoch != new.writer.epoch:
                 self.fail(
-                    f"I4: commit of {new.current.ckpt} (epoch {new.current.epoch}) under "
+                    f"I4: commit of {current.ckpt} (epoch {current.epoch}) under "
                     f"writer epoch {new.writer.epoch}"
                 )
-            if new.current.commit_id in _ids(prev.retained()) or new.current.commit_id in _tombs(prev):  # fmt: skip
-                self.fail(f"I5: {new.current.commit_id} committed twice")
-            if new.current.ckpt in self.gc_deleted:
-                self.fail(f"I7: {new.current.ckpt} was committed after GC deleted some of it")
-            self._committed_at_on_store_clock(new.current, who)
-            key = new.current.metadata.get("sim")
+            if current.commit_id in _ids(prev.retained()) or current.commit_id in _tombs(prev):
+                self.fail(f"I5: {current.commit_id} committed twice")
+            if current.ckpt in self.gc_deleted:
+                self.fail(f"I7: {current.ckpt} was committed after GC deleted some of it")
+            self._committed_at_on_store_clock(current, who)
+            key = current.metadata.get("sim")
             if key in self.failed_keys:
                 self.fail(f"I6: save {key} was reported failed, yet it was committed by {who}")
-            self._names_no_chunk_gc_may_own(prev, new, who)
-        elif (new.current and new.current.commit_id) != (prev.current and prev.current.commit_id):
+            self._names_no_chunk_gc_may_own(prev, current, who)
+        elif (current and current.commit_id) != (prev.current and prev.current.commit_id):
             self.fail(f"I3: a {op} by {who} changed the current checkpoint")
 
-    def _names_no_chunk_gc_may_own(self, prev: Latest, new: Latest, who: str) -> None:
+    def _names_no_chunk_gc_may_own(self, prev: Latest, current: CheckpointRecord, who: str) -> None:
         """I7: a commit names only chunks GC cannot own: its own attempt's, those a
-        manifest GC must keep names (in the LATEST it replaces: retained checkpoints and
+        manifest GC must keep names (in ``prev``, the LATEST it replaces: retained checkpoints and
         pending tombstones), and those of an unreferenced attempt (an interrupted save it
         resumed) that was not older than grace at any GC sweep before this commit (GC
         deletes orphans only after a sweep, judged old before it: ``_swept``)."""
-        manifest = self.manifest_of(new.current)
+        manifest = self.manifest_of(current)
         if manifest is None:
             return  # I2 reports an unreadable manifest
         named = self.named_chunks(prev)
         for entry in manifest.files:
             for chunk in entry.chunks or ():
-                if chunk.owner == new.current.ckpt or chunk.key in named:
+                if chunk.owner == current.ckpt or chunk.key in named:
                     continue
                 if chunk.owner in self.gc_owned or chunk.owner in self.gc_deleted:
                     self.fail(
-                        f"I7: the commit of {new.current.ckpt} by {who} names chunk "
+                        f"I7: the commit of {current.ckpt} by {who} names chunk "
                         f"{chunk.key} of an unreferenced attempt that was older than grace "
                         "at a GC sweep, which GC may own"
                     )
@@ -377,7 +379,8 @@ class Checker:
                 self.fail(f"I7: {who} deleted the newest commit record {key}")
             if live and seq >= min(live):
                 self.fail(f"I7: {who} deleted {key}, which dates a live tombstone")
-            if info and (now - info.last_modified).total_seconds() <= grace:
+            written = info.last_modified if info else None  # (always set by MemoryStore)
+            if written and (now - written).total_seconds() <= grace:
                 self.fail(f"I7: {who} deleted {key} younger than grace")
             return
         prefix = prefix_of(key)
@@ -422,7 +425,8 @@ class Checker:
         prefix = prefix_of(upload.key)
         grace = self.latest.settings.gc_grace_s if self.latest else 0
         now = self.raw.now()
-        ages = [now - t for t in (state.initiated, self.first_write.get(prefix)) if t]
+        born = self.first_write.get(prefix) if prefix else None
+        ages = [now - t for t in (state.initiated, born) if t]
         if all(age.total_seconds() <= grace for age in ages):
             self.fail(f"I7: GC aborted the upload of {upload.key}, younger than grace")
 

@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet(30 if args.verbose else 50)
     seeds = [args.seed] if args.seed is not None else _parse_seeds(args.seeds)
     started = time.perf_counter()
-    done = collections.Counter()
+    done: collections.Counter[str] = collections.Counter()
 
     def progress(r: SimResult) -> None:
         done["seeds"] += 1

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import SupportsIndex
 
 from cloudckpt import failpoints, protocol
 from cloudckpt.stores.base import Store
@@ -216,7 +217,7 @@ class Simulation:
         self.result.counters["host_suspends"] += 1
         self._trace.update(f"suspend {actor.name} {seconds:.1f}\n".encode())
 
-    def _sleep(self, seconds: float) -> None:
+    def _sleep(self, seconds: float | SupportsIndex) -> None:  # (time.sleep's signature)
         self.clock.advance(max(0.0, float(seconds)))
         actor = self.current
         if actor is not None and threading.current_thread() is actor.thread:

@@ -29,7 +29,10 @@ if TYPE_CHECKING:
 def run(actor: Actor, port: Store, engine: TransferEngine) -> None:
     """Damage the store in every way above, one at a time, restoring it after each."""
     sim = actor.sim
-    current = sim.checker.latest.current
+    latest = sim.checker.latest
+    current = latest.current if latest else None
+    if current is None:  # the finisher's save committed: there is one
+        sim.checker.fail("I10: no current checkpoint to damage after the final save")
     manifest = protocol.parse_manifest(sim.memory.get(current.manifest_key)[0], current)
     _flip_bits(sim, actor.rng, port, engine, current, manifest)
     _forge(sim, actor.rng, port, engine, current, manifest)
@@ -147,7 +150,7 @@ def _forge_with_latest(
     return the forged bytes."""
     c, raw = sim.checker, sim.memory
     entry = rng.choice(manifest.files)
-    saved: dict[str, bytes | None] = {protocol.LATEST_KEY: raw.get(protocol.LATEST_KEY)[0]}
+    saved: dict[str, bytes] = {protocol.LATEST_KEY: raw.get(protocol.LATEST_KEY)[0]}
     if entry.chunks is None:
         key = current.ckpt + protocol.FILES_DIR + entry.path
         other = raw.get(key)[0] + b"!"

@@ -69,11 +69,15 @@ def _gc_converges(sim: Simulation, port: Store) -> Latest:
         sim.clock.advance(sim.profile.grace + 1)
         collect_garbage(port)
     latest = c.latest
+    if latest is None:  # the final save committed: there is one
+        c.fail("I10: no LATEST after GC converged")
     if latest.tombstones:
         c.fail(f"I10: tombstones left after GC converged: {latest.tombstones}")
     refs = latest.referenced_prefixes()
     named = c.named_chunks(latest)
-    leftovers = {prefix_of(o.key) for o in sim.memory.list("ckpt/") if o.key not in named} - refs
+    # (an object outside any attempt prefix is reported by its key)
+    listed = sim.memory.list("ckpt/")
+    leftovers = {prefix_of(o.key) or o.key for o in listed if o.key not in named} - refs
     if leftovers:
         c.fail(f"I10: unreferenced attempts left after GC converged: {sorted(leftovers)}")
     if sim.memory.list_multipart(""):

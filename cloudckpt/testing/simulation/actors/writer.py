@@ -85,9 +85,10 @@ def _life(actor: Actor, port: Store, staging: Path) -> None:
         actor.op += 1
         step = actor.rng.randint(1, 30)
         if actor.rng.random() < 0.75:
-            step = _resume(actor, mgr)
-            if step is None:
+            resumed = _resume(actor, mgr)
+            if resumed is None:
                 return
+            step = resumed
         # else: the first save claims the run (and recovers the staging journal).
         for i in range(actor.rng.randint(1, 10)):
             if sim.stopping:
