@@ -73,7 +73,7 @@ from cloudckpt.reader import check_chunk_objects as check_chunk_objects
 from cloudckpt.reader import fetch_manifest
 from cloudckpt.retry import call_with_retries
 from cloudckpt.stores import CREATE, ObjectInfo, Store
-from cloudckpt.transfer import MemoryFile, read_at
+from cloudckpt.transfer import MemoryFile, create_sized, read_at
 
 ChunkingMode = Literal["tensor", "fixed", "off"]
 MODES = ("tensor", "fixed", "off")
@@ -640,13 +640,7 @@ def download(
     buffers = _Buffers()
     try:
         for entry in chunked:
-            target = dest.joinpath(*entry.path.split("/"))
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                os.ftruncate(fd, entry.size)
-            finally:
-                os.close(fd)
+            target = create_sized(dest, entry.path, entry.size)
             t = _Target(entry, target)
             if entry.size == 0:
                 t.finish()  # no leaves: check the digest of nothing now

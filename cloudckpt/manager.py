@@ -568,15 +568,7 @@ class CheckpointManager:
         prepare_destination(Path(into).expanduser().absolute(), overwrite)
         if self.claim() is None:
             return None
-        return restore(
-            self.store,
-            into,
-            self.engine,
-            step=step,
-            overwrite=overwrite,
-            progress=self.progress,
-            local=self.local,
-        )
+        return self._restore_into(into, step, overwrite)
 
     def claim(self) -> CheckpointInfo | None:
         """What ``resume()`` does before it restores: claim the run (fencing any older
@@ -600,6 +592,20 @@ class CheckpointManager:
         if latest is None or latest.current is None:
             return None
         return CheckpointInfo.of(latest, latest.current)
+
+    def _restore_into(
+        self, into: str | os.PathLike[str], step: int | None, overwrite: bool
+    ) -> RestoreResult:
+        """``restore`` of this run with the manager's engine, progress and local tier."""
+        return restore(
+            self.store,
+            into,
+            self.engine,
+            step=step,
+            overwrite=overwrite,
+            progress=self.progress,
+            local=self.local,
+        )
 
     def save(
         self,
@@ -740,15 +746,7 @@ class CheckpointManager:
         StagingError, StoreError (see ``cloudckpt.restore.restore``).
         """
         self.check_open()
-        return restore(
-            self.store,
-            into,
-            self.engine,
-            step=step,
-            overwrite=overwrite,
-            progress=self.progress,
-            local=self.local,
-        )
+        return self._restore_into(into, step, overwrite)
 
     def pin(self, step: int, label: str = "pinned") -> None:
         """Keep the retained checkpoint of ``step`` regardless of retention.

@@ -252,6 +252,20 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def create_sized(dest: Path, path: str, size: int) -> Path:
+    """Create the new file ``path`` (``/``-separated) under ``dest``, ``size`` bytes long
+    (sparse), for ranges to be written into. Raises OSError, FileExistsError included:
+    O_EXCL never writes through something that already exists (a planted link)."""
+    target = dest.joinpath(*path.split("/"))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    return target
+
+
 class TransferEngine:
     """A pool of transfer workers shared by the saves and restores of one manager."""
 
@@ -402,14 +416,7 @@ class TransferEngine:
         range_size = _round_up(self.config.range_size, chunk_size)
         tasks: list[cf.Future] = []
         for entry in entries:
-            target = dest.joinpath(*entry.path.split("/"))
-            target.parent.mkdir(parents=True, exist_ok=True)
-            # O_EXCL: never write through something that already exists (a planted link).
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                os.ftruncate(fd, entry.size)
-            finally:
-                os.close(fd)
+            target = create_sized(dest, entry.path, entry.size)
             download = _FileDownload(prefix + entry.path, entry, target, chunk_size)
             if entry.size == 0:
                 download.finish()  # no ranges: check the digest of nothing now

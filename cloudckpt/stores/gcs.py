@@ -405,25 +405,19 @@ class GCSStore(Store):
 
     async def _list_raw(self, prefix: str, fields: str) -> list[dict[str, Any]]:
         """Every object resource under the full name ``prefix`` (internal ones included)."""
-        items: list[dict[str, Any]] = []
         params = {"prefix": prefix, "fields": f"items({fields}),nextPageToken"}
-        while True:
-            r = await self._send("GET", self._objects_url, params=params)
-            if r.status == 404:  # objects.list 404s only when the bucket is missing
-                raise BucketNotFoundError(f"GCS bucket {self._bucket!r} does not exist")
-            if r.status != 200:
-                raise await self._error(r, None, write=False)
-            page = r.json()
-            items.extend(page.get("items", []))
-            if not page.get("nextPageToken"):
-                return items
-            params["pageToken"] = page["nextPageToken"]
+        return await self._list_pages(params, "items")
 
     async def _list_prefixes(self, prefix: str) -> list[str]:
         """The full names of the "directories" right below the full name ``prefix``
         (objects.list with a delimiter: its ``prefixes``)."""
-        found: list[str] = []
         params = {"prefix": prefix, "delimiter": "/", "fields": "prefixes,nextPageToken"}
+        return await self._list_pages(params, "prefixes")
+
+    async def _list_pages(self, params: dict[str, str], field: str) -> list[Any]:
+        """``field`` of every page of objects.list with ``params``. Raises
+        BucketNotFoundError, StoreError."""
+        found: list[Any] = []
         while True:
             r = await self._send("GET", self._objects_url, params=params)
             if r.status == 404:  # objects.list 404s only when the bucket is missing
@@ -431,7 +425,7 @@ class GCSStore(Store):
             if r.status != 200:
                 raise await self._error(r, None, write=False)
             page = r.json()
-            found.extend(page.get("prefixes", []))
+            found.extend(page.get(field, []))
             if not page.get("nextPageToken"):
                 return found
             params["pageToken"] = page["nextPageToken"]
