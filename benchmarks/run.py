@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.limits import Limits
-from benchmarks.peers import Peers, _env_creds
+from benchmarks.peers import Peers, _env_creds, find_s5cmd
 
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
@@ -1180,7 +1180,7 @@ def _versions() -> dict[str, str]:
         with contextlib.suppress(Exception):
             out[mod] = __import__(mod).__version__
     with contextlib.suppress(Exception):
-        exe = shutil.which("s5cmd")
+        exe = find_s5cmd()
         if exe:
             out["s5cmd"] = subprocess.run(
                 [exe, "version"], capture_output=True, text=True, timeout=10

@@ -23,6 +23,7 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -264,6 +265,28 @@ class _Clock:
         }
 
 
+def _link_local(copy: LocalCopy, entry: FileEntry, tmp: Path) -> Path | None:
+    """Hard-link ``entry``'s file of ``copy`` into ``tmp`` (a copy when linking fails: another
+    filesystem); None when the local file is gone or unreadable (it is downloaded instead).
+    Raises OSError only for failures writing into ``tmp``."""
+    target = tmp.joinpath(*entry.path.split("/"))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    source = copy.file(entry.path)
+    try:
+        if not stat.S_ISREG(os.lstat(source).st_mode):
+            return None  # only regular files: never a link planted in the staging directory
+        os.link(source, target)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        try:
+            shutil.copyfile(source, target)
+        except FileNotFoundError:
+            target.unlink(missing_ok=True)
+            return None
+    return target
+
+
 def _from_local(
     engine: TransferEngine,
     copy: LocalCopy | None,
@@ -276,23 +299,24 @@ def _from_local(
     if copy is None:
         return list(manifest.files)
     started = time.perf_counter()
-    jobs = [fetch.FileJob(e, local=copy.file(e.path)) for e in manifest.files]
+    # Link (or copy) first, then verify what was linked: the link holds the file's content
+    # however the local tier's retention deletes the copy meanwhile (a newer commit of this
+    # manager), so what is verified is exactly what the restore keeps.
+    linked = [_link_local(copy, entry, tmp) for entry in manifest.files]
+    jobs = [fetch.FileJob(e, local=t) for e, t in zip(manifest.files, linked, strict=True)]
     verified = fetch.verify_local(engine, jobs, leaf_size=manifest.chunk_size)
     rest = []
-    for entry, ok in zip(manifest.files, verified, strict=True):
-        if not ok:
-            rest.append(entry)
+    for entry, target, ok in zip(manifest.files, linked, verified, strict=True):
+        if ok:
+            clock.local += entry.size
             continue
-        target = tmp.joinpath(*entry.path.split("/"))
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(copy.file(entry.path), target)
-        except OSError:
-            shutil.copyfile(copy.file(entry.path), target)
-        clock.local += entry.size
+        rest.append(entry)
+        if target is not None:
+            target.unlink()  # downloaded again in its place
     if rest:
         log.warning(
-            "step %d: %d of %d file(s) of the local copy in %s do not verify; downloading them",
+            "step %d: %d of %d file(s) of the local copy in %s are gone or do not verify; "
+            "downloading them",
             manifest.step,
             len(rest),
             len(manifest.files),

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import threading
 import time
 
@@ -259,6 +260,56 @@ def test_a_same_host_restart_restores_a_directory_from_the_local_copy(memory_tar
     assert res.bytes_downloaded == 0 and res.bytes_local == 3 * MiB
     assert (res.path / "a").stat().st_size == 3 * MiB and (res.path / "sub" / "b").exists()
     again.close()
+
+
+@pytest.mark.parametrize("when", ["after-verifying", "before-linking"])
+def test_a_local_copy_deleted_under_a_restore_is_held_or_downloaded(
+    memory_target, tmp_path, monkeypatch, when
+):
+    """The local tier's retention deletes a copy when a newer save commits, which may
+    happen while a restore of that copy runs (CI found the race: the copy was verified,
+    then gone before it was linked). What the restore verifies is what it keeps (its own
+    hard links), and a file already gone is downloaded."""
+    import cloudckpt.restore as restore_mod
+
+    staging = tmp_path / "staging"
+    first = CheckpointManager(memory_target.url, staging_dir=staging)
+    data = {"a": os.urandom(3 * MiB), "b": os.urandom(MiB)}
+    with first.save(step=1) as d:
+        for name, blob in data.items():
+            (d / name).write_bytes(blob)
+    first.close()
+    (copy_dir,) = (staging / COMMITTED_DIR).iterdir()
+    deleted = []
+    if when == "after-verifying":
+        real = restore_mod.fetch.verify_local
+
+        def verify_then_delete(*args, **kwargs):
+            ok = real(*args, **kwargs)
+            shutil.rmtree(copy_dir)  # retention, right after the check
+            deleted.append(copy_dir)
+            return ok
+
+        monkeypatch.setattr(restore_mod.fetch, "verify_local", verify_then_delete)
+    else:
+        real_link = restore_mod._link_local
+
+        def delete_then_link(copy, entry, tmp):
+            if entry.path == "b" and copy_dir.exists():
+                shutil.rmtree(copy_dir)
+                deleted.append(copy_dir)
+            return real_link(copy, entry, tmp)
+
+        monkeypatch.setattr(restore_mod, "_link_local", delete_then_link)
+    again = CheckpointManager(memory_target.url, staging_dir=staging)
+    res = again.restore(into=tmp_path / "r")
+    again.close()
+    assert deleted == [copy_dir]  # the deletion happened inside the restore
+    if when == "after-verifying":
+        assert (res.bytes_local, res.bytes_downloaded) == (4 * MiB, 0)
+    else:  # "a" was linked before the copy went; "b" is downloaded
+        assert (res.bytes_local, res.bytes_downloaded) == (3 * MiB, MiB)
+    assert {name: (res.path / name).read_bytes() for name in data} == data
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "other-step", "manifest"])

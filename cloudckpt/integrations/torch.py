@@ -603,11 +603,12 @@ class StateSaver:
                     handle.__exit__(None, None, None)  # the upload starts, behind the copy
                 except Exception:  # the hand-over failed (staging disk): the handle has it
                     return
-                # The upload (and the staged copy kept as the local tier) read the host
-                # memory until they are done: the next save_state waits for that before
-                # reusing it.
-                handle._wait_until_buffers_free()
-                handle._memory_files = None  # let go of this save's views of the arena
+                if files is not None:
+                    # The upload (and the staged copy kept as the local tier) read the host
+                    # memory until they are done: the next save_state waits for that
+                    # before reusing it. (Written to staging instead, it is free already.)
+                    handle._wait_until_buffers_free()
+                    handle._memory_files = None  # let go of this save's views of the arena
 
             def copy_done() -> None:
                 handle.blocking_seconds = time.perf_counter() - started
