@@ -170,6 +170,33 @@ class SaveHandle:
         # nothing reads the in-memory buffers any more.
         self._local_copy: cf.Future[None] | None = None
 
+    # -- for writers that produce a save's files themselves (save_state) --
+
+    def set_background(self, background: bool) -> None:
+        """Whether this save's block runs on a thread of the writer's own, where a failure
+        reaches no caller: the manager then reports it (from the next ``save()``,
+        ``wait()`` or ``close()``). Set it back to False before leaving the block with an
+        exception the writer raises to its caller itself."""
+        self._background = background
+
+    def mark_reported(self) -> None:
+        """The writer has raised this save's failure to its caller: the manager does not
+        raise it again."""
+        self._reported = True
+
+    def upload_from_memory(self, files: list[tuple[str, MemoryFile]] | None) -> None:
+        """Upload these in-memory files (path, buffer) instead of reading the staged files
+        back; the staged copy is still written beside the upload (crash recovery, the
+        local tier). Call inside the block; the buffers must not change until
+        ``release_memory()`` returns."""
+        self._memory_files = files
+
+    def release_memory(self) -> None:
+        """Wait until nothing reads the in-memory files any more (the upload, and the
+        staged copy kept as the local tier), then forget them. Never raises."""
+        self._wait_until_buffers_free()
+        self._memory_files = None
+
     # -- context manager (save()) --
 
     def __enter__(self) -> Path:

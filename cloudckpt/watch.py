@@ -646,7 +646,7 @@ class Watcher:
         except (OSError, CloudCkptError) as exc:  # staging disk full, unreadable file...
             self._failed(c, exc)
             return False
-        handle._reported = True  # _reap reports (and retries) it; the manager need not
+        handle.mark_reported()  # _reap reports (and retries) it; the manager need not
         self._done.add(c.source)
         self._floor = step
         self._pending.append((handle, c, staging))

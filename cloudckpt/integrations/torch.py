@@ -569,7 +569,7 @@ class StateSaver:
             items, buffers = self._plan(flat)  # may allocate (and pin) host memory
             # Validates step, metadata and metrics.
             handle = self.manager.save(step, metadata, metrics=metrics)
-            handle._background = True  # a failure in background() reaches no caller
+            handle.set_background(True)  # a failure in background() reaches no caller
             self._last = handle
             # The upload starts while the copy runs and reads each piece once it has
             # landed (module docstring of _device_copy).
@@ -590,10 +590,10 @@ class StateSaver:
                     if files is None:  # a layout only safetensors' own writer knows
                         copied.wait(copied.total)
                         self._write(files_dir, tree, buffers, flat, objects_blob)
-                    handle._memory_files = files
+                    handle.upload_from_memory(files)
                 except BaseException as exc:
                     if copied.failed:  # the copy's failure is raised to the caller: told
-                        handle._background = False
+                        handle.set_background(False)
                     else:
                         log.error("writing the state of step %d failed: %r", step, exc)
                     # The save fails; the next save()/wait()/close() raises it.
@@ -607,8 +607,7 @@ class StateSaver:
                     # The upload (and the staged copy kept as the local tier) read the host
                     # memory until they are done: the next save_state waits for that
                     # before reusing it. (Written to staging instead, it is free already.)
-                    handle._wait_until_buffers_free()
-                    handle._memory_files = None  # let go of this save's views of the arena
+                    handle.release_memory()  # and let go of this save's views of the arena
 
             def copy_done() -> None:
                 handle.blocking_seconds = time.perf_counter() - started
@@ -620,7 +619,7 @@ class StateSaver:
             except BaseException:
                 # Raised to the caller here; the save fails (its upload reads behind the
                 # copy and stops at the failure) and is not raised again later.
-                handle._reported = True
+                handle.mark_reported()
                 raise
             finally:
                 entered.wait()
