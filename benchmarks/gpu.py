@@ -186,25 +186,26 @@ class Trainer:
         }
 
 
-def state_bytes(state: Any) -> int:
-    """Bytes of the distinct tensors in ``state`` (tied weights once)."""
+def _tensors(node: Any) -> Iterator[Any]:
+    """Every tensor in a nested state (dicts, lists, tuples), in order, repeats included."""
     import torch
 
-    seen: dict[tuple[str, int], int] = {}
+    if isinstance(node, torch.Tensor):
+        yield node
+    elif isinstance(node, dict):
+        for v in node.values():
+            yield from _tensors(v)
+    elif isinstance(node, (list, tuple)):
+        for v in node:
+            yield from _tensors(v)
 
-    def walk(node: Any) -> None:
-        if isinstance(node, torch.Tensor):
-            seen[(str(node.device), node.untyped_storage().data_ptr())] = (
-                node.untyped_storage().nbytes()
-            )
-        elif isinstance(node, dict):
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, (list, tuple)):
-            for v in node:
-                walk(v)
 
-    walk(state)
+def state_bytes(state: Any) -> int:
+    """Bytes of the distinct tensors in ``state`` (tied weights once)."""
+    seen = {
+        (str(t.device), t.untyped_storage().data_ptr()): t.untyped_storage().nbytes()
+        for t in _tensors(state)
+    }
     return sum(seen.values())
 
 
@@ -369,21 +370,9 @@ def _sync(device: Any) -> None:
 
 
 def _unique_tensors(state: Any) -> list[Any]:
-    import torch
-
     out: dict[tuple[str, int, int], Any] = {}
-
-    def walk(node: Any) -> None:
-        if isinstance(node, torch.Tensor):
-            out.setdefault((str(node.device), node.data_ptr(), node.numel()), node)
-        elif isinstance(node, dict):
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, (list, tuple)):
-            for v in node:
-                walk(v)
-
-    walk(state)
+    for t in _tensors(state):
+        out.setdefault((str(t.device), t.data_ptr(), t.numel()), t)
     return list(out.values())
 
 
