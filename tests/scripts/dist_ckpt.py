@@ -36,6 +36,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -239,52 +240,56 @@ def scenario_main(url: str, work: Path, ev: Events) -> None:
     # DCP loads resharded onto another placement (Shard(1) instead of Shard(0)).
     for step in (3, 2):
         before = sorted(str(p) for p in work.rglob("*.distcp"))
-        reader = CloudStorageReader(mgr, step=step)
-        target = {
-            "model": {
-                "w": distribute_tensor(torch.zeros(8, 6), mesh, [Shard(1)]),
-                "b": distribute_tensor(torch.zeros(5), mesh, [Replicate()]),
-            },
-            "extra": {"step": -1, "name": ""},
-        }
-        dcp.load(target, storage_reader=reader)
+        reader, target = _dcp_load(mgr, mesh, step, Shard(1))
         ev(
             "dcp-loaded",
-            step=reader.step,
-            w=digest(target["model"]["w"].full_tensor()),
-            b=digest(target["model"]["b"].full_tensor()),
-            extra=target["extra"],
-            streamed=reader.read_stats.bytes_from_store,
+            **_loaded(reader, target),
             files_written=sorted(set(map(str, work.rglob("*.distcp"))) - set(before)),
         )
     mgr.close()
 
 
+def _dcp_load(mgr: Any, mesh: Any, step: int, w_placement: Any) -> tuple[Any, dict]:
+    """DCP-load ``step`` through a CloudStorageReader into zeros placed as asked (``w``
+    by ``w_placement``, ``b`` replicated); the reader and the loaded state."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    reader = CloudStorageReader(mgr, step=step)
+    target = {
+        "model": {
+            "w": distribute_tensor(torch.zeros(8, 6), mesh, [w_placement]),
+            "b": distribute_tensor(torch.zeros(5), mesh, [Replicate()]),
+        },
+        "extra": {"step": -1, "name": ""},
+    }
+    dcp.load(target, storage_reader=reader)
+    return reader, target
+
+
+def _loaded(reader: Any, target: dict) -> dict[str, Any]:
+    """What a dcp-loaded event reports of every load."""
+    return {
+        "step": reader.step,
+        "w": digest(target["model"]["w"].full_tensor()),
+        "b": digest(target["model"]["b"].full_tensor()),
+        "extra": target["extra"],
+        "streamed": reader.read_stats.bytes_from_store,
+    }
+
+
 def scenario_load3(url: str, work: Path, ev: Events) -> None:
     """Checkpoints saved by 2 ranks, loaded by 3 (resharded)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Shard
 
     mesh = init_device_mesh("cpu", (WORLD,))
     mgr = manager(url, work, "three", timeout=30)
     for step in (2, 3):
-        reader = CloudStorageReader(mgr, step=step)
-        target = {
-            "model": {
-                "w": distribute_tensor(torch.zeros(8, 6), mesh, [Shard(0)]),
-                "b": distribute_tensor(torch.zeros(5), mesh, [Replicate()]),
-            },
-            "extra": {"step": -1, "name": ""},
-        }
-        dcp.load(target, storage_reader=reader)
+        reader, target = _dcp_load(mgr, mesh, step, Shard(0))
         ev(
             "dcp-loaded",
-            step=reader.step,
-            w=digest(target["model"]["w"].full_tensor()),
-            b=digest(target["model"]["b"].full_tensor()),
+            **_loaded(reader, target),
             local_rows=target["model"]["w"].to_local().shape[0],
-            extra=target["extra"],
-            streamed=reader.read_stats.bytes_from_store,
         )
     mgr.close()
 
