@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--source", choices=("files", "state"), default="files")
     args = p.parse_args(argv)
 
+    from benchmarks.harness import S3Target, _write_files
     from benchmarks.peers import Peers
-    from benchmarks.run import S3Target, _write_files
     from cloudckpt import CheckpointManager
     from cloudckpt.transfer import TransferConfig
 

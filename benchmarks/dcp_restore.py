@@ -159,7 +159,7 @@ def _launch(cfg: dict[str, Any], phase: str, nproc: int, timeout: float) -> None
 
 def dcp_groups(bench: Any, s3: Any, signing: str) -> None:
     """Save once with 2 ranks, then load at 2 ranks and at 3 (2 -> 3) through both readers."""
-    from benchmarks.run import Comparison, Contender, Group
+    from benchmarks.harness import Comparison, Contender, Group
 
     mib = bench.args.dcp_mib
     work = bench.work / "dcp"

@@ -25,8 +25,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from benchmarks.peers import Peers, _env_creds
-from benchmarks.run import (
+from benchmarks.harness import (
     REGION,
     Comparison,
     Contender,
@@ -37,6 +36,7 @@ from benchmarks.run import (
     _limit,
     _rm,
 )
+from benchmarks.peers import Peers, _env_creds
 
 REPORT_METRICS = ("listing_s", "transfer_s", "verify_s", "load_s")
 
@@ -402,3 +402,93 @@ def _fresh_process(url: str, options: dict[str, Any], staging: Path, out: Path) 
     out.unlink()
     result["s"] = time.time() - started
     return result
+
+
+def dir_resume_group(bench: Any, s3: S3Target, signing: str) -> None:
+    """A directory restore on the same host (the verified local copy: each file reflinked
+    where the filesystem can, else copied; or hard-linked with ``link_local=True``) against
+    a new host (every byte from the store). Each round opens a manager, restores, closes."""
+    from cloudckpt import CheckpointManager
+
+    nbytes = bench.args.state_mib * 1024 * 1024
+    nfiles = max(1, bench.args.files)
+    disk = bench.work / "dir-resume"
+    disk.mkdir()
+    url = s3.url("dir-resume-ck/")
+    options = s3.storage_options(signing)
+    staging = disk / "same-host"
+    writer = CheckpointManager(url, storage_options=options, staging_dir=staging)
+    with writer.save(step=1) as d:
+        for i in range(nfiles):
+            (d / f"shard-{i}.bin").write_bytes(os.urandom(nbytes // nfiles))
+    writer.close()  # its staging directory keeps the committed copy
+
+    def restore(staging_dir: Path, out: Path, link_local: bool, local: bool) -> dict[str, float]:
+        mgr = CheckpointManager(url, storage_options=options, staging_dir=staging_dir)
+        try:
+            res = mgr.restore(out, link_local=link_local)
+        finally:
+            mgr.close()
+        if local != (res.bytes_downloaded == 0):
+            raise AssertionError(f"{res.bytes_downloaded} bytes downloaded")
+        return {"bytes_downloaded": float(res.bytes_downloaded)}
+
+    def tidy(r: int) -> None:
+        for p in disk.glob(f"*-{r}"):
+            _rm(p)
+
+    contenders = [
+        Contender(
+            "restore same host (copy)",
+            lambda r: restore(staging, disk / f"copy-{r}", False, True),
+            tidy,
+            cloudckpt=True,
+            note="mgr.restore on the host that saved: each verified file of the local copy "
+            "reflinked where the filesystem can, else copied (copy_file_range); nothing "
+            "downloaded; restored files independent of the copy",
+        ),
+        Contender(
+            "restore same host (link_local)",
+            lambda r: restore(staging, disk / f"link-{r}", True, True),
+            tidy,
+            cloudckpt=True,
+            note="the same with link_local=True: hard links to the kept copy (an in-place "
+            "edit of a restored file edits the copy)",
+        ),
+        Contender(
+            "restore new host",
+            lambda r: restore(disk / f"new-staging-{r}", disk / f"new-{r}", False, False),
+            tidy,
+            cloudckpt=True,
+            note="mgr.restore with an empty staging directory: every byte from the store",
+        ),
+    ]
+    group = Group(
+        name="dir-resume",
+        title=f"restart into a directory: {nbytes / GiB:.2f} GiB in {nfiles} files, same host "
+        f"(local copy) vs new host (S3 endpoint: {s3.kind}, {signing} payload)",
+        nbytes=nbytes,
+        contenders=contenders,
+        comparisons=[
+            Comparison(
+                "s",
+                "restore new host",
+                None,
+                cloudckpt="restore same host (copy)",
+                label="same-host directory restore (copy)",
+            ),
+            Comparison(
+                "s",
+                "restore new host",
+                None,
+                cloudckpt="restore same host (link_local)",
+                label="same-host directory restore (link_local)",
+            ),
+        ],
+        servers={"server": s3.pid},
+        info={"signing": signing, "endpoint": s3.kind},
+    )
+    try:
+        bench.run(group)
+    finally:
+        _rm(disk)

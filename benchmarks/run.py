@@ -33,6 +33,10 @@ Groups (targets on a 2-core machine, from issue 7):
   by the benchmark, to compare like with like.
 - ``gcs-upload`` / ``gcs-restore``: the same against fake-gcs-server, gcsfs as the peer.
 - ``moto-upload`` / ``moto-restore``: the S3 groups against moto (smaller), a realism check.
+- ``dlio``: MLPerf Storage's checkpointing workload (DLIO's, llama3-8b at ZeRO-3 over 8
+  ranks, scaled by ``--dlio-hidden``): ``dlio-save`` and ``dlio-restore`` (with the time to
+  the first step) against DLIO's own writers and DCP + s3torchconnector
+  (``benchmarks/dlio_checkpoint.py``; not run by default: ``--groups dlio``).
 
 S3 throughput groups use ``benchmarks/s3_endpoint.py`` (an in-memory endpoint cheap enough
 per byte to measure clients) unless ``--s3-url`` names a real bucket. Every S3 client gets
@@ -46,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import datetime as dt
 import gc
 import json
@@ -60,22 +63,33 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import (
+    REGION,
+    Comparison,
+    Contender,
+    GCSTarget,
+    GiB,
+    Group,
+    MiB,
+    S3Target,
+    _dcp_endpoint,
+    _limit,
+    _rm,
+    _write_files,
+)
 from benchmarks.limits import Limits
 from benchmarks.peers import Peers, _env_creds, find_s5cmd
+
+SCHEMA = "cloudckpt.bench/1"
 
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
-MiB = 1 << 20
-GiB = 1 << 30
-SCHEMA = "cloudckpt.bench/1"
-TEST_KEY, TEST_SECRET, REGION = "bench", "bench-secret", "us-east-1"
 
 log = logging.getLogger("cloudckpt.bench")
 
@@ -163,63 +177,6 @@ def _quiesce(pids: list[int | None] = ()) -> None:
 
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
-
-
-def _write_files(root: Path, total: int, count: int, seed: int = 0) -> list[Path]:
-    """``count`` files of random bytes totalling ``total`` bytes (incompressible)."""
-    root.mkdir(parents=True, exist_ok=True)
-    each = total // count
-    paths = []
-    block = os.urandom(min(each, 64 * MiB) or 1)
-    for i in range(count):
-        path = root / f"shard-{i:02d}.bin"
-        with open(path, "wb") as f:
-            left = each
-            f.write(i.to_bytes(8, "big") + seed.to_bytes(8, "big"))  # files differ
-            left -= 16
-            while left > 0:
-                n = min(left, len(block))
-                f.write(block[:n])
-                left -= n
-        paths.append(path)
-    return paths
-
-
-def _rm(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@dataclasses.dataclass
-class Contender:
-    """One side of a comparison. ``run(round)`` does the measured work and returns its
-    metrics in seconds (at least ``"s"``, the wall time the harness also takes itself when
-    the contender does not report it); ``after(round)`` tidies up, unmeasured."""
-
-    name: str
-    run: Callable[[int], dict[str, float] | None]
-    after: Callable[[int], None] | None = None
-    cloudckpt: bool = False
-    note: str = ""
-
-
-@dataclasses.dataclass
-class Comparison:
-    metric: str  # the metric compared ("s", "stall", "commit")
-    baseline: str  # contender name
-    target: float | None  # baseline / cloudckpt must be >= target
-    cloudckpt: str = "cloudckpt"
-    label: str = ""
-
-
-@dataclasses.dataclass
-class Group:
-    name: str
-    title: str
-    nbytes: int
-    contenders: list[Contender]
-    comparisons: list[Comparison]
-    servers: dict[str, int | None] = dataclasses.field(default_factory=dict)
-    info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _run_group(group: Group, pairs: int, warmup: int, profile_dir: Path | None) -> dict[str, Any]:
@@ -384,162 +341,6 @@ def _top_frames(collapsed: Path, n: int = 30) -> str:
 
 
 # ----------------------------------------------------------------------------- stores
-
-
-class S3Target:
-    """Where the S3 groups write: the benchmark endpoint, moto, or a real bucket."""
-
-    def __init__(self, kind: str, url: str | None = None) -> None:
-        self.kind = kind  # "bench", "moto" or "real"
-        self.server: Any = None
-        self.pid: int | None = None
-        if kind == "bench":
-            from benchmarks.s3_endpoint import S3Endpoint
-
-            self.server = S3Endpoint(buckets=("bench",)).start()
-            self.pid = self.server.pid
-            self.endpoint_url: str | None = self.server.endpoint_url
-            self.bucket, self.root = "bench", f"run-{uuid.uuid4().hex[:8]}/"
-            self.creds: dict[str, Any] = {"key": TEST_KEY, "secret": TEST_SECRET}
-        elif kind == "moto":
-            from cloudckpt.testing.moto_server import MotoServer
-
-            self.server = MotoServer().start()
-            self.server.create_bucket("bench")
-            self.pid = self.server._proc.pid if self.server._proc else None
-            self.endpoint_url = self.server.endpoint_url
-            self.bucket, self.root = "bench", f"run-{uuid.uuid4().hex[:8]}/"
-            self.creds = {"key": TEST_KEY, "secret": TEST_SECRET}
-        else:
-            assert url and url.startswith("s3://")
-            bucket, _, prefix = url[5:].partition("/")
-            self.bucket = bucket
-            self.root = (prefix.strip("/") + "/" if prefix.strip("/") else "") + (
-                f"cloudckpt-bench-{uuid.uuid4().hex[:8]}/"
-            )
-            self.endpoint_url = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
-                "AWS_ENDPOINT_URL"
-            )
-            self.creds = {}
-        self._admin: Any = None
-
-    def config(self, signing: str) -> dict[str, Any]:
-        return {"s3": {"payload_signing_enabled": signing == "signed"}}
-
-    def storage_options(self, signing: str) -> dict[str, Any]:
-        opts: dict[str, Any] = dict(self.creds)
-        if self.endpoint_url:
-            opts["endpoint_url"] = self.endpoint_url
-        if self.kind != "real":
-            opts["client_kwargs"] = {"region_name": REGION}
-        opts["config_kwargs"] = self.config(signing)
-        return opts
-
-    def url(self, sub: str) -> str:
-        return f"s3://{self.bucket}/{self.root}{sub}"
-
-    def boto3_client(self, signing: str) -> Any:
-        import boto3
-        from botocore.config import Config
-
-        kwargs: dict[str, Any] = {"config": Config(**self.config(signing))}
-        if self.endpoint_url:
-            kwargs["endpoint_url"] = self.endpoint_url
-        if self.kind != "real":
-            kwargs.update(
-                aws_access_key_id=TEST_KEY, aws_secret_access_key=TEST_SECRET, region_name=REGION
-            )
-        return boto3.client("s3", **kwargs)
-
-    def s3fs(self, signing: str) -> Any:
-        import s3fs
-
-        kwargs: dict[str, Any] = dict(self.creds)
-        if self.endpoint_url:
-            kwargs["endpoint_url"] = self.endpoint_url
-        if self.kind != "real":
-            kwargs["client_kwargs"] = {"region_name": REGION}
-        return s3fs.S3FileSystem(
-            config_kwargs=self.config(signing), skip_instance_cache=True, **kwargs
-        )
-
-    def drop(self, sub: str) -> None:
-        """Delete everything under ``root + sub`` (unmeasured)."""
-        prefix = self.root + sub
-        if self.kind == "bench":
-            self.server.reset(f"{self.bucket}/{prefix}")
-            return
-        if self._admin is None:
-            self._admin = self.boto3_client("unsigned")
-        paginator = self._admin.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
-            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-            if keys:
-                self._admin.delete_objects(Bucket=self.bucket, Delete={"Objects": keys})
-        for page in self._admin.get_paginator("list_multipart_uploads").paginate(
-            Bucket=self.bucket, Prefix=prefix
-        ):
-            for u in page.get("Uploads", []):
-                with contextlib.suppress(Exception):
-                    self._admin.abort_multipart_upload(
-                        Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"]
-                    )
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.drop("")
-        if self.server is not None:
-            self.server.stop()
-
-
-class GCSTarget:
-    """fake-gcs-server, or a real bucket (``--gcs-url``)."""
-
-    def __init__(self, url: str | None = None) -> None:
-        self.server: Any = None
-        self.pid: int | None = None
-        if url is None:
-            from cloudckpt.testing.gcs_server import FakeGCSServer
-
-            self.server = FakeGCSServer()
-            self.server.start()
-            self.server.create_bucket("bench")
-            self.pid = self.server._proc.pid if self.server._proc else None
-            self.options: dict[str, Any] = self.server.storage_options()
-            self.bucket, self.root = "bench", f"run-{uuid.uuid4().hex[:8]}/"
-        else:
-            bucket, _, prefix = url[5:].partition("/")
-            self.bucket = bucket
-            self.root = (prefix.strip("/") + "/" if prefix.strip("/") else "") + (
-                f"cloudckpt-bench-{uuid.uuid4().hex[:8]}/"
-            )
-            self.options = {}
-        self._fs: Any = None
-
-    def url(self, sub: str) -> str:
-        return f"gs://{self.bucket}/{self.root}{sub}"
-
-    def gcsfs(self) -> Any:
-        import gcsfs
-
-        return gcsfs.GCSFileSystem(skip_instance_cache=True, **self.options)
-
-    def drop(self, sub: str) -> None:
-        if self._fs is None:
-            self._fs = self.gcsfs()
-        path = f"{self.bucket}/{self.root}{sub}"
-        with contextlib.suppress(FileNotFoundError):
-            self._fs.rm(path, recursive=True)
-        self._fs.invalidate_cache()
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.drop("")
-        if self.server is not None:
-            self.server.stop()
-
-
-# ----------------------------------------------------------------------------- groups
 
 
 class Bench:
@@ -1009,32 +810,15 @@ class Bench:
             gcs.drop("down-")
 
 
-def _limit(s3: S3Target, name: str) -> dict[str, str]:
-    """The limit a group's figures are set against: the loopback HTTP ceiling, for the
-    benchmark endpoint only (moto and real buckets have ceilings of their own)."""
-    return {"limit": name} if s3.kind == "bench" else {}
-
-
-def _dcp_endpoint(fs: Any, s3: S3Target, signing: str) -> None:
-    """s3torchconnector's S3StorageWriter/Reader take no endpoint: their S3FileSystem builds
-    its S3Client with ``endpoint=None`` (AWS only). Give it one for this endpoint."""
-    from s3torchconnector._s3client import S3Client
-
-    if s3.endpoint_url:
-        fs._client = S3Client(
-            REGION, endpoint=s3.endpoint_url, s3client_config=Peers(s3, signing).config()
-        )
-
-
 def _restore_contenders(mgr: Any, dest: Path) -> list[Contender]:
     """cloudckpt's restore as shipped, and with fsync switched off (as the peers run)."""
-    import cloudckpt.transfer as transfer
+    import cloudckpt.download as download
 
     def restore(r: int) -> None:
         mgr.restore(dest / f"ck-{r}")
 
     def restore_without_fsync(r: int) -> None:
-        with _no_fsync(transfer):
+        with _no_fsync(download):
             mgr.restore(dest / f"cknf-{r}")
 
     return [
@@ -1064,14 +848,14 @@ def _without_fsync(peer: str, target: float = 2.0) -> Comparison:
 
 
 @contextlib.contextmanager
-def _no_fsync(transfer: Any) -> Iterator[None]:
+def _no_fsync(download: Any) -> Iterator[None]:
     """Benchmark-only: restore without fsyncing the files, as boto3/s3fs/gcsfs do."""
-    saved = transfer._fsync_path
-    transfer._fsync_path = lambda path: None
+    saved = download._fsync_path
+    download._fsync_path = lambda path: None
     try:
         yield
     finally:
-        transfer._fsync_path = saved
+        download._fsync_path = saved
 
 
 # ----------------------------------------------------------------------------- output
@@ -1206,7 +990,8 @@ def _machine() -> dict[str, Any]:
 # ----------------------------------------------------------------------------- main
 
 
-GROUPS = ("limits", "torch", "dcp", "s3", "gcs", "moto")
+GROUPS = ("limits", "torch", "resume", "dcp", "s3", "gcs", "moto", "dlio")
+DEFAULT_GROUPS = GROUPS[:-1]  # dlio: on request (its own ~15 minutes)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -1222,12 +1007,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--moto-mib", type=int, default=256, help="checkpoint size against moto")
     p.add_argument("--dcp-mib", type=int, default=512, help="state loaded by the dcp group")
     p.add_argument(
+        "--dlio-hidden",
+        type=int,
+        default=352,
+        help="'dlio': llama3-8b's widths scaled to this hidden size (4096: the full model)",
+    )
+    p.add_argument("--dlio-layers", type=int, default=32, help="'dlio': transformer layers")
+    p.add_argument("--dlio-ranks", type=int, default=8, help="'dlio': data-parallel ranks")
+    p.add_argument(
         "--signing",
         default="unsigned,signed",
         help="S3 payload signing settings to run: unsigned, signed or both (comma list); "
         "the torch group and restores use the first",
     )
-    p.add_argument("--groups", default=",".join(GROUPS), help=f"comma list of {', '.join(GROUPS)}")
+    p.add_argument(
+        "--groups", default=",".join(DEFAULT_GROUPS), help=f"comma list of {', '.join(GROUPS)}"
+    )
     p.add_argument("--s3-url", help="run the S3 groups against this bucket/prefix instead")
     p.add_argument("--gcs-url", help="run the GCS groups against this bucket/prefix instead")
     p.add_argument("--workdir", help="local directory for files and staging (default: tmp)")
@@ -1266,9 +1061,41 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.warmup = 0
         args.mib = args.state_mib = args.gcs_mib = args.moto_mib = args.limits_mib = 24
         args.dcp_mib = 24
+        args.dlio_hidden, args.dlio_layers, args.dlio_ranks = 64, 2, 2
         args.files = 2
         args.tensors = 2
     return args
+
+
+def _s3_groups(
+    bench: Bench, s3: S3Target, signings: list[str], groups: list[str], args: argparse.Namespace
+) -> None:
+    """The groups that write to the S3 endpoint, in order."""
+    if "torch" in groups:
+        from benchmarks import resume
+
+        bench.torch_group(s3, signings[0])
+        resume.torch_restore_group(bench, s3, signings[0])
+        resume.torch_resume_group(bench, s3, signings[0])
+    if "torch" in groups or "resume" in groups:  # "resume": the restarts alone
+        from benchmarks import resume
+
+        if "torch" not in groups:
+            resume.torch_resume_group(bench, s3, signings[0])
+        resume.dir_resume_group(bench, s3, signings[0])
+    if "dcp" in groups:
+        from benchmarks import dcp_restore
+
+        dcp_restore.dcp_groups(bench, s3, signings[0])
+    if "dlio" in groups:
+        from benchmarks import dlio_checkpoint as dlio
+
+        workload = dlio.Workload.scaled(args.dlio_hidden, args.dlio_layers, args.dlio_ranks)
+        dlio.dlio_groups(bench, s3, signings[0], workload)
+    if "s3" in groups:
+        for signing in signings:
+            bench.s3_upload_group(s3, signing, args.mib, "s3-upload")
+        bench.s3_restore_group(s3, signings[0], args.mib, "s3-restore")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1280,6 +1107,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(groups) - set(GROUPS)
     if unknown:
         raise SystemExit(f"unknown groups: {', '.join(sorted(unknown))}")
+    if "dlio" in groups:
+        from benchmarks.dlio_checkpoint import Workload
+
+        try:
+            Workload.scaled(args.dlio_hidden, args.dlio_layers, args.dlio_ranks)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
     signings = [s.strip() for s in args.signing.split(",") if s.strip()]
     if not signings or set(signings) - {"signed", "unsigned"}:
         raise SystemExit("--signing takes unsigned, signed or both")
@@ -1296,23 +1130,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if "limits" in groups:
             bench.limits_group(args.limits_mib)
-        if "torch" in groups or "s3" in groups or "dcp" in groups:
+        if {"torch", "resume", "s3", "dcp", "dlio"} & set(groups):
             s3 = S3Target("real", args.s3_url) if args.s3_url else S3Target("bench")
             try:
-                if "torch" in groups:
-                    from benchmarks import resume
-
-                    bench.torch_group(s3, signings[0])
-                    resume.torch_restore_group(bench, s3, signings[0])
-                    resume.torch_resume_group(bench, s3, signings[0])
-                if "dcp" in groups:
-                    from benchmarks import dcp_restore
-
-                    dcp_restore.dcp_groups(bench, s3, signings[0])
-                if "s3" in groups:
-                    for signing in signings:
-                        bench.s3_upload_group(s3, signing, args.mib, "s3-upload")
-                    bench.s3_restore_group(s3, signings[0], args.mib, "s3-restore")
+                _s3_groups(bench, s3, signings, groups, args)
             finally:
                 s3.close()
         if "gcs" in groups:
@@ -1377,6 +1198,9 @@ def _write_json(
             "peers": args.peers,
             "limits_mib": args.limits_mib,
             "dcp_mib": args.dcp_mib,
+            "dlio_hidden": args.dlio_hidden,
+            "dlio_layers": args.dlio_layers,
+            "dlio_ranks": args.dlio_ranks,
         },
         "machine": _machine(),
         "idle_wait": {

@@ -36,12 +36,15 @@ from cloudckpt.errors import (
     StoreConflictError,
     StoreError,
     TransientStoreError,
+    UnknownFormatError,
     UnsafePathError,
     UnsupportedBackendError,
 )
-from cloudckpt.manager import CheckpointInfo, CheckpointManager, SaveHandle
+from cloudckpt.manager import CheckpointManager
 from cloudckpt.reader import SkippedCheckpoint
 from cloudckpt.restore import RestoreResult
+from cloudckpt.runview import CheckpointInfo
+from cloudckpt.savequeue import SaveHandle
 from cloudckpt.stores import open_store
 from cloudckpt.transfer import TransferConfig
 
@@ -78,6 +81,7 @@ __all__ = [
     "StoreError",
     "TransferConfig",
     "TransientStoreError",
+    "UnknownFormatError",
     "UnsafePathError",
     "UnsupportedBackendError",
     "__version__",

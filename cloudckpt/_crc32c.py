@@ -77,12 +77,19 @@ _release_buffer.restype = None
 def value(data: bytes | bytearray | memoryview) -> int:
     """The CRC32C of ``data`` (any C-contiguous buffer). Raises BufferError for a
     non-contiguous one."""
+    return extend(0, data)
+
+
+def extend(crc: int, data: bytes | bytearray | memoryview) -> int:
+    """The CRC32C of the bytes ``crc`` covers followed by ``data`` (to compute one CRC
+    block by block, in the same pass as another hash). Raises BufferError for a
+    non-contiguous buffer."""
     if _extend is None:
-        return int(google_crc32c.value(data if type(data) is bytes else bytes(data)))
+        return int(google_crc32c.extend(crc, data if type(data) is bytes else bytes(data)))
     view = _PyBuffer()
     if _get_buffer(data, ctypes.byref(view), _PyBUF_SIMPLE) != 0:  # pragma: no cover
         raise BufferError("cannot take the buffer of a non-contiguous object")
     try:
-        return int(_extend(0, view.buf, view.len))
+        return int(_extend(crc, view.buf, view.len))
     finally:
         _release_buffer(ctypes.byref(view))

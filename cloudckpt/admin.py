@@ -15,12 +15,16 @@ from collections.abc import Container
 
 from cloudckpt import protocol
 from cloudckpt.committer import edit_latest, read_latest
-from cloudckpt.errors import ActiveWriterError, CheckpointNotFoundError, NeedsRepairError
+from cloudckpt.errors import (
+    ActiveWriterError,
+    NeedsRepairError,
+    step_not_retained,
+)
 from cloudckpt.protocol import CorruptRecordError, Latest
 from cloudckpt.stores import Store
 
 
-def _record_of_step(latest: Latest, step: int) -> protocol.CheckpointRecord:
+def _record_of_step(url: str, latest: Latest, step: int) -> protocol.CheckpointRecord:
     """The newest retained checkpoint of ``step``, else one retention dropped that GC has
     not started deleting (pinning brings it back)."""
     for record in latest.retained():
@@ -29,7 +33,7 @@ def _record_of_step(latest: Latest, step: int) -> protocol.CheckpointRecord:
     for t in reversed(latest.tombstones):
         if t.record.step == step and t.state == "pending":
             return t.record
-    raise CheckpointNotFoundError(f"no retained checkpoint of step {step}")
+    raise step_not_retained(url, step, (r.step for r in latest.retained()))
 
 
 def pin(store: Store, step: int, label: str = "pinned") -> Latest | None:
@@ -39,7 +43,7 @@ def pin(store: Store, step: int, label: str = "pinned") -> Latest | None:
     """
 
     def change(latest: Latest, now: dt.datetime) -> Latest | None:
-        record = _record_of_step(latest, step)
+        record = _record_of_step(store.url, latest, step)
         if any(p.commit_id == record.commit_id and p.label == label for p in latest.pins):
             return None  # already pinned: idempotent
         return protocol.pin(latest, record.commit_id, label, now)
@@ -50,7 +54,7 @@ def pin(store: Store, step: int, label: str = "pinned") -> Latest | None:
 def unpin(store: Store, step: int) -> Latest | None:
     """Remove every pin of ``step``. Retention then applies to it at once.
 
-    Raises: CheckpointNotFoundError (no pin of that step), NeedsRepairError.
+    Raises: CheckpointNotFoundError (the run holds no checkpoint of that step), NeedsRepairError.
     """
 
     def change(latest: Latest, now: dt.datetime) -> Latest | None:
@@ -61,7 +65,7 @@ def unpin(store: Store, step: int) -> Latest | None:
                 # Nothing pinned: idempotent. (After a lost answer our own unpin may
                 # already have moved the checkpoint to the tombstones.)
                 return None
-            raise CheckpointNotFoundError(f"no pinned checkpoint of step {step}")
+            raise step_not_retained(store.url, step, (r.step for r in latest.retained()))
         # One transition for all of them: every write of LATEST is exactly seq + 1.
         return protocol.unpin(latest, ids, now)
 
@@ -91,6 +95,12 @@ class WriterStatus:
     @property
     def active(self) -> bool:
         return self.idle_seconds < ACTIVE_WINDOW_S and not self.exited
+
+    @property
+    def may_be_live(self) -> bool:
+        """Whether the writer's process may still be running (and so may try to commit
+        again): anything but a writer known to have exited, whatever its age."""
+        return not self.exited
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "active": self.active}

@@ -5,8 +5,8 @@ One ``AttemptWriter`` serves one writer of a run. Its callers:
 - ``CheckpointManager`` (one host): ``save()`` runs the three steps for each staged save,
   from its background thread;
 - ``DistributedCheckpointManager`` (many ranks, one commit): the coordinator calls
-  ``begin()``, every rank ``upload_files()`` into the prefix it was told, and the
-  coordinator ``finish()`` with every rank's entries;
+  ``begin()``, every rank ``upload_chunks()`` (``upload_files()`` with chunking off) into
+  the prefix it was told, and the coordinator ``finish()`` with every rank's entries;
 - the DCP writer (``cloudckpt.integrations.dcp``): the same split, inside DCP's own calls.
 
 The steps (docs/design.md, "Writing: claim, save, commit"):
@@ -32,6 +32,7 @@ Fencing: the first ``FencedError`` a commit raises is kept (``fenced``); every l
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import logging
@@ -42,22 +43,23 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cloudckpt import chunks, protocol
-from cloudckpt.committer import AttemptAge, Committer, max_attempt_age
+from cloudckpt import attempt_layout, canonical, chunks, digest, manifests
+from cloudckpt.committer import AttemptAge, Committer, check_grace, max_attempt_age
 from cloudckpt.errors import (
     ChunkSourceDroppedError,
     CloudCkptError,
-    ConfigurationError,
     FencedError,
     PreconditionFailedError,
     ResumedChunksTooOldError,
     ReusedChunkMissingError,
     StoreError,
+    UnknownFormatError,
 )
 from cloudckpt.failpoints import hit as failpoint
-from cloudckpt.protocol import FileEntry, Latest, Manifest
+from cloudckpt.manifests import FileEntry, Manifest
+from cloudckpt.protocol import Latest
 from cloudckpt.reader import fetch_manifest
-from cloudckpt.retention import clean_metrics
+from cloudckpt.retention import clean_metrics, unranked
 from cloudckpt.retry import IDEMPOTENT_RETRY, call_with_retries
 from cloudckpt.stores import CREATE, OVERWRITE, Store
 from cloudckpt.transfer import MemoryFile, ProgressCallback, TransferEngine
@@ -89,6 +91,9 @@ class CommitInfo:
     where they already lay instead (chunks of earlier checkpoints, and ``bytes_resumed``
     of them: chunks an interrupted save of the same step had uploaded). ``uploaded +
     reused = total_bytes``. None where unknown (a multi-rank or DCP save).
+    ``warnings``: what failed after the commit landed (the journal's ``committed`` write
+    on a full staging disk, keeping the local copy): the save is committed all the same
+    (invariant I6: a committed save is never reported as failed).
     """
 
     step: int
@@ -105,6 +110,7 @@ class CommitInfo:
     bytes_reused: int | None = None
     bytes_resumed: int | None = None
     metrics: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
 
     @classmethod
     def of(
@@ -147,7 +153,7 @@ Upload = Callable[
 
 
 def with_modes(entries: Sequence[FileEntry], files: Files) -> list[FileEntry]:
-    """``entries`` with the permission bits of their staged files (``protocol.MODE_BITS``
+    """``entries`` with the permission bits of their staged files (``manifests.MODE_BITS``
     at most); entries of in-memory files, or of files gone meanwhile, stay without."""
     sources = dict(files)
     out = []
@@ -156,7 +162,7 @@ def with_modes(entries: Sequence[FileEntry], files: Files) -> list[FileEntry]:
         mode = None
         if isinstance(source, Path):
             try:
-                mode = stat.S_IMODE(os.stat(source).st_mode) & protocol.MODE_BITS
+                mode = stat.S_IMODE(os.stat(source).st_mode) & manifests.MODE_BITS
             except OSError:
                 mode = None  # the upload read it; its mode is a nicety, not the data
         out.append(entry if mode is None else dataclasses.replace(entry, mode=mode))
@@ -199,6 +205,7 @@ class AttemptWriter:
         self._prepare = prepare or self._claim_if_needed
         self._chunk_index: chunks.ChunkIndex | None = None
         self._fenced: FencedError | None = None
+        self._unranked_warned: set[str] = set()  # best metrics warned about (once each)
 
     @property
     def writer_id(self) -> str:
@@ -318,21 +325,15 @@ class AttemptWriter:
         epoch = self.committer.epoch
         assert epoch is not None  # claimed by prepare
         grace = self.committer.settings.gc_grace_s
+        check_grace(grace, self.store)
         max_age = max_attempt_age(grace, self.store.clock_resolution)
-        if max_age <= 0:
-            raise ConfigurationError(
-                f"gc_grace={grace}s is too short for {self.store.url}, whose clock counts "
-                f"whole {self.store.clock_resolution:g} s steps: no save could be committed "
-                "safely",
-                hint="Use a gc_grace of at least a minute (the default is 2 hours)",
-            )
         # Read before ATTEMPT.json is written: never later than the time GC dates it by.
         born = call_with_retries(self.store.now, what="read the store's clock")
-        remote_id = protocol.new_attempt_id(dt.datetime.now(dt.timezone.utc))
-        prefix = protocol.ckpt_prefix(step, epoch, remote_id)
+        remote_id = attempt_layout.new_attempt_id(dt.datetime.now(dt.timezone.utc))
+        prefix = attempt_layout.ckpt_prefix(step, epoch, remote_id)
         self._put_idempotent(
-            prefix + protocol.ATTEMPT_NAME,
-            protocol.attempt_body(
+            prefix + attempt_layout.ATTEMPT_NAME,
+            attempt_layout.attempt_body(
                 ckpt=prefix,
                 step=step,
                 epoch=epoch,
@@ -366,8 +367,27 @@ class AttemptWriter:
             return entries, chunks.UploadStats(bytes_uploaded=sum(e.size for e in entries))
         if index is None:
             index = self.chunk_index(begun)
+        return self.upload_chunks(begun.prefix, files, index)
+
+    def upload_chunks(
+        self,
+        prefix: str,
+        files: Files,
+        index: chunks.ChunkIndex,
+        progress: ProgressCallback | None = None,
+    ) -> tuple[list[FileEntry], chunks.UploadStats]:
+        """Upload ``files`` as chunks (the writer's ``chunking`` mode, not ``"off"``) into
+        the attempt at ``prefix``, naming the chunks ``index`` holds instead of uploading
+        them: ``upload``'s, and a multi-rank save's ranks' (which know only the prefix and
+        the index of the checkpoint the save builds on). ``progress``: default, the
+        writer's own. Returns the entries (with each staged file's mode) and what was sent
+        and reused (``UploadStats.sources``: the checkpoints the commit must still retain).
+
+        Raises: StagingError (a staged file changed), StoreError.
+        """
+        assert self.chunking != "off"
         entries, stats = chunks.upload_chunked(
-            self.engine, self.store, begun.prefix, files, index, self.chunking, self.progress
+            self.engine, self.store, prefix, files, index, self.chunking, progress or self.progress
         )
         return with_modes(entries, files), stats
 
@@ -414,7 +434,7 @@ class AttemptWriter:
             )
             return with_modes(entries, files)
         entries = self.engine.upload_files(
-            self.store, prefix + protocol.FILES_DIR, files, progress or self.progress
+            self.store, prefix + attempt_layout.FILES_DIR, files, progress or self.progress
         )
         return with_modes(entries, files)
 
@@ -442,28 +462,41 @@ class AttemptWriter:
         """
         entries = list(entries)
         prefix = begun.prefix
-        self._check_uploaded(prefix + protocol.FILES_DIR, [e for e in entries if e.chunks is None])
-        chunks.check_uploaded(self.store, prefix, entries)
+        try:
+            plain = [e for e in entries if e.chunks is None]
+            self._check_uploaded(prefix + attempt_layout.FILES_DIR, plain)
+            chunks.check_uploaded(self.store, prefix, entries)
+        except StoreError:
+            # Its own upload missing or short: if the attempt outlived the grace period, GC
+            # may have collected it, and that is what to say (not "a proxy lost bytes").
+            self._raise_if_stale(begun)
+            raise
         now = dt.datetime.now(dt.timezone.utc)
+        # One algorithm per manifest: the files' (a copy keeps its source's digests).
+        algorithms = {e.algorithm for e in entries} or {digest.check(None)}
+        if len(algorithms) != 1:
+            raise ValueError(f"files digested with {sorted(algorithms)} in one checkpoint")
         manifest = Manifest(
             ckpt=prefix,
             step=begun.step,
             epoch=begun.epoch,
             commit_id=begun.commit_id,
             writer_id=self.writer_id,
-            created_at=protocol.iso(now),
+            created_at=canonical.iso(now),
             files=tuple(entries),
             metadata=metadata,
             metrics=clean_metrics(metrics),
+            algorithm=algorithms.pop(),
         )
         body = manifest.to_bytes()
-        self._put_create(prefix + protocol.MANIFEST_NAME, body)
+        self._put_create(prefix + attempt_layout.MANIFEST_NAME, body)
         failpoint("save.after_manifest")
+        age = self._dated_as_gc_dates(begun)
         try:
             with self.commit_lock:
                 latest = self.committer.commit(
                     manifest.record(body, now),
-                    age=begun.age.resuming(resumed),
+                    age=age.resuming(resumed),
                     requires=requires,
                 )
         except FencedError as exc:
@@ -471,7 +504,22 @@ class AttemptWriter:
             raise
         if manifest.chunked:
             self._chunk_index = chunks.ChunkIndex.of(manifest)
+        self._warn_unranked(latest)
         return latest, manifest
+
+    def _warn_unranked(self, latest: Latest) -> None:
+        """Warn, at the first commit that shows it, that keep-best ranks by a metric this
+        save's metrics lack (``retention.unranked``: a mistyped name throws the best
+        checkpoint away). Judged on the settings the commit applied (the run's, when this
+        writer set none), once per metric name."""
+        settings, record = latest.settings, latest.current
+        metric = settings.best_metric
+        if record is None or metric is None or metric in self._unranked_warned:
+            return
+        warning = unranked(settings.retention, latest.retained(), saved=record)
+        if warning is not None:
+            self._unranked_warned.add(metric)
+            log.warning("%s: %s", self.store.url, warning)
 
     # -------------------------------------------------------------------- internals
 
@@ -486,9 +534,29 @@ class AttemptWriter:
                     self._chunk_index = chunks.ChunkIndex.of(
                         fetch_manifest(self.store, latest.current)
                     )
+                except UnknownFormatError:
+                    raise  # a newer version's checkpoint: no save over it
                 except CloudCkptError as exc:
                     log.warning("cannot read the current manifest (%s); uploading in full", exc)
         return self._chunk_index
+
+    def _dated_as_gc_dates(self, begun: BegunAttempt) -> AttemptAge:
+        """``begun``'s age, its birth taken as GC takes it: the oldest ``last_modified``
+        of its objects, listed once every one is written (the manifest last). The birth
+        read before ``ATTEMPT.json`` is never later than that on a clock that only moves
+        forward; a store clock that steps back between that read and a write dates the
+        object earlier, and GC would own the attempt before the commit's bound said so
+        (issue 28 item 4). Raises StoreError (the listing)."""
+        listed = call_with_retries(
+            lambda: list(self.store.list(begun.prefix)), what=f"list {begun.prefix}"
+        )
+        return begun.age.dated(o.last_modified for o in listed)
+
+    def _raise_if_stale(self, begun: BegunAttempt) -> None:
+        """Raise StaleAttemptError if ``begun`` is older than its commit may be (on the
+        store's clock); a clock that cannot be read raises nothing."""
+        with contextlib.suppress(StoreError):
+            begun.age.check(self.store, begun.step)
 
     def _check_uploaded(self, files_prefix: str, entries: list[FileEntry]) -> None:
         """One listing: every file is stored with the size that was sent. A store or proxy

@@ -2,7 +2,8 @@
 
 Layout. A chunk is stored once, under the attempt that uploaded it first::
 
-    ckpt/<attempt>/chunks/<sha256>      the chunk's bytes, written create-only
+    ckpt/<attempt>/chunks/<name>        the chunk's bytes, written create-only; the name
+                                        is its leaf digest, "b3-" first for BLAKE3
 
 A chunked manifest (``cloudckpt.manifest/2``) lists each file as its chunks, each a
 (owner prefix, SHA-256, size) triple; a later checkpoint whose file holds the same bytes
@@ -42,18 +43,18 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import datetime as dt
-import hashlib
 import itertools
 import json
+import logging
 import os
 import struct
 import threading
 import zipfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Literal, cast
+from typing import Literal
 
-from cloudckpt import digest, protocol
+from cloudckpt import attempt_layout, digest, protocol
 from cloudckpt.errors import (
     ChunkSourceDroppedError,
     CorruptionError,
@@ -63,17 +64,21 @@ from cloudckpt.errors import (
     ReusedChunkMissingError,
     StagingError,
     StoreError,
+    UnknownFormatError,
 )
 from cloudckpt.failpoints import hit as failpoint
-from cloudckpt.protocol import ChunkRef, FileEntry, Latest, Manifest
+from cloudckpt.manifests import ChunkRef, FileEntry, Manifest
+from cloudckpt.protocol import Latest
 
 # The listing a reader checks a chunked checkpoint with lives in ``cloudckpt.reader`` (it
 # was defined here first and is still imported from here).
 from cloudckpt.reader import check_chunk_objects as check_chunk_objects
 from cloudckpt.reader import fetch_manifest
 from cloudckpt.retry import call_with_retries
-from cloudckpt.stores import CREATE, ObjectInfo, Store
-from cloudckpt.transfer import MemoryFile, create_sized, read_at
+from cloudckpt.stores import CREATE, ObjectInfo, Store, crc32c_b64
+from cloudckpt.transfer import MemoryFile, read_at
+
+log = logging.getLogger("cloudckpt")
 
 ChunkingMode = Literal["tensor", "fixed", "off"]
 MODES = ("tensor", "fixed", "off")
@@ -182,7 +187,7 @@ class ChunkIndex:
     def __init__(self, known: Iterable[_Known] = ()) -> None:
         self._by_sha: dict[str, _Known] = {}
         for k in known:
-            self._by_sha.setdefault(k.ref.sha256, k)
+            self._by_sha.setdefault(k.ref.name, k)
 
     @classmethod
     def of(cls, manifest: Manifest) -> ChunkIndex:
@@ -195,20 +200,29 @@ class ChunkIndex:
             _Known(c, m.commit_id) for m in manifests for f in m.files for c in f.chunks or ()
         )
 
+    @classmethod
+    def of_files(cls, files: Iterable[FileEntry], source: str) -> ChunkIndex:
+        """The chunks of ``files``, entries of the committed checkpoint ``source`` (commit
+        id): a multi-rank save's rank keeps its own files' chunks after each commit."""
+        return cls(_Known(c, source) for f in files for c in f.chunks or ())
+
     def __len__(self) -> int:
         return len(self._by_sha)
 
-    def without(self, sha256s: Iterable[str]) -> ChunkIndex:
-        """This index less the chunks ``sha256s`` (found missing from the store)."""
-        gone = set(sha256s)
+    def without(self, names: Iterable[str]) -> ChunkIndex:
+        """This index less the chunks ``names`` (``ChunkRef.name``: found missing from the
+        store)."""
+        gone = set(names)
         return ChunkIndex(k for sha, k in self._by_sha.items() if sha not in gone)
 
     def plus(self, known: Iterable[_Known]) -> ChunkIndex:
         """This index and ``known`` (a chunk this index holds keeps its source)."""
         return ChunkIndex([*self._by_sha.values(), *known])
 
-    def get(self, sha256: str, size: int) -> _Known | None:
-        known = self._by_sha.get(sha256)
+    def get(self, name: str, size: int) -> _Known | None:
+        """The chunk named ``name`` (``ChunkRef.name``: the algorithm is part of it, so a
+        chunk is reused only by a save that digests with the same algorithm)."""
+        known = self._by_sha.get(name)
         return known if known is not None and known.ref.size == size else None
 
 
@@ -240,12 +254,12 @@ def interrupted_chunks(
 
     Raises StoreError (the listing failed).
     """
-    where = f"{protocol.CKPT_PREFIX}{step:012d}-"
+    where = f"{attempt_layout.CKPT_PREFIX}{step:012d}-"
     listed = call_with_retries(lambda: list(store.list(where)), what=f"list {where}")
     attempts: dict[str, list[ObjectInfo]] = {}
     for obj in listed:
-        head, _, rest = obj.key[len(protocol.CKPT_PREFIX) :].partition("/")
-        prefix = f"{protocol.CKPT_PREFIX}{head}/"
+        head, _, rest = obj.key[len(attempt_layout.CKPT_PREFIX) :].partition("/")
+        prefix = f"{attempt_layout.CKPT_PREFIX}{head}/"
         if rest and prefix != own_prefix and prefix not in referenced:
             attempts.setdefault(prefix, []).append(obj)
     found: list[_Known] = []
@@ -254,9 +268,11 @@ def interrupted_chunks(
         if born is None or (now - born).total_seconds() > RESUME_WITHIN * max_age_s:
             continue
         for obj in objects:
-            sha = obj.key[len(prefix + protocol.CHUNKS_DIR) :]
-            if obj.key.startswith(prefix + protocol.CHUNKS_DIR) and protocol.is_sha256(sha):
-                found.append(_Known(ChunkRef(prefix, sha, obj.size), "", born))
+            name = obj.key[len(prefix + attempt_layout.CHUNKS_DIR) :]
+            parsed = attempt_layout.parse_chunk_name(name)
+            if obj.key.startswith(prefix + attempt_layout.CHUNKS_DIR) and parsed is not None:
+                algorithm, sha = parsed
+                found.append(_Known(ChunkRef(prefix, sha, obj.size, algorithm), "", born))
     return found
 
 
@@ -264,15 +280,60 @@ def _interrupted_birth(prefix: str, step: int, objects: Sequence[ObjectInfo]) ->
     """When GC dates the attempt at ``prefix`` from (the oldest object's time), or None if
     it cannot be resumed: not an attempt of ``step``, no ``ATTEMPT.json`` (never written,
     or GC is deleting it), or an object without a time."""
-    parsed = protocol.parse_ckpt_prefix(prefix)
+    parsed = attempt_layout.parse_ckpt_prefix(prefix)
     if parsed is None or parsed[0] != step:
         return None
-    if not any(o.key == prefix + protocol.ATTEMPT_NAME for o in objects):
+    if not any(o.key == prefix + attempt_layout.ATTEMPT_NAME for o in objects):
         return None
     times = [o.last_modified for o in objects]
     if any(t is None for t in times):
         return None
     return min(t for t in times if t is not None)
+
+
+def resumed_chunk_ok(engine, store: Store, known: _Known, data: bytes | memoryview) -> bool:
+    """Whether the chunk ``known`` (one an interrupted attempt uploaded, found by a listing:
+    no commit ever checked it) holds ``data``, the bytes its name stands for. Cheaply where
+    the store recorded a checksum of the whole object (S3: the CRC32C each put sent),
+    compared with the CRC32C of ``data``; otherwise it is read back and hashed. A chunk
+    gone meanwhile is not ok. Raises StoreError (the store failed)."""
+    ref = known.ref
+    try:
+        crc = engine.retry(lambda: store.stored_crc32c(ref.key), f"check {ref.key}")
+        if crc is not None:
+            return bool(crc == crc32c_b64(data))
+        stored = engine.retry(lambda: store.get_range(ref.key, 0, ref.size), f"check {ref.key}")
+    except ObjectNotFoundError:
+        return False
+    return len(stored) == ref.size and digest.hexleaf(stored, ref.algorithm) == ref.sha256
+
+
+class _Checked:
+    """Resumed chunks checked by ``resumed_chunk_ok`` in one save (each once)."""
+
+    def __init__(self) -> None:
+        self._ok: dict[str, bool] = {}
+        self._lock = threading.Lock()
+
+    def trusted(self, engine, store: Store, known: _Known, data: bytes | memoryview) -> bool:
+        """Whether the save may name ``known`` for ``data``: any chunk of a committed
+        checkpoint (see docs/design.md §11, "What is reused by name, and why"), a resumed
+        one only once its content checks."""
+        if not known.resumed:
+            return True
+        with self._lock:
+            seen = self._ok.get(known.ref.key)
+        if seen is None:
+            seen = resumed_chunk_ok(engine, store, known, data)
+            if not seen:
+                log.warning(
+                    "%s%s does not hold the bytes its name stands for; uploading them again",
+                    store.url,
+                    known.ref.key,
+                )
+            with self._lock:
+                self._ok[known.ref.key] = seen
+        return seen
 
 
 @dataclasses.dataclass
@@ -323,13 +384,15 @@ class _Uploader:
         self.engine, self.store, self.prefix, self.index = engine, store, prefix, index
         self.progress = progress
         self.stats = UploadStats()
+        self.algorithm = digest.check(None)  # one algorithm for the whole save
         self._lock = threading.Lock()
         self._claimed: set[str] = set()
+        self.checked = _Checked()
 
-    def _put(self, sha: str, data: memoryview) -> None:
-        key = f"{self.prefix}{protocol.CHUNKS_DIR}{sha}"
+    def _put(self, ref: ChunkRef, data: memoryview) -> None:
+        key = ref.key
         try:
-            with digest.known_sha256(data, bytes.fromhex(sha)):
+            with digest.known_leaf(data, bytes.fromhex(ref.sha256), ref.algorithm):
                 self.engine.retry(lambda: self.store.put(key, data, mode=CREATE), f"upload {key}")
         except PreconditionFailedError:
             pass  # content-addressed and create-only: whoever won wrote these bytes
@@ -343,28 +406,34 @@ class _Uploader:
 
     def _span(self, data: memoryview, offset: int, pieces: list[tuple[int, int]]):
         length = len(data)
-        leaf = digest.leaf(data)
+        algorithm = self.algorithm
+        leaf = digest.leaf(data, algorithm)
         refs = []
         for off, n in pieces:
             if n == length:
                 chunk, sha = data, leaf.hex()
             else:
                 chunk = data[off - offset : off - offset + n]
-                sha = hashlib.sha256(chunk).hexdigest()
-            known = self.index.get(sha, n)
+                sha = digest.hexleaf(chunk, algorithm)
+            ref = ChunkRef(self.prefix, sha, n, algorithm)
+            known = self.index.get(ref.name, n)
+            if known is not None and not self.checked.trusted(
+                self.engine, self.store, known, chunk
+            ):
+                known = None  # an interrupted attempt's chunk with other bytes: upload
             with self._lock:
                 if known is not None:
                     self.stats.reuse(known, n)
                     refs.append(known.ref)
                     continue
-                first = sha not in self._claimed
-                self._claimed.add(sha)
+                first = ref.name not in self._claimed
+                self._claimed.add(ref.name)
             if first:
-                self._put(sha, chunk)
+                self._put(ref, chunk)
                 with self._lock:
                     self.stats.chunks_uploaded += 1
                     self.stats.bytes_uploaded += n
-            refs.append(ChunkRef(self.prefix, sha, n))
+            refs.append(ref)
         if self.progress is not None:
             with self._lock:
                 self.progress(length)
@@ -420,7 +489,8 @@ def upload_chunked(
                 raise StagingError(f"staged file {source} changed while it was being uploaded")
             leaves = [leaf for leaf, _ in results]
             refs = tuple(r for _, rs in results for r in rs)
-            entries.append(FileEntry(rel, before[0], digest.root(leaves, before[0]), refs))
+            root = digest.root(leaves, before[0], algorithm=up.algorithm)
+            entries.append(FileEntry(rel, before[0], root, refs, algorithm=up.algorithm))
     except BaseException:
         for _, _, _, futures in jobs:
             for f in futures:
@@ -434,7 +504,7 @@ def _stored_chunk_sizes(store: Store, owner_prefixes: Iterable[str]) -> dict[str
     """Chunk key -> stored size, by one listing of each owner prefix's ``chunks/``."""
     sizes: dict[str, int] = {}
     for owner in sorted(set(owner_prefixes)):
-        sizes.update((o.key, o.size) for o in _listed(store, owner + protocol.CHUNKS_DIR))
+        sizes.update((o.key, o.size) for o in _listed(store, owner + attempt_layout.CHUNKS_DIR))
     return sizes
 
 
@@ -472,135 +542,30 @@ def check_uploaded(store: Store, prefix: str, entries: Sequence[FileEntry]) -> N
         raise ReusedChunkMissingError(
             f"{len(bad)} chunk(s) this save reuses from earlier checkpoints are not in "
             f"{store.url} (first: {bad[0].key})",
-            missing=frozenset(c.sha256 for c in bad),
+            missing=frozenset(c.name for c in bad),
         )
 
 
-# --------------------------------------------------------------------------- restore
+# --------------------------------------------------------------------------- reading
 
 
-def _fetch_chunk(engine, store: Store, ref: ChunkRef, into: memoryview | None = None):
-    """A chunk's bytes (read into ``into``, at least ``ref.size`` long, where the store
-    can), verified against its name (re-read once on a mismatch: a damaged response is not
-    a damaged object). Raises MissingChunkError."""
-    read_into = getattr(store, "get_range_into", None) if into is not None else None
+def fetch_chunk(engine, store: Store, ref: ChunkRef, into: memoryview | None = None):
+    """A chunk's bytes (read into ``into``, at least ``ref.size`` long, or a new buffer),
+    verified against its name (a short answer read again, ``TransferEngine.read_exact``;
+    re-read once on a mismatch: a damaged response is not a damaged object). Raises
+    MissingChunkError."""
+    view = (into if into is not None else memoryview(bytearray(ref.size)))[: ref.size]
     for _ in range(2):
         try:
-            if read_into is not None and into is not None:
-                view = into[: ref.size]
-                got = engine.retry(lambda v=view: read_into(ref.key, 0, v), f"download {ref.key}")
-                data = view[:got]
-            else:
-                data = engine.retry(
-                    lambda: store.get_range(ref.key, 0, ref.size), f"download {ref.key}"
-                )
+            data = view[: engine.read_exact(store, ref.key, 0, view)]
         except ObjectNotFoundError:
             raise MissingChunkError(f"chunk {ref.key} is missing from the store") from None
-        if len(data) == ref.size and hashlib.sha256(data).hexdigest() == ref.sha256:
+        if len(data) == ref.size and digest.hexleaf(data, ref.algorithm) == ref.sha256:
             return data
     raise MissingChunkError(f"chunk {ref.key} does not match its digest")
 
 
-class _Buffers:
-    """Leaf-sized download buffers reused within one restore (fresh memory costs a page
-    fault per 4 KiB on first touch)."""
-
-    def __init__(self) -> None:
-        self._free: list[bytearray] = []
-        self._lock = threading.Lock()
-
-    def take(self) -> bytearray:
-        with self._lock:
-            return self._free.pop() if self._free else bytearray(LEAF)
-
-    def give(self, buf: bytearray) -> None:
-        with self._lock:
-            self._free.append(buf)
-
-
-class _Target:
-    """One chunked file being downloaded: its leaf digests as leaves land; the worker that
-    adds the last one checks the file's digest and fsyncs it."""
-
-    def __init__(self, entry: FileEntry, target: Path) -> None:
-        self.entry, self.target = entry, target
-        self.leaves: list[bytes | None] = [None] * -(-entry.size // LEAF)
-        self.missing = len(self.leaves)
-        self.lock = threading.Lock()
-
-    def add(self, index: int, leaf: bytes) -> bool:
-        """Record leaf ``index``; True for the call that completes the file."""
-        with self.lock:
-            self.leaves[index] = leaf
-            self.missing -= 1
-            return self.missing == 0
-
-    def finish(self) -> None:
-        """Raises CorruptionError if the chunks, in the manifest's order, are not the file
-        the recorded digest names (valid chunks listed in the wrong order, say)."""
-        leaves = cast("list[bytes]", self.leaves)  # finish() runs once add() filled every slot
-        if digest.root(leaves, self.entry.size) != self.entry.digest:
-            raise CorruptionError(
-                f"{self.entry.path} does not match its digest: its chunks are intact but do "
-                "not make up the file the manifest records"
-            )
-        fd = os.open(self.target, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _fetch_leaf(engine, store, pieces: Sequence[ChunkRef], buf: bytearray):
-    """The bytes of one leaf made of ``pieces`` (each chunk verified against its SHA-256)
-    and the leaf's digest. A leaf of one chunk has the chunk's SHA-256 as its digest: no
-    extra hashing. A leaf cut into several chunks (tensor boundaries) is assembled in
-    ``buf`` and hashed once more as a whole. Raises MissingChunkError."""
-    view = memoryview(buf)
-    if len(pieces) == 1:
-        return _fetch_chunk(engine, store, pieces[0], view), bytes.fromhex(pieces[0].sha256)
-    filled = 0
-    for ref in pieces:
-        data = _fetch_chunk(engine, store, ref, view[filled:])
-        if not (isinstance(data, memoryview) and data.obj is buf):
-            view[filled : filled + ref.size] = data  # the store cannot read in place
-        filled += ref.size
-    return view[:filled], digest.leaf(view[:filled])
-
-
-def _download_leaf(
-    engine,
-    store,
-    t: _Target,
-    index: int,
-    pieces: Sequence[ChunkRef],
-    progress,
-    buffers: _Buffers,
-) -> None:
-    """Fetch leaf ``index`` of ``t``, write it, record its digest; the call that completes
-    the file checks the file's digest (``_Target.finish``)."""
-    buf = buffers.take()
-    try:
-        data, leaf = _fetch_leaf(engine, store, pieces, buf)
-        failpoint("restore.after_range")
-        view, offset = memoryview(data), index * LEAF
-        fd = os.open(t.target, os.O_WRONLY)
-        try:
-            written = 0
-            while written < len(view):
-                written += os.pwrite(fd, view[written:], offset + written)
-        finally:
-            os.close(fd)
-        size = len(view)
-    finally:
-        buffers.give(buf)
-    if progress is not None:
-        progress(size)
-    if t.add(index, leaf):
-        t.finish()
-
-
-def _leaves(entry: FileEntry) -> list[list[ChunkRef]]:
+def leaf_groups(entry: FileEntry) -> list[list[ChunkRef]]:
     """The chunks of ``entry`` grouped by the digest leaf they lie in (a validated
     manifest's chunks never cross a leaf)."""
     groups: list[list[ChunkRef]] = []
@@ -613,78 +578,25 @@ def _leaves(entry: FileEntry) -> list[list[ChunkRef]]:
     return groups
 
 
-def download(
-    engine,
-    store: Store,
-    files_prefix: str,
-    entries: Sequence[FileEntry],
-    dest: Path,
-    chunk_size: int = LEAF,
-    progress: Callable[[int], None] | None = None,
-) -> None:
-    """Download ``entries`` (validated manifest entries) into ``dest``, as
-    ``TransferEngine.download_files`` does: plain files through the engine, chunked ones
-    leaf by leaf in parallel, each chunk verified against its SHA-256 and each file against
-    its recorded digest (from the leaf digests, see ``_download_leaf``).
-    Raises CorruptionError (MissingChunkError for a chunk) or StoreError."""
-    plain = [f for f in entries if f.chunks is None]
-    chunked = [f for f in entries if f.chunks is not None]
-    if progress is not None:
-        callback, lock = progress, threading.Lock()
-
-        def progress(n: int) -> None:
-            with lock:
-                callback(n)
-
-    tasks = []
-    buffers = _Buffers()
-    try:
-        for entry in chunked:
-            target = create_sized(dest, entry.path, entry.size)
-            t = _Target(entry, target)
-            if entry.size == 0:
-                t.finish()  # no leaves: check the digest of nothing now
-                continue
-            for index, pieces in enumerate(_leaves(entry)):
-                tasks.append(
-                    engine.submit(
-                        _download_leaf, engine, store, t, index, pieces, progress, buffers
-                    )
-                )
-        if plain:
-            engine.download_files(store, files_prefix, plain, dest, chunk_size, progress)
-    except BaseException as exc:
-        # As TransferEngine.wait_all: after an interrupt, do not wait for running chunks.
-        for f in tasks:
-            f.cancel()
-        if isinstance(exc, Exception):
-            cf.wait(tasks)
-        raise
-    engine.wait_all(tasks)
-
-
 def read_and_check(engine, store: Store, entry: FileEntry) -> list[str]:
     """verify --read-data: read every chunk of ``entry`` in turn (one in memory at a time),
     check each chunk's digest and the file's digest tree. Returns the problems found."""
-    leaves: list[bytes] = []
-    leaf = hashlib.sha256()
-    filled = 0
+    leaves = digest.LeafDigests(entry.size, entry.digest, LEAF, entry.algorithm)
+    leaf = digest.hasher(entry.algorithm)
+    filled = count = 0
     for ref in entry.chunks or ():
         try:
-            data = _fetch_chunk(engine, store, ref)
+            data = fetch_chunk(engine, store, ref)
         except CorruptionError as exc:
             return [f"{entry.path}: {exc.message}"]
         leaf.update(data)  # chunks never cross a leaf: a leaf ends on a chunk boundary
         filled += len(data)
         if filled == LEAF:
-            leaves.append(leaf.digest())
-            leaf, filled = hashlib.sha256(), 0
+            leaves.add(count, [leaf.digest()])
+            leaf, filled, count = digest.hasher(entry.algorithm), 0, count + 1
     if filled:
-        leaves.append(leaf.digest())
-    try:
-        ok = digest.root(leaves, entry.size) == entry.digest
-    except ValueError:
-        ok = False
+        leaves.add(count, [leaf.digest()])
+    ok = leaves.root_ok()
     return [] if ok else [f"{entry.path}: content does not match its digest"]
 
 
@@ -700,7 +612,9 @@ def protected_chunk_keys(
 ) -> set[str] | None:
     """Keys of every chunk named by a manifest of a checkpoint in ``latest`` (retained or
     tombstoned), except the checkpoints in ``deleting`` (commit ids). None if a manifest
-    could not be read: then no chunk may be deleted."""
+    could not be read: then no chunk may be deleted.
+
+    Raises UnknownFormatError (a manifest a newer cloudckpt wrote) or StoreError."""
     skip = set(deleting)
     records = [*latest.retained(), *(t.record for t in latest.tombstones)]
     keys: set[str] = set()
@@ -712,7 +626,8 @@ def protected_chunk_keys(
         except (CorruptionError, protocol.CorruptRecordError, ValueError):
             return None
         except Exception as exc:  # UnsafePathError and the like: be conservative
-            if isinstance(exc, StoreError):
+            # A newer version's manifest is not damage: GC stops (collects nothing by it).
+            if isinstance(exc, (StoreError, UnknownFormatError)):
                 raise
             return None
         keys |= chunk_keys(manifest)
@@ -721,4 +636,4 @@ def protected_chunk_keys(
 
 def is_chunk_key(key: str) -> bool:
     parts = key.split("/")
-    return len(parts) == 4 and parts[0] == "ckpt" and parts[2] + "/" == protocol.CHUNKS_DIR
+    return len(parts) == 4 and parts[0] == "ckpt" and parts[2] + "/" == attempt_layout.CHUNKS_DIR

@@ -31,10 +31,11 @@ import random
 import time
 from collections.abc import Callable, Iterable
 
-from cloudckpt import protocol
+from cloudckpt import attempt_layout, canonical, protocol
 from cloudckpt.errors import (
     CommitConflictError,
     CommitStateUnknownError,
+    ConfigurationError,
     FencedError,
     NeedsRepairError,
     NotARunError,
@@ -66,6 +67,19 @@ def max_attempt_age(grace_s: float, clock_resolution: float) -> float:
     return grace_s - min(600.0, max(0.1 * grace_s, 2.0 * clock_resolution))
 
 
+def check_grace(grace_s: float, store: Store) -> None:
+    """Raises ConfigurationError if no attempt could be committed under a GC grace of
+    ``grace_s`` on ``store`` (its clock counts in steps too coarse for so short a grace):
+    checked when a manager is built with ``gc_grace`` and at each attempt's start (a
+    grace read from LATEST)."""
+    if max_attempt_age(grace_s, store.clock_resolution) <= 0:
+        raise ConfigurationError(
+            f"gc_grace={grace_s:g}s is too short for {store.url}, whose clock counts "
+            f"whole {store.clock_resolution:g} s steps: no save could be committed safely",
+            hint="Use a gc_grace of at least a minute (the default is 2 hours)",
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class AttemptAge:
     """When an attempt was born on the store's clock (read before its first object was
@@ -89,6 +103,16 @@ class AttemptAge:
             return self
         oldest = born if self.resumed is None else min(self.resumed, born)
         return dataclasses.replace(self, resumed=oldest)
+
+    def dated(self, times: Iterable[dt.datetime | None]) -> AttemptAge:
+        """This age with its birth moved back to the oldest of ``times`` (the
+        ``last_modified`` of the attempt's own objects, listed: how GC dates the attempt)
+        where one is earlier: a store clock that stepped back between the birth read and a
+        write dates that object earlier than the birth, and GC by it."""
+        oldest = min((t for t in times if t is not None), default=None)
+        if oldest is None or oldest >= self.born:
+            return self
+        return dataclasses.replace(self, born=oldest)
 
     def check(self, store: Store, step: int) -> dt.datetime:
         """Read the store's clock; raise if the attempt, or an interrupted attempt whose
@@ -147,14 +171,14 @@ def read_latest(store: Store) -> VersionedLatest | None:
 
 def run_has_data(store: Store) -> bool:
     """Whether anything (checkpoint attempts or commit records) exists under the run."""
-    for prefix in (protocol.CKPT_PREFIX, protocol.COMMITS_PREFIX):
+    for prefix in (attempt_layout.CKPT_PREFIX, protocol.COMMITS_PREFIX):
         for _ in store.list(prefix):
             return True
     return False
 
 
 #: Where cloudckpt writes under a run, besides LATEST (``.cloudckpt/``: a store's scratch).
-_OWN_PREFIXES = (protocol.CKPT_PREFIX, protocol.COMMITS_PREFIX, INTERNAL_PREFIX)
+_OWN_PREFIXES = (attempt_layout.CKPT_PREFIX, protocol.COMMITS_PREFIX, INTERNAL_PREFIX)
 
 
 def refuse_foreign_data(store: Store) -> None:
@@ -278,7 +302,7 @@ class Committer:
                         continue  # a racing writer created the run after our read
                     raise NeedsRepairError(f"{self.store.url} holds checkpoints but no LATEST")
                 refuse_foreign_data(self.store)
-                writer = protocol.Writer(1, self.writer_id, protocol.iso(now))
+                writer = protocol.Writer(1, self.writer_id, canonical.iso(now))
                 new, mode = protocol.initial(writer, self.settings, now), CREATE
             else:
                 if self._inherit:
@@ -350,7 +374,7 @@ class Committer:
             if age is not None:
                 # After ``base`` was read or written, before the write that replaces it.
                 store_now = self._check_age(age, record.step, unknown_rounds)
-                record = dataclasses.replace(record, committed_at=protocol.iso(store_now))
+                record = dataclasses.replace(record, committed_at=canonical.iso(store_now))
             if requires is not None:
                 # E.g. the checkpoints whose chunks this save reuses must still be retained
                 # in the very LATEST the compare-and-swap replaces (cloudckpt.chunks).

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cloudckpt import protocol
+from cloudckpt import attempt_layout, protocol
 from cloudckpt._install import install_hint
 from cloudckpt.errors import ConfigurationError, DemoError
 
@@ -342,7 +342,7 @@ def _torn_attempt(
     torn_prefixes = sorted(
         {
             o.key.split("/")[0] + "/" + o.key.split("/")[1] + "/"
-            for o in store.list(f"{protocol.CKPT_PREFIX}{step:012d}-e{epoch}-")
+            for o in store.list(f"{attempt_layout.CKPT_PREFIX}{step:012d}-e{epoch}-")
         }
     )
     records = [o.key for o in store.list(protocol.COMMITS_PREFIX)]
@@ -360,7 +360,7 @@ def _torn_attempt(
         "step": step,
         "prefix": prefix,
         "objects": objects,
-        "has_manifest": protocol.MANIFEST_NAME in objects,
+        "has_manifest": attempt_layout.MANIFEST_NAME in objects,
         "incomplete_uploads": len(uploads),
         "referenced_by_latest": prefix in latest.referenced_prefixes(),
         "commit_records_checked": len(records),

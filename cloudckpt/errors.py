@@ -25,6 +25,7 @@ credentials: URLs are redacted before they reach a message (see ``redact_url``).
     ├── CorruptionError               data does not match its recorded digest; nothing usable
     │   ├── MissingChunkError         a chunk a manifest names is missing or damaged
     │   └── CorruptRecordError        a LATEST, commit record or manifest does not parse or verify
+    ├── UnknownFormatError            a record or setting this version does not know (upgrade)
     ├── NeedsRepairError              checkpoints exist but LATEST is missing or unreadable
     ├── CheckpointNotFoundError       no committed checkpoint matches the request
     ├── DestinationNotEmptyError      a restore target holds files, or cannot be one
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
+from typing import TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 __all__ = [
@@ -83,6 +85,7 @@ __all__ = [
     "StoreConflictError",
     "StoreError",
     "TransientStoreError",
+    "UnknownFormatError",
     "UnsafePathError",
     "UnsupportedBackendError",
     "redact_url",
@@ -91,21 +94,33 @@ __all__ = [
 
 _SECRET_QUERY = re.compile(
     r"(?i)(x-amz-(signature|credential|security-token)|signature|sig|token|key|secret"
-    r"|password|access_token|credential)=[^&]*"
+    r"|password|passwd|pwd|access_token|credential|auth\w*|session\w*|private\w*|code)=[^&]*"
 )
 
 
+#: Schemes whose URLs write ``CONTAINER@ACCOUNT`` where others write ``USER@HOST``.
+_CONTAINER_AT_ACCOUNT = frozenset({"abfs", "abfss", "az", "adl", "wasb", "wasbs"})
+
+
 def redact_url(url: str) -> str:
-    """Return ``url`` with any user-info and secret-looking query values removed."""
+    """Return ``url`` with any user-info, secret-looking query values and the fragment
+    (``s3://b/run#TOKEN``: never sent to a server, so anything may hide there) masked."""
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<unparseable url>"
     netloc = parts.netloc
     if "@" in netloc:
-        netloc = "***@" + netloc.rsplit("@", 1)[1]
+        user, host = netloc.rsplit("@", 1)
+        # abfs[s]://CONTAINER@ACCOUNT...: the part before "@" names the container, not a
+        # user; only a password-like "CONTAINER:SECRET" there is masked.
+        if parts.scheme.lower() in _CONTAINER_AT_ACCOUNT and ":" not in user:
+            netloc = f"{user}@{host}"
+        else:
+            netloc = "***@" + host
     query = _SECRET_QUERY.sub(lambda m: m.group(1) + "=***", parts.query)
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    fragment = "***" if parts.fragment else ""
+    return urlunsplit((parts.scheme, netloc, parts.path, query, fragment))
 
 
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
@@ -121,18 +136,30 @@ def scrub(text: str, secrets: Iterable[str] = ()) -> str:
     return text
 
 
+_E = TypeVar("_E", bound="CloudCkptError")
+
+
 class CloudCkptError(Exception):
     """Base class of every error cloudckpt raises on purpose.
 
-    ``hint`` says what to do next; it is appended to the message.
+    ``hint`` says what to do next; it is appended to the message. ``cli_hint``, where
+    the hint names Python arguments (``overwrite=True``), says the same in the command
+    line's words (``--force``): the CLI prints it instead of ``hint``.
     """
 
     default_hint: str = ""
+    default_cli_hint: str = ""  # the default hint in the CLI's words, where they differ
 
     def __init__(self, message: str, *, hint: str | None = None) -> None:
         self.message = message
         self.hint = self.default_hint if hint is None else hint
+        self.cli_hint: str | None = (self.default_cli_hint or None) if hint is None else None
         super().__init__(f"{message}. {self.hint}" if self.hint else message)
+
+    def with_cli_hint(self: _E, cli_hint: str) -> _E:
+        """This error, whose hint in the CLI is ``cli_hint`` (returns ``self``, to raise)."""
+        self.cli_hint = cli_hint
+        return self
 
 
 class ConfigurationError(CloudCkptError):
@@ -159,7 +186,12 @@ class UnsupportedBackendError(ConfigurationError):
     default_hint = (
         "Use s3://, gs://, az://, file:// or memory:// for writing; any fsspec URL can still be read. "
         "If exactly one process ever writes this run, you may opt in with "
-        "unsafe_single_writer=True (CLI: --unsafe-single-writer)"
+        "unsafe_single_writer=True"
+    )
+    default_cli_hint = (
+        "Use s3://, gs://, az://, file:// or memory:// for writing; any fsspec URL can still be read. "
+        "If exactly one process ever writes this run, you may opt in with "
+        "--unsafe-single-writer"
     )
 
     def __init__(self, message: str, *, capability: str = "", hint: str | None = None) -> None:
@@ -305,6 +337,36 @@ class CorruptionError(CloudCkptError):
         super().__init__(message, hint=hint)
 
 
+class UnknownFormatError(CloudCkptError):
+    """A LATEST, commit record, manifest or setting is in a format this version does not know:
+    a newer cloudckpt wrote it. Not damage: nothing falls back past it, repairs it, collects
+    it or writes over it. ``what`` names the record, ``found`` its format (or setting),
+    ``known`` the ones this version reads, ``written_by`` the writer's version where the
+    record says."""
+
+    default_hint = (
+        "A newer cloudckpt wrote this run. Upgrade cloudckpt on this host "
+        "(in an up-to-date clone of the repository: pip install .) and run the command "
+        "again; nothing was changed"
+    )
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        what: str = "",
+        found: str = "",
+        known: tuple[str, ...] = (),
+        written_by: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        self.what = what
+        self.found = found
+        self.known = tuple(known)
+        self.written_by = written_by
+        super().__init__(message, hint=hint)
+
+
 class NeedsRepairError(CloudCkptError):
     """Checkpoint data exists under the run but LATEST is missing or unreadable."""
 
@@ -320,11 +382,22 @@ class CheckpointNotFoundError(CloudCkptError):
     default_hint = "Run `cloudckpt ls URL` to list the committed checkpoints"
 
 
+def step_not_retained(url: str, step: int, retained: Iterable[int]) -> CheckpointNotFoundError:
+    """The one error every command and API raises for a step the run does not retain:
+    it names the run, the step, and the steps it does retain (newest first)."""
+    steps = ", ".join(str(s) for s in sorted(set(retained), reverse=True)) or "none"
+    return CheckpointNotFoundError(
+        f"{url} retains no checkpoint of step {step}",
+        hint=f"Retained steps: {steps} (`cloudckpt ls URL` lists them)",
+    )
+
+
 class DestinationNotEmptyError(CloudCkptError):
     """A restore destination already contains files, or cannot be a restore's destination
     (a file, a symbolic link to a file or to nothing, a mount point)."""
 
-    default_hint = "Restore into an empty or new directory, or pass overwrite=True (CLI: --force)"
+    default_hint = "Restore into an empty or new directory, or pass overwrite=True"
+    default_cli_hint = "Restore into an empty or new directory, or pass --force"
 
 
 class StagingError(CloudCkptError):
@@ -374,7 +447,8 @@ class ChunkSourceDroppedError(CloudCkptError):
 class ReusedChunkMissingError(ChunkSourceDroppedError):
     """Chunks a save meant to reuse from an earlier checkpoint are not in the store (a
     lifecycle rule, a manual deletion, or that checkpoint was committed damaged). The
-    save is retried with those chunks uploaded again; ``missing`` holds their SHA-256s."""
+    save is retried with those chunks uploaded again; ``missing`` holds their names
+    (``ChunkRef.name``: the hex digest, "b3-" first for BLAKE3)."""
 
     default_hint = (
         "Nothing was committed by this attempt; the manager uploads the missing chunks "
@@ -405,6 +479,10 @@ class ActiveWriterError(CloudCkptError):
     """Taking over the run would fence a writer that is probably still running."""
 
     default_hint = (
+        "If that writer is gone, or you mean to take the run over from it, call again with "
+        "force=True; otherwise stop it first"
+    )
+    default_cli_hint = (
         "If that writer is gone, or you mean to take the run over from it, re-run with "
         "--force; otherwise stop it first"
     )

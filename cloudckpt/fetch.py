@@ -37,7 +37,6 @@ store); the last one wins, and nothing is final before ``read_files`` returns.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import threading
 import time
@@ -46,11 +45,17 @@ from pathlib import Path
 from typing import Protocol
 
 from cloudckpt import digest
-from cloudckpt.errors import CorruptionError, MissingChunkError, ObjectNotFoundError
+from cloudckpt.chunks import leaf_groups
+from cloudckpt.errors import (
+    CorruptionError,
+    MissingChunkError,
+    ObjectNotFoundError,
+    StagingError,
+)
 from cloudckpt.failpoints import hit as failpoint
-from cloudckpt.protocol import ChunkRef, FileEntry
+from cloudckpt.manifests import ChunkRef, FileEntry
 from cloudckpt.stores import Store
-from cloudckpt.transfer import TransferEngine
+from cloudckpt.transfer import BufferPool, TransferEngine, read_into
 
 LEAF = digest.CHUNK_SIZE
 
@@ -151,46 +156,30 @@ class _LocalRejected(Exception):
     """A unit of a local copy did not verify: it is read from the store instead."""
 
 
-class _File:
-    """One job's progress: its leaf digests as units land; the unit that completes a
-    whole read checks the file's digest."""
+class _File(digest.LeafDigests):
+    """One job's progress: its leaf digests as units land (``expect``: one piece per
+    unit); the unit that completes a whole read checks the file's digest."""
 
     def __init__(self, job: FileJob, leaf_size: int) -> None:
+        super().__init__(job.entry.size, job.entry.digest, leaf_size, job.entry.algorithm)
         self.job, self.entry, self.leaf_size = job, job.entry, leaf_size
-        self.leaves: list[bytes | None] = [None] * -(-job.entry.size // leaf_size)
-        self.missing = 0
-        self.lock = threading.Lock()
-
-    def expect(self, units: int) -> None:
-        self.missing = units
-
-    def add(self, first: int, leaves: Sequence[bytes]) -> bool:
-        with self.lock:
-            self.leaves[first : first + len(leaves)] = leaves
-            self.missing -= 1
-            return self.missing == 0
-
-    def root_ok(self) -> bool:
-        try:
-            return digest.root(self.leaves, self.entry.size, self.leaf_size) == self.entry.digest  # type: ignore[arg-type]
-        except ValueError:
-            return False
 
 
 # --------------------------------------------------------------------------- planning
 
 
 def _chunk_leaves(entry: FileEntry) -> list[tuple[_Piece, ...]]:
-    """A chunked file's chunks grouped by the digest leaf they lie in (a validated
-    manifest's chunks never cross a leaf)."""
-    groups: list[list[_Piece]] = []
+    """A chunked file's chunks grouped by the digest leaf they lie in
+    (``chunks.leaf_groups``), each with its offset in the file."""
+    out: list[tuple[_Piece, ...]] = []
     offset = 0
-    for ref in entry.chunks or ():
-        if offset // LEAF == len(groups):
-            groups.append([])
-        groups[-1].append(_Piece(offset, ref.size, ref))
-        offset += ref.size
-    return [tuple(g) for g in groups]
+    for group in leaf_groups(entry):
+        pieces = []
+        for ref in group:
+            pieces.append(_Piece(offset, ref.size, ref))
+            offset += ref.size
+        out.append(tuple(pieces))
+    return out
 
 
 def manifest_root(entry: FileEntry) -> str | None:
@@ -201,7 +190,8 @@ def manifest_root(entry: FileEntry) -> str | None:
     if any(len(g) != 1 for g in leaves):
         return None
     refs = [g[0].ref for g in leaves]
-    return digest.root([bytes.fromhex(r.sha256) for r in refs if r is not None], entry.size, LEAF)
+    digests = [bytes.fromhex(r.sha256) for r in refs if r is not None]
+    return digest.root(digests, entry.size, LEAF, entry.algorithm)
 
 
 def _overlaps(pieces: Sequence[_Piece], ranges: Sequence[tuple[int, int]]) -> bool:
@@ -240,25 +230,6 @@ def plan_units(
 # --------------------------------------------------------------------------- reading
 
 
-class _Scratch:
-    """Scratch buffers reused within one read (from the sink: pinned for a GPU)."""
-
-    def __init__(self, sink: Sink, size: int) -> None:
-        self._sink, self.size = sink, size
-        self._free: list[memoryview] = []
-        self._lock = threading.Lock()
-
-    def take(self) -> memoryview:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        return self._sink.scratch(self.size)
-
-    def give(self, buf: memoryview) -> None:
-        with self._lock:
-            self._free.append(buf)
-
-
 class _Reader:
     def __init__(
         self,
@@ -274,23 +245,16 @@ class _Reader:
         self.stats = stats
         self.files = [_File(j, LEAF if j.entry.chunks is not None else leaf_size) for j in jobs]
         range_size = max(leaf_size, engine.config.range_size // leaf_size * leaf_size)
-        self.scratch = _Scratch(sink, max(range_size, LEAF))
+        # Scratch buffers reused within one read, made by the sink (pinned for a GPU).
+        self.scratch = BufferPool(sink.scratch)
+        self.scratch_size = max(range_size, LEAF)
         self.range_size = range_size
-        self._into = getattr(store, "get_range_into", None)
 
     # -- one piece --------------------------------------------------------------------
 
     def _from_store(self, key: str, start: int, view: memoryview) -> int:
         self.stats._request()
-        into = self._into
-        if into is not None:
-            return int(self.engine.retry(lambda: into(key, start, view), f"download {key}"))
-        data = self.engine.retry(
-            lambda: self.store.get_range(key, start, len(view)), f"download {key}"
-        )
-        got = min(len(data), len(view))
-        view[:got] = memoryview(data)[:got]
-        return len(data)
+        return self.engine.read_exact(self.store, key, start, view)
 
     def _read_piece(self, job: FileJob, piece: _Piece, view: memoryview, local: bool) -> None:
         """Fill ``view`` with the piece's bytes. Raises CorruptionError (missing, short),
@@ -319,7 +283,7 @@ class _Reader:
             )
 
     def _land(
-        self, job: FileJob, index: int, piece: _Piece, local: bool, leaf: hashlib._Hash | None
+        self, job: FileJob, index: int, piece: _Piece, local: bool, leaf: digest.Hasher | None
     ) -> list[bytes]:
         """Read one piece to where the sink wants it, check it (a chunk against its name,
         re-read once from the store on a mismatch: a damaged response is not a damaged
@@ -327,7 +291,7 @@ class _Reader:
         view = self.sink.direct(index, piece.offset, piece.size)
         scratch = None
         if view is None:
-            scratch = self.scratch.take()
+            scratch = self.scratch.take(self.scratch_size)
             view = scratch[: piece.size]
         try:
             for attempt in (1, 2):
@@ -335,7 +299,8 @@ class _Reader:
                 failpoint("restore.after_range")
                 started = time.thread_time()
                 if piece.ref is None:
-                    leaves = digest.leaves_of(view, self.files[index].leaf_size)
+                    f = self.files[index]
+                    leaves = digest.leaves_of(view, f.leaf_size, f.entry.algorithm)
                     break
                 leaves = []
                 if _chunk_ok(view, piece.ref):
@@ -368,7 +333,7 @@ class _Reader:
         f = self.files[unit.job]
         pieces = unit.pieces
         multi = pieces[0].ref is not None and len(pieces) > 1
-        leaf = hashlib.sha256() if multi else None
+        leaf = digest.hasher(f.entry.algorithm, LEAF) if multi else None
         leaves: list[bytes] = []
         for piece in pieces:
             leaves += self._land(f.job, unit.job, piece, local, leaf)
@@ -384,28 +349,18 @@ class _Reader:
 
 
 def _chunk_ok(data: memoryview, ref: ChunkRef) -> bool:
-    """Whether ``data`` is the chunk ``ref`` names (its SHA-256)."""
-    return hashlib.sha256(data).hexdigest() == ref.sha256
+    """Whether ``data`` is the chunk ``ref`` names (its leaf digest)."""
+    return digest.hexleaf(data, ref.algorithm) == ref.sha256
 
 
 def _pread_into(path: Path, offset: int, view: memoryview) -> bool:
-    """Fill ``view`` from ``path`` at ``offset``; False if the file is missing or short."""
+    """Fill ``view`` from ``path`` at ``offset`` (``transfer.read_into``); False if the
+    file is missing, unreadable or short."""
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+        read_into(path, offset, view)
+    except (StagingError, OSError):
         return False
-    try:
-        got = 0
-        while got < len(view):
-            n = os.preadv(fd, [view[got:]], offset + got)
-            if n <= 0:
-                return False
-            got += n
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
+    return True
 
 
 def read_files(
@@ -502,7 +457,8 @@ def _local_unit(reader: _Reader, unit: _Unit) -> bool:
 
 
 class _Discard:
-    """A sink that keeps nothing: for checking a local copy before it is linked."""
+    """A sink that keeps nothing: for checking a local copy before it is linked, or what
+    a streaming reader will read before it applies any of it."""
 
     def direct(self, job: int, offset: int, length: int) -> memoryview | None:
         return None
@@ -515,6 +471,23 @@ class _Discard:
 
     def scratch(self, size: int) -> memoryview:
         return memoryview(bytearray(size))
+
+
+def verify_files(
+    engine: TransferEngine,
+    store: Store,
+    files_prefix: str,
+    jobs: Sequence[FileJob],
+    *,
+    leaf_size: int = LEAF,
+    stats: ReadStats | None = None,
+) -> ReadStats:
+    """Read ``jobs`` as ``read_files`` does, every byte checked, keeping nothing (memory:
+    the scratch buffers only): for a reader that must know its later reads are intact
+    before it applies its first ones. Raises as ``read_files``."""
+    return read_files(
+        engine, store, files_prefix, jobs, _Discard(), leaf_size=leaf_size, stats=stats
+    )
 
 
 def verify_local(

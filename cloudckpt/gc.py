@@ -55,7 +55,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 
-from cloudckpt import chunks, protocol
+from cloudckpt import attempt_layout, canonical, chunks, protocol
 from cloudckpt.committer import VersionedLatest, edit_latest, read_latest, run_has_data
 from cloudckpt.errors import NeedsRepairError
 from cloudckpt.failpoints import hit as failpoint
@@ -89,7 +89,7 @@ class GCReport:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d["store_now"] = protocol.iso(self.store_now)
+        d["store_now"] = canonical.iso(self.store_now)
         return d
 
 
@@ -161,7 +161,7 @@ def _attempt_of(key: str) -> str | None:
     if len(parts) < 3 or parts[0] != "ckpt":
         return None
     prefix = f"ckpt/{parts[1]}/"
-    return prefix if protocol.parse_ckpt_prefix(prefix) else None
+    return prefix if attempt_layout.parse_ckpt_prefix(prefix) else None
 
 
 class _Inventory:
@@ -171,7 +171,7 @@ class _Inventory:
     def __init__(self, store: Store) -> None:
         self.now = store.now()
         self.attempts: dict[str, list[ObjectInfo]] = defaultdict(list)
-        for obj in store.list(protocol.CKPT_PREFIX):
+        for obj in store.list(attempt_layout.CKPT_PREFIX):
             prefix = _attempt_of(obj.key)
             if prefix is not None:
                 self.attempts[prefix].append(obj)
@@ -204,7 +204,7 @@ class _Inventory:
     def garbage(
         self, prefix: str, age_s: float, tombstone: Tombstone | None = None
     ) -> AttemptGarbage:
-        parsed = protocol.parse_ckpt_prefix(prefix)
+        parsed = attempt_layout.parse_ckpt_prefix(prefix)
         return AttemptGarbage(
             prefix,
             tombstone.record.step if tombstone else parsed[0] if parsed else -1,
@@ -540,8 +540,8 @@ def _delete_attempt(
         report.aborted_uploads.append((upload.key, upload.upload_id))
     prefix = item.prefix
     objs = sorted(objects, key=lambda o: o.key)
-    manifest = [o for o in objs if o.key == prefix + protocol.MANIFEST_NAME]
-    marker = [o for o in objs if o.key == prefix + protocol.ATTEMPT_NAME]
+    manifest = [o for o in objs if o.key == prefix + attempt_layout.MANIFEST_NAME]
+    marker = [o for o in objs if o.key == prefix + attempt_layout.ATTEMPT_NAME]
     data = [o for o in objs if o not in manifest and o not in marker]
     for group, name in ((manifest, "manifest"), (data, "data"), (marker, "marker")):
         if group:

@@ -33,23 +33,39 @@ size fits ``local_budget_bytes`` (default: no limit); a copy larger than the bud
 own is not kept. Older copies are deleted after each commit and when a manager starts. A
 kept copy costs its size on the staging disk, so during the next save the disk holds the
 copy and the new save's staged files.
+
+Only what cloudckpt wrote is ever deleted here: a directory of ``committed/`` named
+``<step:012d>-<attempt id>`` holding only cloudckpt's entries (``staging.own_directory``).
+Anything else in ``committed/`` is someone else's: a manager refuses such a staging
+directory when it starts (``check_dedicated``) and the tier leaves it alone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import stat
 from pathlib import Path
 
-from cloudckpt import protocol
+from cloudckpt import manifests
 from cloudckpt.errors import CloudCkptError
-from cloudckpt.protocol import CheckpointRecord, Manifest
-from cloudckpt.staging import Attempt
+from cloudckpt.manifests import Manifest
+from cloudckpt.protocol import CheckpointRecord
+from cloudckpt.staging import (
+    ATTEMPT_ENTRIES,
+    ATTEMPT_ID,
+    Attempt,
+    Place,
+    StagingArea,
+    own_directory,
+)
 
 log = logging.getLogger("cloudckpt.staging")
 
@@ -57,6 +73,15 @@ COMMITTED_DIR = "committed"
 RECORD = "copy.json"
 MANIFEST = "MANIFEST.json"
 FORMAT = "cloudckpt.localcopy/1"
+#: A kept copy's directory name: ``<step:012d>-<commit or attempt id>``.
+COPY_NAME = re.compile(r"\d{12}-" + ATTEMPT_ID.pattern)
+COPIES: Place = (COMMITTED_DIR, COPY_NAME, ATTEMPT_ENTRIES)
+
+
+def check_dedicated(staging: StagingArea) -> None:
+    """Refuse (``ConfigurationError``; nothing deleted, the lock released) a staging
+    directory holding entries cloudckpt did not write in ``attempts/`` or ``committed/``."""
+    staging.check_dedicated(COPIES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +112,7 @@ class LocalCopy:
         if hashlib.sha256(data).hexdigest() != record.manifest_sha256:
             return None
         try:
-            return protocol.parse_manifest(data, record)
+            return manifests.parse_manifest(data, record)
         except CloudCkptError:
             return None
 
@@ -114,6 +139,8 @@ class LocalCopies:
         if not self.root.is_dir():
             return []
         for path in self.root.iterdir():
+            if not own_directory(path, COPY_NAME, ATTEMPT_ENTRIES):
+                continue  # not cloudckpt's: never touched
             copy = _read_copy(path)
             if copy is None:
                 log.info("removing %s: not a readable local copy", path)
@@ -152,8 +179,9 @@ class LocalCopies:
             (attempt.dir / RECORD).write_text(json.dumps(record, sort_keys=True))
             self.root.mkdir(exist_ok=True)
             target = self.root / f"{attempt.step:012d}-{commit_id or attempt.id}"
-            shutil.rmtree(target, ignore_errors=True)
-            os.rename(attempt.dir, target)
+            if own_directory(target, COPY_NAME, ATTEMPT_ENTRIES):
+                shutil.rmtree(target, ignore_errors=True)
+            os.rename(attempt.dir, target)  # (onto anything else: fails, copy not kept)
         except OSError as exc:
             log.warning("step %d: local copy not kept: %s", attempt.step, exc)
             attempt.remove()
@@ -172,6 +200,109 @@ class LocalCopies:
                 continue
             log.info("removing the local copy of step %d (retention)", copy.step)
             shutil.rmtree(copy.dir, ignore_errors=True)
+
+
+#: ``ioctl(FICLONE)``: make a file share another's blocks, copy-on-write (btrfs, XFS with
+#: reflink, bcachefs, ZFS 2.2+, overlayfs on those); Linux only.
+FICLONE = 0x40049409
+
+
+def place_file(source: Path, target: Path, *, link: bool = False) -> str | None:
+    """Put the bytes of a kept copy's file ``source`` at the new path ``target`` for a
+    restore: a reflink (the file shares the copy's blocks until either is written, where
+    the filesystem offers it), else a copy (in the kernel, ``copy_file_range``). The
+    restored file is independent of the kept copy and of every other restore: editing one
+    in place changes nothing else. ``link``: a hard link instead (no bytes written, but the
+    restored file IS the kept copy: editing it in place edits the copy and every other
+    restore linked from it; a copy when the link fails, as across filesystems).
+
+    Only a regular file is taken: ``source`` is opened without following a symbolic link,
+    and a link, a FIFO, a device, a directory or a missing file gives None (the caller
+    downloads that file). Returns how it was placed: ``"reflink"``, ``"copy"`` or
+    ``"link"``.
+
+    Raises OSError writing ``target`` (a full disk, no permission).
+    """
+    try:
+        fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None  # gone, a symbolic link (ELOOP), unreadable
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None  # only regular files: never a FIFO or device planted in staging
+        if link and _hard_link(source, target, st):
+            return "link"
+        return _clone_or_copy(fd, st.st_size, target)
+    finally:
+        os.close(fd)
+
+
+def _hard_link(source: Path, target: Path, st: os.stat_result) -> bool:
+    """Hard-link ``source`` (whose open file is ``st``) at ``target``; False (nothing left
+    at ``target``) when linking fails or what got linked is not that regular file (it was
+    replaced between the open and the link)."""
+    try:
+        os.link(source, target, follow_symlinks=False)
+    except OSError:
+        return False
+    got = os.lstat(target)
+    if stat.S_ISREG(got.st_mode) and (got.st_dev, got.st_ino) == (st.st_dev, st.st_ino):
+        return True
+    target.unlink()
+    return False
+
+
+def _clone_or_copy(src: int, size: int, target: Path) -> str | None:
+    """Write the open file ``src`` (``size`` bytes) to the new file ``target``: a reflink
+    where the filesystem has one, else an in-kernel copy, else a plain one. None (nothing
+    left at ``target``) if ``src`` ended early (shrunk under the copy: download it).
+    Raises OSError writing ``target`` (then removed)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    dst = os.open(target, flags, 0o666)
+    try:
+        how = "reflink" if _reflink(src, dst) else ("copy" if _copy(src, dst, size) else None)
+    except BaseException:
+        os.close(dst)
+        target.unlink(missing_ok=True)
+        raise
+    os.close(dst)
+    if how is None:
+        target.unlink(missing_ok=True)
+    return how
+
+
+def _reflink(src: int, dst: int) -> bool:
+    try:
+        import fcntl
+
+        fcntl.ioctl(dst, FICLONE, src)
+    except (ImportError, OSError):  # not Linux, another filesystem, no reflink here
+        return False
+    return True
+
+
+def _copy(src: int, dst: int, size: int) -> bool:
+    """Copy ``size`` bytes from ``src`` to ``dst`` (both at offset 0); False if ``src``
+    ended first."""
+    offset = 0
+    in_kernel = hasattr(os, "copy_file_range")
+    while offset < size:
+        if in_kernel:
+            try:
+                n = os.copy_file_range(src, dst, size - offset, offset, offset)
+            except OSError as exc:
+                if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+                in_kernel = False  # not between these files: copy through user space
+                continue
+        else:
+            data = os.pread(src, min(size - offset, 8 << 20), offset)
+            n = os.pwrite(dst, data, offset) if data else 0
+        if n <= 0:
+            return False
+        offset += n
+    return True
 
 
 def _read_copy(path: Path) -> LocalCopy | None:

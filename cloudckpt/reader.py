@@ -11,6 +11,8 @@ Every reader of a run starts here: ``restore``, ``verify``, the multi-rank resto
 - ``fetch_manifest``: a checkpoint's manifest, checked against the size and SHA-256 that
   LATEST recorded; ``check_objects``: every object it names exists with its recorded size
   (one listing per prefix, no data read);
+- ``select_files``: which files of a checkpoint a partial read takes (``include`` /
+  ``exclude`` glob patterns: ``restore --include``, ``get`` with several files);
 - ``first_intact``: try each checkpoint in turn until one is intact, reporting every one
   skipped (``SkippedCheckpoint``). A checkpoint found missing may not be damaged at all:
   retention may have dropped it, and GC collected it, while a slow restore read it.
@@ -25,22 +27,26 @@ an older checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import logging
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
-from cloudckpt import protocol
+from cloudckpt import attempt_layout, manifests, protocol
 from cloudckpt.committer import read_latest
 from cloudckpt.errors import (
     CheckpointNotFoundError,
     CloudCkptError,
+    ConfigurationError,
     CorruptionError,
     CorruptRecordError,
     MissingChunkError,
     ObjectNotFoundError,
     UnsafePathError,
+    step_not_retained,
 )
-from cloudckpt.protocol import CheckpointRecord, Latest, Manifest
+from cloudckpt.manifests import FileEntry, Manifest
+from cloudckpt.protocol import CheckpointRecord, Latest
 from cloudckpt.retry import call_with_retries
 from cloudckpt.stores import Store
 
@@ -113,11 +119,10 @@ def candidates(latest: Latest, step: int | None) -> list[CheckpointRecord]:
 def to_try(url: str, latest: Latest, step: int | None) -> list[CheckpointRecord]:
     """``candidates``, which must not be empty. Raises CheckpointNotFoundError."""
     todo = candidates(latest, step)
+    if not todo and step is not None:
+        raise step_not_retained(url, step, (r.step for r in latest.retained()))
     if not todo:
-        what = (
-            "no committed checkpoint" if step is None else f"no retained checkpoint of step {step}"
-        )
-        raise CheckpointNotFoundError(f"{url} has {what}")
+        raise CheckpointNotFoundError(f"{url} has no committed checkpoint")
     return todo
 
 
@@ -131,6 +136,15 @@ def readable(store: Store, step: int | None) -> tuple[list[CheckpointRecord], bo
             ``step``.
         StoreError: the store failed.
     """
+    _, todo, from_records = readable_latest(store, step)
+    return todo, from_records
+
+
+def readable_latest(store: Store, step: int | None) -> tuple[Latest, list[CheckpointRecord], bool]:
+    """``readable``, with the LATEST (or commit record) its checkpoints come from.
+
+    Raises: as ``readable``.
+    """
     latest, from_records = load_latest_for_reading(store)
     if latest is None:
         if from_records:
@@ -138,7 +152,58 @@ def readable(store: Store, step: int | None) -> tuple[list[CheckpointRecord], bo
                 f"LATEST of {store.url} is unreadable and no commit record verifies"
             )
         raise CheckpointNotFoundError(f"{store.url} has no committed checkpoint")
-    return to_try(store.url, latest, step), from_records
+    return latest, to_try(store.url, latest, step), from_records
+
+
+# --------------------------------------------------------------------------- which files
+
+
+def check_patterns(patterns: Sequence[str] | None, what: str) -> tuple[str, ...]:
+    """``patterns`` (None: none) as a tuple. Raises ConfigurationError (an empty one, or
+    a lone string where a list belongs: ``include="*.json"`` would be one pattern per
+    character)."""
+    if patterns is None:
+        return ()
+    if isinstance(patterns, (str, bytes)):
+        raise ConfigurationError(
+            f"{what} must be a list of patterns, not the string {patterns!r}",
+            hint=f"{what}=[{patterns!r}]",
+        )
+    out = tuple(patterns)
+    for p in out:
+        if not isinstance(p, str) or not p:
+            raise ConfigurationError(f"{what}: {p!r} is not a path or glob pattern")
+    return out
+
+
+def matches(path: str, pattern: str) -> bool:
+    """Whether a checkpoint file's ``path`` matches ``pattern``: the path itself, a glob
+    (``fnmatch``, case-sensitive: ``*`` and ``?`` match ``/`` too, so ``*.safetensors``
+    matches in every directory, as ``hf download --include`` and ``aws s3 --include``
+    do), or, ending in ``/``, a directory (everything below it; ``*/tokenizer/`` too)."""
+    if pattern.endswith("/"):
+        return path.startswith(pattern) or fnmatch.fnmatchcase(path, pattern + "*")
+    return path == pattern or fnmatch.fnmatchcase(path, pattern)
+
+
+def selected(path: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
+    """Whether ``path`` matches an ``include`` pattern (any path, when there is none) and
+    no ``exclude`` pattern (``matches``)."""
+    if include and not any(matches(path, p) for p in include):
+        return False
+    return not any(matches(path, p) for p in exclude)
+
+
+def select_files(
+    files: Sequence[FileEntry], include: Sequence[str], exclude: Sequence[str]
+) -> tuple[list[FileEntry], list[FileEntry]]:
+    """(selected, left out): the files ``selected`` keeps, and the others, in manifest
+    order."""
+    chosen: list[FileEntry] = []
+    left: list[FileEntry] = []
+    for entry in files:
+        (chosen if selected(entry.path, include, exclude) else left).append(entry)
+    return chosen, left
 
 
 # --------------------------------------------------------------------------- one checkpoint
@@ -158,7 +223,7 @@ def fetch_manifest(store: Store, record: CheckpointRecord) -> Manifest:
         )
     except ObjectNotFoundError:
         raise CorruptionError(f"the manifest of step {record.step} is missing") from None
-    return protocol.parse_manifest(data, record)
+    return manifests.parse_manifest(data, record)
 
 
 def check_objects(store: Store, record: CheckpointRecord, manifest: Manifest) -> None:
@@ -172,7 +237,7 @@ def check_objects(store: Store, record: CheckpointRecord, manifest: Manifest) ->
     plain = [e for e in manifest.files if e.chunks is None]
     if not plain:
         return
-    prefix = record.ckpt + protocol.FILES_DIR
+    prefix = record.ckpt + attempt_layout.FILES_DIR
     sizes = {o.key[len(prefix) :]: o.size for o in store.list(prefix)}
     for entry in plain:
         size = sizes.get(entry.path)
@@ -190,7 +255,7 @@ def check_chunk_objects(store: Store, manifest: Manifest, step: int) -> None:
     sizes: dict[str, int] = {}
     owners = {c.owner for f in manifest.files for c in f.chunks or ()}
     for owner in sorted(owners):
-        where = owner + protocol.CHUNKS_DIR
+        where = owner + attempt_layout.CHUNKS_DIR
         for o in store.list(where):
             sizes[o.key] = o.size
     for f in manifest.files:

@@ -44,7 +44,7 @@ import re
 import secrets
 from typing import Any
 
-from cloudckpt import protocol
+from cloudckpt import attempt_layout, canonical, protocol
 from cloudckpt.committer import write_commit_record
 from cloudckpt.errors import (
     CommitConflictError,
@@ -55,7 +55,7 @@ from cloudckpt.errors import (
     UnsafePathError,
 )
 from cloudckpt.protocol import CheckpointRecord, CorruptRecordError, Latest, Tombstone
-from cloudckpt.restore import fetch_manifest
+from cloudckpt.reader import fetch_manifest
 from cloudckpt.retry import call_with_retries
 from cloudckpt.stores import CREATE, Store, Update
 
@@ -197,16 +197,16 @@ def _scan_records(store: Store, seen: _Seen, report: RepairReport) -> None:
 def _scan_attempts(store: Store, seen: _Seen) -> None:
     """Step 2b: every attempt prefix under ckpt/ (its ``-e<N>-`` epoch counts as seen),
     and whether it holds a manifest."""
-    for obj in store.list(protocol.CKPT_PREFIX):
+    for obj in store.list(attempt_layout.CKPT_PREFIX):
         parts = obj.key.split("/", 2)
         if len(parts) < 3:
             continue
         prefix = f"{parts[0]}/{parts[1]}/"
-        parsed = protocol.parse_ckpt_prefix(prefix)
+        parsed = attempt_layout.parse_ckpt_prefix(prefix)
         if parsed is None:
             continue
         seen.note(epoch=parsed[1])
-        has = seen.attempts.get(prefix, False) or parts[2] == protocol.MANIFEST_NAME
+        has = seen.attempts.get(prefix, False) or parts[2] == attempt_layout.MANIFEST_NAME
         seen.attempts[prefix] = has
 
 
@@ -328,7 +328,7 @@ def plan_repair(
     writer = protocol.Writer(
         epoch=seen.epoch + 1,
         id=writer_id or f"repair:{protocol.new_writer_id()}",
-        claimed_at=protocol.iso(now),
+        claimed_at=canonical.iso(now),
     )
     rebuilt = _rebuild(store, base, seen, writer, report)
     referenced = rebuilt.referenced_prefixes()

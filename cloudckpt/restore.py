@@ -12,6 +12,11 @@ module checks the destination, downloads a checkpoint and moves it into place.
 Paths in a manifest are untrusted: anything absolute, with ``..``, or naming both a file and
 a directory is refused before a byte is written, and files are created with ``O_EXCL`` in a
 fresh temporary directory beside the destination, so nothing lands outside it.
+
+A partial restore (``include`` / ``exclude`` glob patterns, ``reader.select_files``) reads
+only the files it selects, after the manifest verified against LATEST's record, and checks
+each of them exactly as a whole restore does (its objects listed, every chunk and the
+file's digest); the rest are reported (``RestoreResult.excluded``), never read.
 """
 
 from __future__ import annotations
@@ -23,36 +28,25 @@ import logging
 import os
 import secrets
 import shutil
-import stat
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cloudckpt import chunks, fetch, protocol, reader
+from cloudckpt import attempt_layout, digest, fetch, manifests, protocol, reader
+from cloudckpt.download import download
 from cloudckpt.errors import (
+    CheckpointNotFoundError,
     CorruptionError,
     DestinationNotEmptyError,
     StagingError,
     UnsafePathError,
 )
 from cloudckpt.failpoints import hit as failpoint
-from cloudckpt.localcopy import LocalCopies, LocalCopy
-from cloudckpt.protocol import CheckpointRecord, FileEntry, Manifest
-
-# What a restore reads and how it falls back live in ``cloudckpt.reader``; these names
-# were defined here first and are still imported from here.
-from cloudckpt.reader import (  # noqa: F401
-    MAX_LATEST_REREADS,
-    SkippedCheckpoint,
-    candidates,
-    check_objects,
-    dropped_reason,
-    fetch_manifest,
-    load_latest_for_reading,
-    nothing_restored,
-    reread_if_dropped,
-)
+from cloudckpt.localcopy import LocalCopies, LocalCopy, place_file
+from cloudckpt.manifests import FileEntry, Manifest
+from cloudckpt.protocol import CheckpointRecord
+from cloudckpt.reader import SkippedCheckpoint, check_objects, fetch_manifest
 from cloudckpt.stores import Store
 from cloudckpt.transfer import ProgressCallback, TransferEngine
 
@@ -72,7 +66,9 @@ class RestoreResult:
     tier, ``cloudckpt.localcopy``). ``timings`` (seconds): ``listing_s`` (LATEST, manifest,
     listing), ``transfer_s`` (to the last byte landed; hashing overlaps it),
     ``verify_s`` (checking local copies, and the digests and fsyncs after the last byte
-    landed), ``place_s`` (moving into place), ``total_s``.
+    landed), ``place_s`` (moving into place), ``total_s``. ``excluded``: the paths of the
+    checkpoint a partial restore (``include``/``exclude``) left out, never read;
+    ``num_files`` and ``total_bytes`` count the files restored.
     """
 
     step: int
@@ -88,6 +84,7 @@ class RestoreResult:
     bytes_downloaded: int = 0
     bytes_local: int = 0
     timings: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    excluded: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------- destination
@@ -99,9 +96,11 @@ def prepare_destination(into: Path, overwrite: bool) -> Path:
     points to, with its temporary directory beside that, on the same filesystem).
 
     Raises DestinationNotEmptyError: ``into`` holds files (without ``overwrite``), is a
-    file, a link to a file or to nothing, or is a mount point.
+    file, a link to a file or to nothing, or is a mount point, or is, lies inside or
+    (with ``overwrite``) holds a cloudckpt run on the local disk.
     """
     dest = _real_destination(into)
+    refuse_run_directories(into, overwrite, "a restore")
     if dest.is_dir() and any(dest.iterdir()) and not overwrite:
         raise DestinationNotEmptyError(f"{into} is not empty")
     if dest.is_dir() and os.path.ismount(dest):
@@ -120,6 +119,49 @@ def prepare_destination(into: Path, overwrite: bool) -> Path:
     return dest
 
 
+def refuse_run_directories(
+    dest: Path,
+    overwrite: bool,
+    action: str,
+    hint: str | None = None,
+    cli_hint: str | None = None,
+) -> None:
+    """Raises DestinationNotEmptyError: the local directory ``dest`` is a cloudckpt run
+    (file://), lies inside one (a LATEST in a directory above it) or, with ``overwrite``
+    (which replaces the directory; without it one holding files is refused anyway), holds
+    one (a LATEST anywhere below). Writing there would add files to, or replace, a run's
+    committed objects. ``action`` names the writer in the message ("a restore")."""
+    hint, cli_hint = hint or RUN_DESTINATION_HINT, cli_hint or RUN_DESTINATION_CLI_HINT
+    real = Path(os.path.realpath(dest))
+    for above in (real, *real.parents):
+        if os.path.lexists(above / protocol.LATEST_KEY):
+            what = "is" if above == real else "is inside"
+            raise DestinationNotEmptyError(
+                f"{dest} {what} the cloudckpt run file://{above}: {action} would write "
+                "into that run",
+                hint=hint,
+            ).with_cli_hint(cli_hint)
+    for dirpath, _dirs, names in os.walk(real) if overwrite else ():
+        if protocol.LATEST_KEY in names:
+            raise DestinationNotEmptyError(
+                f"{dest} holds the cloudckpt run file://{dirpath}: {action} would replace it",
+                hint=hint,
+            ).with_cli_hint(cli_hint)
+
+
+RUN_DESTINATION_HINT = (
+    "Choose a directory outside every cloudckpt run and holding none (overwrite=True, "
+    "CLI: --force, replaces plain files only); to copy a checkpoint into a run, use "
+    "`cloudckpt cp` (copy_checkpoint)"
+)
+
+
+RUN_DESTINATION_CLI_HINT = (
+    "Choose a directory outside every cloudckpt run and holding none (--force replaces "
+    "plain files only); to copy a checkpoint into a run, use `cloudckpt cp`"
+)
+
+
 def _real_destination(into: Path) -> Path:
     """``into`` with every symbolic link resolved. Raises DestinationNotEmptyError."""
     for link in (into, *into.parents):
@@ -134,8 +176,11 @@ def _real_destination(into: Path) -> Path:
         target = f" (a symbolic link to {dest})" if into.is_symlink() else ""
         raise DestinationNotEmptyError(
             f"{into}{target} exists and is not a directory",
-            hint="Restore into a directory (new or empty; or pass overwrite=True, CLI: "
-            "--force, to replace a directory's contents)",
+            hint="Restore into a directory (new or empty; or pass overwrite=True to replace "
+            "a directory's contents)",
+        ).with_cli_hint(
+            "Restore into a directory (new or empty; or pass --force to replace a "
+            "directory's contents)"
         )
     return dest
 
@@ -215,10 +260,10 @@ def process_umask() -> int:
 
 def safe_mode(mode: int, umask: int) -> int:
     """The permission bits a restore gives a file whose manifest records ``mode``: its
-    read, write and execute bits (``protocol.MODE_BITS``) less the umask, as ``tar``
+    read, write and execute bits (``manifests.MODE_BITS``) less the umask, as ``tar``
     does for a user. Never setuid, setgid or sticky: a manifest is data, and a hostile
     one must not plant a setuid program or a world-writable file."""
-    return mode & protocol.MODE_BITS & ~umask
+    return mode & manifests.MODE_BITS & ~umask
 
 
 def apply_modes(root: Path, entries: Iterable[FileEntry]) -> None:
@@ -265,25 +310,16 @@ class _Clock:
         }
 
 
-def _link_local(copy: LocalCopy, entry: FileEntry, tmp: Path) -> Path | None:
-    """Hard-link ``entry``'s file of ``copy`` into ``tmp`` (a copy when linking fails: another
-    filesystem); None when the local file is gone or unreadable (it is downloaded instead).
-    Raises OSError only for failures writing into ``tmp``."""
+def _link_local(copy: LocalCopy, entry: FileEntry, tmp: Path, link: bool = False) -> Path | None:
+    """Place ``entry``'s file of ``copy`` in ``tmp``: a reflink or a copy, so the restored
+    file is independent of the kept copy (a hard link only with ``link``;
+    ``localcopy.place_file``). None when the local file is gone, unreadable or not a
+    regular file (it is downloaded instead). Raises OSError only for failures writing
+    into ``tmp``."""
     target = tmp.joinpath(*entry.path.split("/"))
     target.parent.mkdir(parents=True, exist_ok=True)
-    source = copy.file(entry.path)
-    try:
-        if not stat.S_ISREG(os.lstat(source).st_mode):
-            return None  # only regular files: never a link planted in the staging directory
-        os.link(source, target)
-    except FileNotFoundError:
+    if place_file(copy.file(entry.path), target, link=link) is None:
         return None
-    except OSError:
-        try:
-            shutil.copyfile(source, target)
-        except FileNotFoundError:
-            target.unlink(missing_ok=True)
-            return None
     return target
 
 
@@ -293,16 +329,17 @@ def _from_local(
     manifest: Manifest,
     tmp: Path,
     clock: _Clock,
+    link: bool = False,
 ) -> list[FileEntry]:
-    """Link the files of ``copy`` that verify against ``manifest`` into ``tmp`` (a copy
-    when the link fails: another filesystem); return the entries still to download."""
+    """Place the files of ``copy`` that verify against ``manifest`` in ``tmp`` (reflinked
+    or copied; hard-linked with ``link``); return the entries still to download."""
     if copy is None:
         return list(manifest.files)
     started = time.perf_counter()
-    # Link (or copy) first, then verify what was linked: the link holds the file's content
+    # Place first, then verify what was placed: the restore's own file holds the content
     # however the local tier's retention deletes the copy meanwhile (a newer commit of this
     # manager), so what is verified is exactly what the restore keeps.
-    linked = [_link_local(copy, entry, tmp) for entry in manifest.files]
+    linked = [_link_local(copy, entry, tmp, link) for entry in manifest.files]
     jobs = [fetch.FileJob(e, local=t) for e, t in zip(manifest.files, linked, strict=True)]
     verified = fetch.verify_local(engine, jobs, leaf_size=manifest.chunk_size)
     rest = []
@@ -351,10 +388,10 @@ def _download_rest(
             progress(n)
 
     started = time.perf_counter()
-    chunks.download(
+    download(
         engine,
         store,
-        record.ckpt + protocol.FILES_DIR,
+        record.ckpt + attempt_layout.FILES_DIR,
         rest,
         tmp,
         manifest.chunk_size,
@@ -366,6 +403,63 @@ def _download_rest(
     clock.verify_s += done - last
 
 
+def download_into(
+    store: Store,
+    engine: TransferEngine,
+    record: CheckpointRecord,
+    entries: Sequence[FileEntry],
+    into: Path,
+    chunk_size: int = digest.CHUNK_SIZE,
+    progress: ProgressCallback | None = None,
+) -> None:
+    """``entries`` of ``record`` downloaded, verified, into the new directory ``into``
+    (``cloudckpt.download``), their recorded modes applied once every file verified: the
+    one "download a checkpoint into a directory" of distributed restores, ``get`` and
+    ``export`` (``restore`` takes its local copies first, then downloads the rest the
+    same way). Raises CorruptionError, StoreError, OSError (FileExistsError: ``into``
+    exists)."""
+    into.mkdir()
+    download(
+        engine, store, record.ckpt + attempt_layout.FILES_DIR, entries, into, chunk_size, progress
+    )
+    apply_modes(into, entries)  # after every file verified
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """Which files of a checkpoint a restore writes: those matching an ``include``
+    pattern (all without one) and no ``exclude`` pattern (``reader.select_files``)."""
+
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.include or self.exclude)
+
+    def split(self, manifest: Manifest) -> tuple[Manifest, tuple[str, ...]]:
+        """(the manifest of the selected files, the paths left out); ``manifest`` itself
+        when nothing is left out.
+
+        Raises: CheckpointNotFoundError (patterns that select no file).
+        """
+        if not self.partial:
+            return manifest, ()
+        chosen, left = reader.select_files(manifest.files, self.include, self.exclude)
+        if not chosen and manifest.files:
+            names = [f.path for f in manifest.files]
+            shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            raise CheckpointNotFoundError(
+                f"no file of step {manifest.step} is selected (include: "
+                f"{' '.join(self.include) or 'everything'}; exclude: "
+                f"{' '.join(self.exclude) or 'nothing'})",
+                hint=f"Its files: {shown}",
+            )
+        if not left:
+            return manifest, ()
+        return dataclasses.replace(manifest, files=tuple(chosen)), tuple(f.path for f in left)
+
+
 def _download(
     store: Store,
     engine: TransferEngine,
@@ -374,19 +468,23 @@ def _download(
     progress: ProgressCallback | None,
     local: LocalCopies | None,
     clock: _Clock,
+    selection: Selection = Selection(),
+    link_local: bool = False,
 ) -> Manifest:
-    """Check ``record`` and download it, verified, into the new directory ``tmp`` (taking
-    the files of a local copy that verify from there). Raises CorruptionError,
-    UnsafePathError, StagingError (no space), StoreError."""
+    """Check ``record`` and download it (the files ``selection`` selects), verified, into
+    the new directory ``tmp`` (taking the files of a local copy that verify from there).
+    Returns the whole manifest. Raises CorruptionError, UnsafePathError, StagingError (no
+    space), StoreError; CheckpointNotFoundError (a selection of nothing)."""
     started = time.perf_counter()
     copy = local.find(record) if local is not None else None
-    manifest = copy.manifest(record) if copy is not None else None
-    if manifest is None:
-        manifest = fetch_manifest(store, record)
+    whole = copy.manifest(record) if copy is not None else None
+    if whole is None:
+        whole = fetch_manifest(store, record)
+    manifest, _ = selection.split(whole)  # only these are listed, read and checked
     clock.listing_s += time.perf_counter() - started
     try:
         tmp.mkdir()
-        rest = _from_local(engine, copy, manifest, tmp, clock)
+        rest = _from_local(engine, copy, manifest, tmp, clock, link_local)
         if rest:
             _download_rest(store, engine, record, manifest, rest, tmp, progress, clock)
         apply_modes(tmp, manifest.files)  # after every file verified
@@ -395,7 +493,7 @@ def _download(
         if full is None:
             raise
         raise full from exc
-    return manifest
+    return whole
 
 
 def _restore_one(
@@ -406,13 +504,19 @@ def _restore_one(
     progress: ProgressCallback | None,
     local: LocalCopies | None = None,
     clock: _Clock | None = None,
+    selection: Selection = Selection(),
+    link_local: bool = False,
 ) -> Manifest | reader.Damaged:
-    """Download ``record``, verified, beside ``dest`` and move it into place; or, if it is
-    damaged or missing, why (``dest`` untouched). Raises StagingError, StoreError."""
+    """Download ``record`` (the files ``selection`` selects), verified, beside ``dest``
+    and move it into place; or, if it is damaged or missing, why (``dest`` untouched).
+    Returns its whole manifest. Raises StagingError, StoreError, CheckpointNotFoundError
+    (a selection of nothing)."""
     clock = clock if clock is not None else _Clock()
     tmp = dest.with_name(f".{dest.name}.cloudckpt-tmp-{secrets.token_hex(4)}")
     try:
-        manifest = _download(store, engine, record, tmp, progress, local, clock)
+        manifest = _download(
+            store, engine, record, tmp, progress, local, clock, selection, link_local
+        )
         failpoint("restore.after_download")
         started = time.perf_counter()
         place(tmp, dest)
@@ -436,12 +540,26 @@ def restore(
     overwrite: bool = False,
     progress: ProgressCallback | None = None,
     local: LocalCopies | None = None,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    link_local: bool = False,
 ) -> RestoreResult:
     """Restore the newest intact checkpoint (or ``step``) into the directory ``into`` (a
     symbolic link to a directory restores into that directory and stays a link).
 
     ``local``: the local tier of the manager's staging directory; the files of a kept
-    copy of the chosen checkpoint that verify are linked from there, not downloaded.
+    copy of the chosen checkpoint that verify are taken from there, not downloaded: each
+    reflinked where the filesystem can (sharing blocks, copy-on-write), else copied, so
+    the restored files are independent of the kept copy and of other restores.
+    ``link_local``: hard-link them instead (no bytes written; but then a restored file IS
+    the kept copy: editing it in place changes the copy and every restore linked from it,
+    and a later restore from that copy finds it changed, downloads it and warns).
+
+    ``include`` / ``exclude``: glob patterns (``reader.matches``: a path, ``*.safetensors``,
+    ``tokenizer/``) for a partial restore: only the files that match an ``include`` (all
+    without one) and no ``exclude`` are read, each verified as in a whole restore; the
+    others are listed in ``RestoreResult.excluded``. A damaged selected file falls back
+    to the next older checkpoint; damage in a file left out is not looked for.
 
     A checkpoint that turns out missing because retention dropped it and GC collected it
     while this restore read it is not damage: LATEST is read again and its checkpoints
@@ -449,7 +567,9 @@ def restore(
 
     Raises:
         CheckpointNotFoundError: nothing is committed (or no retained checkpoint has
-            ``step``, or it was dropped and collected while it was being read).
+            ``step``, or it was dropped and collected while it was being read, or the
+            patterns select no file of it).
+        ConfigurationError: a pattern that is empty or not a string.
         CorruptionError: every candidate was damaged; ``exc.skipped`` says why each failed.
             The destination is untouched.
         DestinationNotEmptyError: ``into`` holds files and ``overwrite`` is False, or it is
@@ -459,6 +579,9 @@ def restore(
         StoreError: the store failed (after retries); the destination is untouched.
     """
     clock = _Clock()
+    selection = Selection(
+        reader.check_patterns(include, "include"), reader.check_patterns(exclude, "exclude")
+    )
     into = Path(into).expanduser().absolute()
     todo, from_records = reader.readable(store, step)
     dest = prepare_destination(into, overwrite)
@@ -468,15 +591,29 @@ def restore(
         store,
         todo,
         step,
-        lambda record: _restore_one(store, engine, record, dest, progress, local, clock),
+        lambda record: _restore_one(
+            store, engine, record, dest, progress, local, clock, selection, link_local
+        ),
         from_records=from_records,
     )
-    record, manifest = found.record, found.value
+    record, (manifest, excluded) = found.record, selection.split(found.value)
     if found.skipped:
         # Each skip was warned about as it happened (reader.first_intact).
         log.info(
             "restored step %d after skipping %d checkpoint(s)", record.step, len(found.skipped)
         )
+    return _result(into, found, manifest, excluded, clock)
+
+
+def _result(
+    into: Path,
+    found: reader.Intact[Any],
+    manifest: Manifest,
+    excluded: tuple[str, ...],
+    clock: _Clock,
+) -> RestoreResult:
+    """What ``restore`` reports of the checkpoint it placed at ``into``."""
+    record = found.record
     return RestoreResult(
         step=record.step,
         path=into,
@@ -491,4 +628,5 @@ def restore(
         bytes_downloaded=clock.downloaded,
         bytes_local=clock.local,
         timings=clock.timings(),
+        excluded=excluded,
     )

@@ -25,14 +25,21 @@ order):
 Metrics are user data: ``clean_metrics`` checks and normalises them for a record (NaN and
 infinities become the strings ``"nan"``, ``"inf"``, ``"-inf"``: canonical JSON has no
 NaN, and they must never rank as best).
+
+``RetentionPolicy.reasons`` says why each kept checkpoint is kept (``kept`` is its keys:
+one implementation for the commit, ``ls`` and ``ls --json``), and ``unranked`` warns when
+checkpoints record metrics but not the one keep-best ranks by (a mistyped name: they can
+never be kept as best, and GC deletes them once the other rules let them go).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import difflib
 import math
 import re
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
@@ -84,6 +91,23 @@ def parse_duration(text: str) -> float:
     return total
 
 
+def format_duration(seconds: float) -> str:
+    """``3600`` -> ``1h``, ``5400`` -> ``1h30m``, ``2592000`` -> ``30d``: in at most two
+    units (weeks only for whole weeks), as ``parse_duration`` reads them."""
+    s = max(round(seconds), 0)
+    if s and s % 604800 == 0:
+        return f"{s // 604800}w"
+    units = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
+    for i, (name, size) in enumerate(units):
+        if s >= size or name == "s":
+            head, rest = divmod(s, size)
+            sub = units[i + 1] if i + 1 < len(units) else None
+            if sub is not None and rest // sub[1]:
+                return f"{head}{name}{rest // sub[1]}{sub[0]}"
+            return f"{head}{name}"
+    raise AssertionError("unreachable")  # ("s" ends the loop)
+
+
 def _seconds(value: Any, what: str) -> int:
     """Whole seconds (>= 1) of a number or a duration string. Raises ConfigurationError."""
     try:
@@ -98,6 +122,9 @@ def _seconds(value: Any, what: str) -> int:
     if not math.isfinite(seconds) or round(seconds) < 1:
         raise ConfigurationError(f"{what} must be at least one second, got {value!r}")
     return round(seconds)
+
+
+_PERIOD_CLI_HINT = "Write PERIOD:WINDOW: --keep-period 1h:1d keeps one per hour for the last day"
 
 
 def periods(spec: Iterable[Any] | None) -> tuple[tuple[int, int], ...]:
@@ -121,14 +148,14 @@ def periods(spec: Iterable[Any] | None) -> tuple[tuple[int, int], ...]:
             raise ConfigurationError(
                 f"keep_periods: {item!r} is not a (period, window) pair",
                 hint='For one per hour for the last day: keep_periods=[("1h", "1d")]',
-            )
+            ).with_cli_hint(_PERIOD_CLI_HINT)
         period = _seconds(item[0], "keep_periods period")
         window = _seconds(item[1], "keep_periods window")
         if window < period:
             raise ConfigurationError(
                 f"keep_periods: the window ({window} s) is shorter than the period ({period} s)",
                 hint='Give (period, window), e.g. ("1h", "1d"): one per hour for the last day',
-            )
+            ).with_cli_hint(_PERIOD_CLI_HINT)
         out.add((period, window))
     if len(out) > MAX_PERIODS:
         raise ConfigurationError(f"keep_periods: at most {MAX_PERIODS} (period, window) pairs")
@@ -151,6 +178,11 @@ def _metric_number(name: str, value: Any) -> float | str:
         )
     try:
         number = float(value)
+    except OverflowError:  # an int beyond a float's range (10**400)
+        raise ConfigurationError(
+            f"metric {name!r} is too large for a float (beyond ±{sys.float_info.max:.3g})",
+            hint='Record it scaled (or its logarithm), or as float("inf") if it is unbounded',
+        ) from None
     except (TypeError, ValueError) as exc:
         raise ConfigurationError(
             f"metric {name!r} is not a single number ({exc})",
@@ -195,7 +227,8 @@ def logged_eval_metrics(log_history: Any, step: int) -> dict[str, float | str]:
     """The evaluation metrics (``eval_*`` numbers) a transformers ``Trainer`` logged at
     ``step``: its ``TrainerState.log_history``, as ``trainer_state.json`` holds it. What a
     checkpoint-N saved right after an evaluation at step N is recorded with. Malformed
-    entries are skipped (the file is the trainer's, not ours)."""
+    entries (not numbers, numbers beyond a float's range) are skipped: the file is the
+    trainer's, not ours, and a bad metric must not keep the checkpoint from uploading."""
     found: dict[str, Any] = {}
     for entry in log_history if isinstance(log_history, list) else ():
         if not isinstance(entry, dict) or entry.get("step") != step:
@@ -207,17 +240,29 @@ def logged_eval_metrics(log_history: Any, step: int) -> dict[str, float | str]:
                 and len(name) <= MAX_METRIC_NAME
                 and isinstance(value, (int, float))
                 and not isinstance(value, bool)
+                and _fits_a_float(value)
                 and len(found) < MAX_METRICS
             ):
                 found[name] = value
     return clean_metrics(found)
 
 
+def _fits_a_float(value: int | float) -> bool:
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
+
+
 def metric_value(metrics: Mapping[str, Any], name: str) -> float | None:
     """The finite value of metric ``name`` in a record's metrics, or None (missing, not a
-    number, NaN or infinite: such a checkpoint is never among the best)."""
+    number, NaN, infinite or beyond a float's range: such a checkpoint is never among the
+    best)."""
     value = metrics.get(name)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if not _fits_a_float(value):
         return None
     return float(value) if math.isfinite(value) else None
 
@@ -230,12 +275,59 @@ def _positive(name: str, value: Any) -> None:
         raise ConfigurationError(f"{name} must be a positive int or None, got {value!r}")
 
 
+_BEST_HINT = (
+    'Name it: best_metric="eval_loss" (recorded with each save: metrics={...}); '
+    'best_mode="min" (the default: lower is better) or "max"'
+)
+_BEST_CLI_HINT = (
+    "Name it: --best-metric eval_loss (recorded with each push: --metric eval_loss=VALUE); "
+    "--best-mode min (the default: lower is better) or max"
+)
+
+
+def _check_best(keep_best: int | None, metric: Any, mode: Any) -> None:
+    """keep_best, best_metric and best_mode as one unit (all set, or keep-best off).
+
+    Raises: ConfigurationError.
+    """
+    _positive("keep_best", keep_best)
+    if mode not in BEST_MODES:
+        raise ConfigurationError(f"best_mode must be 'min' or 'max', not {mode!r}")
+    if metric is not None and (
+        not isinstance(metric, str) or not metric or len(metric) > MAX_METRIC_NAME
+    ):
+        raise ConfigurationError(f"best_metric must be a metric name, not {metric!r}")
+    if keep_best is not None and metric is None:
+        raise ConfigurationError(
+            f"keep_best={keep_best} needs a metric: which one ranks the checkpoints",
+            hint=_BEST_HINT,
+        ).with_cli_hint(_BEST_CLI_HINT)
+    if keep_best is None and (metric is not None or mode != "min"):
+        raise _without_keep_best()
+
+
+def _without_keep_best() -> ConfigurationError:
+    """A metric or direction given without how many of the best to keep."""
+    return ConfigurationError(
+        "best_metric and best_mode need keep_best: how many of the best checkpoints to keep",
+        hint='E.g. keep_best=1, best_metric="eval_loss", best_mode="min"; keep_best=None '
+        "turns keep-best off",
+    ).with_cli_hint(
+        "E.g. --keep-best 1 --best-metric eval_loss --best-mode min; --keep-best 0 turns "
+        "keep-best off"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class RetentionPolicy:
     """Which committed checkpoints LATEST keeps (module docstring). Pins and the current
-    checkpoint are kept regardless.
+    checkpoint are kept regardless. The one declaration of the retention rules: the run
+    settings (``protocol.Settings``) extend it with the GC grace period, and every writer
+    builds its options with ``RetentionOptions.parse``.
 
-    Raises (constructor): ConfigurationError for an invalid combination.
+    Raises (constructor): ConfigurationError for an invalid rule or combination: each is
+    checked here, and only here (``RetentionOptions.parse`` adds the rule of options: a
+    metric or direction without keep_best).
     """
 
     keep_last: int | None = 3
@@ -246,24 +338,9 @@ class RetentionPolicy:
     keep_periods: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("keep_last", "keep_every", "keep_best"):
-            _positive(name, getattr(self, name))
-        if self.best_mode not in BEST_MODES:
-            raise ConfigurationError(f"best_mode must be 'min' or 'max', not {self.best_mode!r}")
-        metric = self.best_metric
-        if metric is not None and (
-            not isinstance(metric, str) or not metric or len(metric) > MAX_METRIC_NAME
-        ):
-            raise ConfigurationError(f"best_metric must be a metric name, not {metric!r}")
-        if (self.keep_best is None) != (metric is None) or (
-            self.keep_best is None and self.best_mode != "min"
-        ):
-            raise ConfigurationError(
-                "keep_best, best_metric and best_mode go together"
-                + (f" (keep_best={self.keep_best} names no metric)" if metric is None else ""),
-                hint='Say which metric and direction: keep_best=1, best_metric="eval_loss", '
-                'best_mode="min"; or keep_best=None to turn it off',
-            )
+        _positive("keep_last", self.keep_last)
+        _positive("keep_every", self.keep_every)
+        _check_best(self.keep_best, self.best_metric, self.best_mode)
         if periods(self.keep_periods) != tuple(self.keep_periods):
             raise ConfigurationError(
                 f"keep_periods {self.keep_periods!r} is not a sorted tuple of (period, window) "
@@ -279,20 +356,164 @@ class RetentionPolicy:
     def kept(
         self, current: Candidate | None, history: Sequence[Candidate], pinned: set[str]
     ) -> set[str]:
-        """The commit ids to keep among ``current`` + ``history`` (newest first)."""
+        """The commit ids to keep among ``current`` + ``history`` (newest first): those
+        ``reasons`` names."""
+        return set(self.reasons(current, history, pinned))
+
+    def reasons(
+        self, current: Candidate | None, history: Sequence[Candidate], pinned: set[str]
+    ) -> dict[str, list[str]]:
+        """Why each checkpoint to keep among ``current`` + ``history`` (newest first) is
+        kept: commit id -> the rules that keep it, in this order and wording: ``current``,
+        ``pinned``, ``last N`` (``all`` when keep_last is None), ``every K``, ``best by
+        METRIC``, ``one per PERIOD for WINDOW`` (``format_duration``). A checkpoint no rule
+        keeps is absent (retention drops it)."""
         candidates = ([current] if current is not None else []) + list(history)
-        keep = {r.commit_id for r in candidates if r.commit_id in pinned}
+        why: dict[str, list[str]] = {}
+
+        def add(records: Iterable[Candidate], reason: str) -> None:
+            for r in records:
+                why.setdefault(r.commit_id, []).append(reason)
+
         if current is not None:
-            keep.add(current.commit_id)
-        keep.update(r.commit_id for r in newest(candidates, self.keep_last))
+            add([current], "current")
+        add((r for r in candidates if r.commit_id in pinned), "pinned")
+        last = "all" if self.keep_last is None else f"last {self.keep_last}"
+        add(newest(candidates, self.keep_last), last)
         if self.keep_every is not None:
-            keep.update(r.commit_id for r in candidates if r.step % self.keep_every == 0)
+            every = self.keep_every
+            add((r for r in candidates if r.step % every == 0), f"every {every}")
         if self.keep_best is not None and self.best_metric is not None:
             ranked = best(candidates, self.best_metric, self.best_mode)
-            keep.update(r.commit_id for r in ranked[: self.keep_best])
+            add(ranked[: self.keep_best], f"best by {self.best_metric}")
         for period, window in self.keep_periods:
-            keep.update(r.commit_id for r in one_per_period(candidates, period, window))
-        return keep
+            add(
+                one_per_period(candidates, period, window),
+                f"one per {format_duration(period)} for {format_duration(window)}",
+            )
+        return why
+
+    def describe(self) -> list[str]:
+        """The rules, as ``ls`` prints them: ``keep_last 3``, ``keep_every 500``,
+        ``keep_best 1 by eval_loss (min)``, ``one per 1h for 1d``."""
+        out = ["keep_last all" if self.keep_last is None else f"keep_last {self.keep_last}"]
+        if self.keep_every is not None:
+            out.append(f"keep_every {self.keep_every}")
+        if self.keep_best is not None:
+            out.append(f"keep_best {self.keep_best} by {self.best_metric} ({self.best_mode})")
+        out += [
+            f"one per {format_duration(p)} for {format_duration(w)}" for p, w in self.keep_periods
+        ]
+        return out
+
+
+# --- the options a writer sets ------------------------------------------------------------
+
+
+class _Inherit:
+    """Default of a run setting: keep what the run's LATEST says (or the default for a new
+    run), so a writer that does not say otherwise never silently changes retention."""
+
+    def __repr__(self) -> str:
+        return "INHERIT"
+
+
+INHERIT: Any = _Inherit()
+
+#: The names of the retention rules (``CheckpointManager``'s retention options).
+POLICY_FIELDS: frozenset[str] = frozenset(f.name for f in dataclasses.fields(RetentionPolicy))
+
+
+@dataclasses.dataclass(frozen=True)
+class RetentionOptions:
+    """The retention a writer sets: ``policy`` holds the rules it was given; those named
+    in ``inherit`` keep the run's current values instead (a new run's: the defaults). The
+    manager, ``set_retention``, the CLI and the HF and Lightning integrations all build it
+    with ``parse``."""
+
+    policy: RetentionPolicy = RetentionPolicy()
+    inherit: frozenset[str] = POLICY_FIELDS
+
+    @classmethod
+    def parse(
+        cls,
+        *,
+        keep_last: Any = INHERIT,
+        keep_every: Any = INHERIT,
+        keep_best: Any = INHERIT,
+        best_metric: Any = INHERIT,
+        best_mode: Any = INHERIT,
+        keep_periods: Any = INHERIT,
+    ) -> RetentionOptions:
+        """The options as ``CheckpointManager`` takes them (INHERIT: not given).
+        keep_best, best_metric and best_mode are one unit: keep_best=None turns it off
+        (whatever the others say), keep_best=K sets all three (best_mode "min" unless
+        given), and a metric or mode without keep_best is refused.
+        keep_periods: ``periods`` (None: off).
+
+        Raises: ConfigurationError (an invalid rule or combination).
+        """
+        given = {
+            "keep_last": keep_last,
+            "keep_every": keep_every,
+            "keep_best": keep_best,
+            "best_metric": best_metric,
+            "best_mode": best_mode,
+            "keep_periods": keep_periods if keep_periods is INHERIT else periods(keep_periods),
+        }
+        if keep_best is INHERIT and (best_metric is not INHERIT or best_mode is not INHERIT):
+            raise _without_keep_best()  # else they would change the run's keep-best rule
+        if keep_best is None:
+            given.update(best_metric=None, best_mode="min")
+        elif keep_best is not INHERIT:
+            given.update(best_metric=None if best_metric is INHERIT else best_metric)
+            given.update(best_mode="min" if best_mode is INHERIT else best_mode)
+        explicit = {name: value for name, value in given.items() if value is not INHERIT}
+        policy = dataclasses.replace(RetentionPolicy(), **explicit)  # checks every rule
+        return cls(policy, POLICY_FIELDS - set(explicit))
+
+    def given(self) -> dict[str, Any]:
+        """The rules set, by name (as ``CheckpointManager`` and ``set_retention`` take them)."""
+        fields = dataclasses.fields(RetentionPolicy)
+        return {f.name: getattr(self.policy, f.name) for f in fields if f.name not in self.inherit}
+
+
+def unranked(
+    policy: RetentionPolicy, records: Sequence[Candidate], saved: Candidate | None = None
+) -> str | None:
+    """A warning when keep-best ranks by a metric that checkpoints lack although they
+    record metrics (a mistyped ``best_metric``: such a checkpoint can never be kept as one
+    of the best, so once the other rules let it go, GC deletes it), naming what they do
+    record; or None when nothing is amiss (no keep-best, or every checkpoint with metrics
+    has the ranked one; one without any metrics is not counted: a save between
+    evaluations). About ``saved`` alone when given (a save just committed), else about
+    every one of ``records`` (a run's retained checkpoints); a closer name is suggested
+    only when none of ``records`` has the ranked metric (else the ranking is right and
+    the checkpoint is the odd one out). The wording names no syntax (Python or CLI).
+    """
+    metric = policy.best_metric
+    if policy.keep_best is None or metric is None:
+        return None
+    judged = [saved] if saved is not None else list(records)
+    lacking = [r for r in judged if r.metrics and metric not in r.metrics]
+    if not lacking:
+        return None
+    names = sorted({name for r in lacking for name in r.metrics})
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    if saved is not None:
+        who = f"step {saved.step} records metrics without it ({shown}): it"
+    else:
+        who = (
+            f"{len(lacking)} of {len(records)} retained checkpoints record metrics without it "
+            f"({shown}): they"
+        )
+    close = difflib.get_close_matches(metric, names, n=1)
+    ranked_somewhere = any(metric in r.metrics for r in records)
+    guess = f"; did you mean {close[0]!r}?" if close and not ranked_somewhere else ""
+    return (
+        f"keep-best ranks checkpoints by {metric!r}, but {who} can never be kept as one of "
+        f"the best, and once the other rules let go of a checkpoint, GC deletes it{guess}"
+    )
 
 
 def newest(candidates: Sequence[Candidate], n: int | None) -> Sequence[Candidate]:

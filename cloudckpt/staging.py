@@ -3,6 +3,7 @@
 Layout under ``staging_dir``::
 
     .lock                         flock held by the one manager using this directory
+    dcp/<token>/                  a DCP writer's local files (cloudckpt.integrations.dcp)
     attempts/<attempt_id>/
         journal.json              the attempt's plan and state (atomic replace + fsync)
         files/...                 the checkpoint's files
@@ -15,6 +16,14 @@ started after a crash recovers ``durable`` attempts newer than the committed che
 (their files are complete and on disk, so uploading them loses nothing) and abandons the
 rest (an ``open`` attempt may be half-written by the caller; ``staged`` files may not have
 reached the disk before a power loss).
+
+Start-up deletes only what cloudckpt wrote: under ``attempts/`` (and the local tier's
+``committed/``, ``cloudckpt.localcopy``) a directory counts as cloudckpt's when its name has
+cloudckpt's form (an attempt id) and it holds nothing but cloudckpt's own entries
+(``ATTEMPT_ENTRIES``: a half-written attempt, whose journal never landed, is one); under
+``dcp/`` (a DCP writer's staging) when its name is a writer's 16-hex token. Anything else
+there is someone else's: the manager refuses the directory (``ConfigurationError``) and
+deletes nothing (``StagingArea.check_dedicated``).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import stat
 from collections.abc import Iterator
@@ -32,10 +42,25 @@ from pathlib import Path
 from typing import Any
 
 from cloudckpt.errors import ConfigurationError, StagingError
+from cloudckpt.formats import WRITTEN_BY, unknown_format
 
 log = logging.getLogger("cloudckpt.staging")
 
 OPEN, STAGED, DURABLE, COMMITTED, FAILED = "open", "staged", "durable", "committed", "failed"
+
+#: What cloudckpt writes into an attempt's directory: the journal (and its temporary file),
+#: the staged files, and what the local tier adds before it moves the attempt to
+#: ``committed/`` (``cloudckpt.localcopy``).
+ATTEMPT_ENTRIES = frozenset(
+    {"journal.json", "journal.json.tmp", "files", "copy.json", "MANIFEST.json"}
+)
+#: The journal's format. A journal without one was written before journals named theirs
+#: (the same content); one in a format this version does not know is a newer version's
+#: staged save: start-up refuses it (``UnknownFormatError``) rather than abandon it.
+JOURNAL_FORMAT = "cloudckpt.journal/1"
+JOURNAL_FORMATS_READ = (JOURNAL_FORMAT,)
+#: An attempt directory's name: ``attempt_layout.new_attempt_id``'s form.
+ATTEMPT_ID = re.compile(r"\d{8}T\d{9}Z-[0-9a-f]{8}")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -56,6 +81,61 @@ def holds_files(src: str | os.PathLike[str]) -> bool:
     """Whether the directory ``src`` (or one below it) holds at least one file, i.e.
     whether a snapshot of it would save anything."""
     return any(filenames for _, _, filenames in os.walk(src))
+
+
+#: Where a DCP writer (``cloudckpt.integrations.dcp``) stages a save: ``dcp/<token>/``,
+#: the token 16 random hex digits, the content DCP's own files.
+DCP_DIR = "dcp"
+DCP_TOKEN = re.compile(r"[0-9a-f]{16}")
+
+#: A place cloudckpt keeps its own directories in: (subdirectory of the staging root, the
+#: form of their names, the entries they may hold; None: any).
+Place = tuple[str, re.Pattern[str], frozenset[str] | None]
+ATTEMPTS: Place = ("attempts", ATTEMPT_ID, ATTEMPT_ENTRIES)
+DCP: Place = (DCP_DIR, DCP_TOKEN, None)
+
+
+def own_directory(path: Path, name: re.Pattern[str], entries: frozenset[str] | None) -> bool:
+    """Whether ``path`` is a directory cloudckpt wrote: not a link, named in cloudckpt's
+    form ``name``, holding nothing but ``entries`` (module docstring)."""
+    if path.is_symlink() or not path.is_dir() or not name.fullmatch(path.name):
+        return False
+    if entries is None:
+        return True
+    try:
+        return all(entry in entries for entry in os.listdir(path))
+    except OSError:
+        return False
+
+
+def foreign_entries(root: Path, place: Place) -> list[Path]:
+    """The entries of ``place`` under ``root`` that cloudckpt did not write
+    (``own_directory``), sorted; the place itself if it is not a directory; none if it does
+    not exist. Raises StagingError (it cannot be listed)."""
+    sub, name, entries = place
+    directory = root / sub
+    if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
+        return [directory]
+    try:
+        found = sorted(directory.iterdir())
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise _staging_error(exc, f"list {directory}") from None
+    return [path for path in found if not own_directory(path, name, entries)]
+
+
+def remove_own(root: Path, place: Place) -> None:
+    """Delete the directories of ``place`` under ``root`` that cloudckpt wrote; nothing
+    else."""
+    sub, name, entries = place
+    try:
+        found = list((root / sub).iterdir())
+    except OSError:
+        return
+    for path in found:
+        if own_directory(path, name, entries):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclasses.dataclass
@@ -82,6 +162,8 @@ class Attempt:
         self.extra.update(extra)
         body = json.dumps(
             {
+                "format": JOURNAL_FORMAT,
+                "written_by": WRITTEN_BY,
                 "id": self.id,
                 "step": self.step,
                 "metadata": self.metadata,
@@ -187,6 +269,32 @@ class StagingArea:
                 hint="Give each training process (each rank) its own staging_dir",
             ) from None
 
+    def check_dedicated(self, *more: Place) -> None:
+        """Refuse a staging directory holding entries cloudckpt did not write where it
+        keeps its own: ``attempts/``, ``dcp/`` and each place of ``more`` (the local
+        tier's ``committed/``). Nothing is deleted; the lock is released.
+
+        Raises: ConfigurationError (foreign entries), StagingError (cannot list).
+        """
+        try:
+            found = [
+                p for place in (ATTEMPTS, DCP, *more) for p in foreign_entries(self.root, place)
+            ]
+        except StagingError:
+            self.close()
+            raise
+        if not found:
+            return
+        self.close()
+        shown = ", ".join(str(p.relative_to(self.root)) for p in found[:3])
+        more_text = f" and {len(found) - 3} more" if len(found) > 3 else ""
+        raise ConfigurationError(
+            f"staging directory {self.root} holds files cloudckpt did not write where it "
+            f"keeps its own ({shown}{more_text}); nothing was deleted",
+            hint="Choose a dedicated staging directory (a new or empty one that only "
+            "cloudckpt uses), or move those files out of it",
+        )
+
     def close(self) -> None:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
@@ -246,10 +354,25 @@ class StagingArea:
             log.info("copied %d files of %s (staging_dir is on another filesystem)", copied, src)
 
     def journaled(self) -> Iterator[Attempt]:
-        """Attempts left by an earlier process, oldest first."""
+        """Attempts left by an earlier process, oldest first; one that is cloudckpt's but
+        has no readable journal (half-written) is removed. Entries cloudckpt did not write
+        are left alone (``check_dedicated`` refuses them first).
+
+        Raises UnknownFormatError: a journal in a format a newer cloudckpt wrote (its
+        attempt is left as it is)."""
         for path in sorted(self.attempts_dir.iterdir()):
+            if not own_directory(path, ATTEMPT_ID, ATTEMPT_ENTRIES):
+                continue
             try:
                 body = json.loads((path / "journal.json").read_bytes())
+                fmt = body.get("format", JOURNAL_FORMAT)
+                if fmt not in JOURNAL_FORMATS_READ:
+                    raise unknown_format(
+                        f"the staging journal {path / 'journal.json'}",
+                        fmt,
+                        JOURNAL_FORMATS_READ,
+                        body,
+                    )
                 yield Attempt(
                     path,
                     body["id"],
@@ -259,6 +382,6 @@ class StagingArea:
                     body.get("extra", {}),
                     body.get("metrics", {}),
                 )
-            except (OSError, ValueError, KeyError, TypeError):
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 log.warning("abandoning unreadable staging attempt %s", path.name)
                 shutil.rmtree(path, ignore_errors=True)

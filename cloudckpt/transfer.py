@@ -1,4 +1,4 @@
-"""The transfer engine: parallel multipart uploads and parallel ranged downloads.
+"""The transfer engine: parallel multipart uploads, and the workers ranged downloads run on.
 
 Uploads: each file above ``multipart_threshold`` goes up in parts sized from the file size
 within S3's limits (5 MiB..5 GiB, at most 10,000 parts), always a multiple of the 8 MiB
@@ -11,15 +11,13 @@ store verifies. A part of exactly one chunk (the default size)
 has its leaf registered as its SHA-256 (``digest.known_sha256``): a store that signs
 payloads (S3 over plain HTTP) uses it instead of hashing the bytes a second time.
 
-Downloads: files are fetched in chunk-aligned ranges by the same number of workers, read
-straight into reused buffers where the store can (``get_range_into``), hashed there and
-written with ``pwrite`` into preallocated files. The worker that writes a file's last range
-checks the file's digest and fsyncs it, so flushing one file overlaps downloading the
-others; a file counts only when every leaf matches its recorded digest.
+Downloads: the workers, the retry policy and the short-read rule (``read_exact``) every
+verified read uses; the downloads themselves are ``cloudckpt.download`` (into a directory)
+and ``cloudckpt.fetch`` (into memory).
 
 Memory in flight is bounded by ``concurrency x part_size`` (uploads) and ``concurrency x
-range_size`` (downloads). Download buffers are kept between transfers (fresh memory costs a
-page fault per 4 KiB on first touch); ``close()`` frees them.
+range_size`` (downloads). Buffers are kept between transfers (``BufferPool``: fresh memory
+costs a page fault per 4 KiB on first touch); ``close()`` frees them.
 
 Retries: transient errors and checksum mismatches are retried with backoff; part uploads
 and fresh-prefix puts are idempotent, so a lost answer is retried too.
@@ -35,16 +33,17 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from cloudckpt import digest
 from cloudckpt.errors import (
     CloudCkptError,
-    CorruptionError,
     ObjectNotFoundError,
     StagingError,
+    TransientStoreError,
 )
 from cloudckpt.failpoints import hit as failpoint
-from cloudckpt.protocol import FileEntry
+from cloudckpt.manifests import FileEntry
 from cloudckpt.retry import IDEMPOTENT_RETRY, SAFE_TO_RETRY, call_with_retries
 from cloudckpt.stores import OVERWRITE, MultipartUpload, PartInfo, Store, crc32c_b64
 
@@ -74,7 +73,49 @@ class TransferConfig:
             raise ValueError("concurrency must be >= 1")
 
 
-def _round_up(n: int, multiple: int) -> int:
+def read_exact(
+    retry: Callable[[Callable[[], int], str], int],
+    store: Store,
+    key: str,
+    start: int,
+    view: memoryview,
+) -> int:
+    """Read ``len(view)`` bytes of ``key`` from ``start`` into ``view`` (the store's
+    ``get_range_into``) with ``retry``; return how many arrived. Callers ask
+    for bytes a manifest says exist, so a short answer is read again, within the same
+    retry budget: a response cut short that the store did not notice is not a short
+    object. Only an answer short every time, of an object whose stored size (HEAD) ends
+    before the range, comes back short (the caller then judges the object damaged).
+    Raises StoreError (ObjectNotFoundError, TransientStoreError once the retries are
+    spent, or when the object holds the bytes every answer cut short)."""
+    short: list[int | None] = [None]  # the last try's count, if it came back short
+
+    def once() -> int:
+        short[0] = None
+        got = store.get_range_into(key, start, view)
+        if got < len(view):
+            short[0] = got
+            raise TransientStoreError(f"{store.url}{key}: {got} of {len(view)} bytes")
+        return got
+
+    try:
+        return int(retry(once, f"download {key}"))
+    except TransientStoreError:
+        if short[0] is None:
+            raise
+        got = short[0]
+    # Short every time. Judge the object, not the answers: only an object whose stored size
+    # ends before this range is short; one that holds the bytes had its answers cut.
+    size = int(retry(lambda: store.head(key).size, f"stat {key}"))
+    if size >= start + len(view):
+        raise TransientStoreError(
+            f"{store.url}{key}: every answer held {got} of the {len(view)} bytes asked for, "
+            f"although the object holds {size}: the store or a proxy cut the answers short"
+        )
+    return got
+
+
+def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
@@ -83,7 +124,7 @@ def choose_part_size(size: int, store: Store, preferred: int) -> int:
     store's minimum, and large enough to stay within its part-count limit."""
     caps = store.capabilities
     part = max(preferred, caps.min_part_size, -(-size // caps.max_parts))
-    part = _round_up(part, digest.CHUNK_SIZE)
+    part = round_up(part, digest.CHUNK_SIZE)
     if part > caps.max_part_size:
         raise StagingError(
             f"a {size}-byte file needs parts over the store's {caps.max_part_size}-byte limit",
@@ -104,7 +145,9 @@ class _Stat:
         return cls(st.st_size, st.st_mtime_ns, st.st_ino)
 
 
-class _Progress:
+class Progress:
+    """A progress callback for parallel workers: called under a lock, never with 0."""
+
     def __init__(self, callback: ProgressCallback | None) -> None:
         self._callback = callback
         self._lock = threading.Lock()
@@ -115,24 +158,31 @@ class _Progress:
                 self._callback(n)
 
 
-class _BufferPool:
-    """Buffers reused across parts, ranges and transfers, up to ``keep`` of them."""
+B = TypeVar("B", bytearray, memoryview)
 
-    def __init__(self, keep: int) -> None:
+
+class BufferPool(Generic[B]):
+    """Buffers reused across reads, parts and transfers (fresh memory costs a page fault
+    per 4 KiB on first touch): the one pool uploads, downloads and verified reads into
+    memory take their buffers from. ``make(size)`` makes a new one (pinned host memory
+    for a GPU); at most ``keep`` are kept (None: every one given back)."""
+
+    def __init__(self, make: Callable[[int], B], keep: int | None = None) -> None:
+        self._make: Callable[[int], B] = make
         self._keep = keep
-        self._free: list[bytearray] = []
+        self._free: list[B] = []
         self._lock = threading.Lock()
 
-    def take(self, size: int) -> bytearray:
+    def take(self, size: int) -> B:
         with self._lock:
             for i in range(len(self._free) - 1, -1, -1):
                 if len(self._free[i]) == size:
                     return self._free.pop(i)
-        return bytearray(size)
+        return self._make(size)
 
-    def give(self, buf: bytearray) -> None:
+    def give(self, buf: B) -> None:
         with self._lock:
-            if len(self._free) < self._keep:
+            if self._keep is None or len(self._free) < self._keep:
                 self._free.append(buf)
 
     def clear(self) -> None:
@@ -244,44 +294,26 @@ class MemoryFile:
         return True
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def create_sized(dest: Path, path: str, size: int) -> Path:
-    """Create the new file ``path`` (``/``-separated) under ``dest``, ``size`` bytes long
-    (sparse), for ranges to be written into. Raises OSError, FileExistsError included:
-    O_EXCL never writes through something that already exists (a planted link)."""
-    target = dest.joinpath(*path.split("/"))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        os.ftruncate(fd, size)
-    finally:
-        os.close(fd)
-    return target
-
-
 class TransferEngine:
     """A pool of transfer workers shared by the saves and restores of one manager."""
 
-    def __init__(self, config: TransferConfig | None = None) -> None:
+    def __init__(
+        self, config: TransferConfig | None = None, *, executor: cf.Executor | None = None
+    ) -> None:
+        """``executor``: the workers (default: ``config.concurrency`` threads); the
+        simulation passes one that runs each call at once."""
         self.config = config or TransferConfig()
-        # (any Executor: the simulation swaps in one that runs each call at once)
-        self._pool: cf.Executor = cf.ThreadPoolExecutor(
+        self._pool: cf.Executor = executor or cf.ThreadPoolExecutor(
             self.config.concurrency, thread_name_prefix="cloudckpt-transfer"
         )
-        self._buffers = _BufferPool(self.config.concurrency)
-        self._part_buffers = _BufferPool(self.config.concurrency)
+        # Download buffers (cloudckpt.download), kept between transfers.
+        self.buffers = BufferPool(bytearray, self.config.concurrency)
+        self._part_buffers = BufferPool(bytearray, self.config.concurrency)
 
     def close(self, *, wait: bool = True) -> None:
         """Stop the workers; with ``wait=False`` do not wait for the ones still running."""
         self._pool.shutdown(wait=wait, cancel_futures=True)
-        self._buffers.clear()
+        self.buffers.clear()
         self._part_buffers.clear()
 
     def __enter__(self) -> TransferEngine:
@@ -307,6 +339,10 @@ class TransferEngine:
         """Call ``fn`` with this engine's retry policy for store calls."""
         return self._retry(fn, what, idempotent)
 
+    def read_exact(self, store: Store, key: str, start: int, view: memoryview) -> int:
+        """``read_exact`` with this engine's retries."""
+        return read_exact(self._retry, store, key, start, view)
+
     @contextlib.contextmanager
     def reading(self, source: Path | MemoryFile, offset: int, length: int) -> Iterator[memoryview]:
         """The ``length`` bytes of ``source`` at ``offset``, for the block's duration: a view
@@ -316,7 +352,7 @@ class TransferEngine:
             yield source.view(offset, length)
             return
         size = max(length, self.config.part_size)
-        buf = self._part_buffers.take(_round_up(size, digest.CHUNK_SIZE))
+        buf = self._part_buffers.take(round_up(size, digest.CHUNK_SIZE))
         view = memoryview(buf)[:length]
         try:
             read_into(source, offset, view)
@@ -370,7 +406,7 @@ class TransferEngine:
             StagingError: a local file is unreadable or changed during the upload.
             StoreError: the store failed after retries.
         """
-        report = _Progress(progress)
+        report = Progress(progress)
         jobs: list[_FileUpload] = []
         try:
             for rel, path in files:
@@ -382,7 +418,7 @@ class TransferEngine:
             raise
 
     def _start_file(
-        self, store: Store, key: str, rel: str, path: Path | MemoryFile, report: _Progress
+        self, store: Store, key: str, rel: str, path: Path | MemoryFile, report: Progress
     ) -> _FileUpload:
         try:
             before = _Stat(path.size, 0, 0) if isinstance(path, MemoryFile) else _Stat.of(path)
@@ -392,108 +428,6 @@ class TransferEngine:
         upload = _FileUpload(self, store, key, rel, path, before, report)
         upload.start(multipart)
         return upload
-
-    # -- download -----------------------------------------------------------------------
-
-    def download_files(
-        self,
-        store: Store,
-        prefix: str,
-        entries: Sequence[FileEntry],
-        dest: Path,
-        chunk_size: int = digest.CHUNK_SIZE,
-        progress: ProgressCallback | None = None,
-    ) -> None:
-        """Download ``entries`` from under ``prefix`` into the directory ``dest``, verifying
-        every byte against the manifest. Paths must already be validated as safe. Every
-        file is fsynced once verified.
-
-        Raises:
-            CorruptionError: a file is missing, has the wrong size, or fails its digest.
-            StoreError: the store failed after retries.
-        """
-        report = _Progress(progress)
-        range_size = _round_up(self.config.range_size, chunk_size)
-        tasks: list[cf.Future] = []
-        for entry in entries:
-            target = create_sized(dest, entry.path, entry.size)
-            download = _FileDownload(prefix + entry.path, entry, target, chunk_size)
-            if entry.size == 0:
-                download.finish()  # no ranges: check the digest of nothing now
-                continue
-            for offset in range(0, entry.size, range_size):
-                length = min(range_size, entry.size - offset)
-                tasks.append(
-                    self._pool.submit(self._download_range, store, download, offset, length, report)
-                )
-        self._wait_all(tasks)
-
-    def _download_range(
-        self,
-        store: Store,
-        file: _FileDownload,
-        offset: int,
-        length: int,
-        report: _Progress,
-    ) -> None:
-        key, entry, chunk_size = file.key, file.entry, file.chunk_size
-        into = getattr(store, "get_range_into", None)
-        buf = self._buffers.take(_round_up(self.config.range_size, chunk_size))
-        try:
-            view = memoryview(buf)[:length]
-            try:
-                if into is not None:
-                    got = self._retry(lambda: into(key, offset, view), f"download {key}")
-                else:
-                    data = self._retry(
-                        lambda: store.get_range(key, offset, length), f"download {key}"
-                    )
-                    got = min(len(data), length)
-                    view[:got] = data[:got]
-            except ObjectNotFoundError:
-                raise CorruptionError(f"{key} is missing from the store") from None
-            if got != length:
-                raise CorruptionError(
-                    f"{key} is shorter than the {entry.size} bytes its manifest records"
-                )
-            leaves = digest.leaves_of(view, chunk_size)
-            failpoint("restore.after_range")
-            fd = os.open(file.target, os.O_WRONLY)
-            try:
-                written = 0
-                while written < length:
-                    written += os.pwrite(fd, view[written:], offset + written)
-            finally:
-                os.close(fd)
-            view.release()
-        finally:
-            self._buffers.give(buf)
-        report(length)
-        if file.add(offset // chunk_size, leaves):
-            file.finish()
-
-
-class _FileDownload:
-    """One file being downloaded: its leaves as ranges arrive; the worker that adds the
-    last range verifies the file and fsyncs it."""
-
-    def __init__(self, key: str, entry: FileEntry, target: Path, chunk_size: int) -> None:
-        self.key, self.entry, self.target, self.chunk_size = key, entry, target, chunk_size
-        self.leaves: list = [None] * -(-entry.size // chunk_size)
-        self._missing = len(self.leaves)
-        self._lock = threading.Lock()
-
-    def add(self, first: int, leaves: list[bytes]) -> bool:
-        """Record the leaves of a range; True for the call that completes the file."""
-        with self._lock:
-            self.leaves[first : first + len(leaves)] = leaves
-            self._missing -= len(leaves)
-            return self._missing == 0
-
-    def finish(self) -> None:
-        if digest.root(self.leaves, self.entry.size, self.chunk_size) != self.entry.digest:
-            raise CorruptionError(f"{self.key} does not match its digest")
-        _fsync_path(self.target)
 
 
 class _FileUpload:
@@ -507,7 +441,7 @@ class _FileUpload:
         rel: str,
         path: Path | MemoryFile,
         before: _Stat,
-        report: _Progress,
+        report: Progress,
     ) -> None:
         self.engine, self.store, self.key, self.rel, self.path = engine, store, key, rel, path
         self.before, self.report = before, report
@@ -535,7 +469,7 @@ class _FileUpload:
     def _single(self) -> tuple[list[bytes], None]:
         with self.engine.reading(self.path, 0, self.before.size) as data:
             leaves = digest.leaves_of(data)
-            known = digest.known_sha256(data, leaves[0]) if len(leaves) == 1 else nullcontext()
+            known = digest.known_leaf(data, leaves[0]) if len(leaves) == 1 else nullcontext()
             with known:
                 self.engine._retry(
                     lambda: self.store.put(self.key, data, mode=OVERWRITE), f"upload {self.key}"
@@ -550,8 +484,8 @@ class _FileUpload:
         with self.engine.reading(self.path, offset, length) as data:
             leaves = digest.leaves_of(data)
             crc = crc32c_b64(data)
-            # A one-chunk part's leaf is its SHA-256: a payload-signing store reuses it.
-            known = digest.known_sha256(data, leaves[0]) if len(leaves) == 1 else nullcontext()
+            # A one-chunk SHA-256 part's leaf is its SHA-256: a payload-signing store reuses it.
+            known = digest.known_leaf(data, leaves[0]) if len(leaves) == 1 else nullcontext()
             with known:
                 part = self.engine._retry(
                     lambda: self.store.upload_part(upload, number, data, crc32c=crc),

@@ -14,6 +14,10 @@ What is checked, in order (docs/design.md §9: I1, I2 and I9):
 5. With ``all``: every ``commits/`` record passes its self-check, and every pin names a
    retained checkpoint.
 
+Besides damage, it warns (``warnings``: not damage, the exit status is unchanged) about
+retained checkpoints that record metrics but not the one keep-best ranks by
+(``retention.unranked``: a mistyped metric name makes GC delete the best checkpoint).
+
 Network failures are not damage: they raise (``StoreError``) rather than mark a checkpoint
 damaged, so a blip never makes a good checkpoint look bad.
 """
@@ -23,11 +27,10 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
-from cloudckpt import chunks, digest, protocol
+from cloudckpt import attempt_layout, chunks, digest, protocol
 from cloudckpt.committer import read_latest, run_has_data
 from cloudckpt.errors import (
     CheckpointNotFoundError,
@@ -35,10 +38,12 @@ from cloudckpt.errors import (
     ObjectNotFoundError,
     UnsafePathError,
 )
-from cloudckpt.protocol import CheckpointRecord, CorruptRecordError, FileEntry, Latest, Manifest
+from cloudckpt.manifests import FileEntry, Manifest
+from cloudckpt.protocol import CheckpointRecord, CorruptRecordError, Latest
 from cloudckpt.reader import check_chunk_objects, fetch_manifest, load_latest_for_reading
-from cloudckpt.retry import call_with_retries
+from cloudckpt.retention import unranked
 from cloudckpt.stores import Store
+from cloudckpt.transfer import Progress, TransferConfig, TransferEngine
 
 log = logging.getLogger("cloudckpt.verify")
 
@@ -91,6 +96,7 @@ class VerifyReport:
     commit_records_checked: int = 0
     commit_records_damaged: list[str] = dataclasses.field(default_factory=list)
     problems: list[str] = dataclasses.field(default_factory=list)  # run-level, besides LATEST
+    warnings: list[str] = dataclasses.field(default_factory=list)  # not damage (module doc)
 
     @property
     def ok(self) -> bool:
@@ -125,6 +131,7 @@ class VerifyReport:
                 "damaged": list(self.commit_records_damaged),
             },
             "problems": list(self.problems),
+            "warnings": list(self.warnings),
         }
 
 
@@ -159,7 +166,7 @@ def _check_listing(
             check_chunk_objects(store, manifest, record.step)
         except CorruptionError as exc:
             check.damaged(exc.message)
-    prefix = record.ckpt + protocol.FILES_DIR
+    prefix = record.ckpt + attempt_layout.FILES_DIR
     plain = [e for e in manifest.files if e.chunks is None]
     sizes = {o.key[len(prefix) :]: o.size for o in store.list(prefix)} if plain else {}
     for entry in plain:
@@ -179,10 +186,13 @@ def _check_ranges(
     entry: FileEntry, ranges: list[cf.Future[list[bytes]]], chunk: int, check: CheckpointCheck
 ) -> None:
     """Wait for a plain file's range reads; record what is missing, short or wrong."""
-    leaves: list[bytes] = []
+    leaves = digest.LeafDigests(entry.size, entry.digest, chunk, entry.algorithm, len(ranges))
+    first = 0
     try:
         for f in ranges:
-            leaves.extend(f.result())
+            got = f.result()
+            leaves.add(first, got)
+            first += len(got)
     except ObjectNotFoundError:
         check.damaged(f"{entry.path} is missing")
         return
@@ -190,32 +200,41 @@ def _check_ranges(
         check.damaged(f"{entry.path} is shorter than its recorded {entry.size} bytes")
         return
     check.bytes_read += entry.size
-    if digest.root(leaves, entry.size, chunk) != entry.digest:
+    if not leaves.root_ok():
         check.damaged(f"{entry.path}: content does not match its digest")
 
 
 class _Hasher:
-    """Reads files back in chunk-aligned ranges on a thread pool and checks their digests."""
+    """Reads files back in chunk-aligned ranges and checks their digests, keeping nothing,
+    on a transfer engine of its own: the workers, retries, short-read rule
+    (``transfer.read_exact``) and reused buffers every verified read uses."""
 
     def __init__(self, concurrency: int, range_size: int, progress: Callable[[int], None] | None):
-        self._pool = cf.ThreadPoolExecutor(concurrency, thread_name_prefix="cloudckpt-verify")
+        config = TransferConfig(concurrency=concurrency, range_size=range_size)
+        self._engine = TransferEngine(config)
         self._range_size = range_size
-        self._progress = progress
-        self._lock = threading.Lock()
+        self._progress = Progress(progress)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._engine.close()
 
-    def _read(self, store: Store, key: str, offset: int, length: int, chunk: int) -> list[bytes]:
-        data = call_with_retries(
-            lambda: store.get_range(key, offset, length), what=f"read {key} for verify"
-        )
-        if len(data) != length:
-            raise _Short(len(data))
-        leaves = digest.leaves_of(data, chunk)
-        if self._progress is not None:
-            with self._lock:
-                self._progress(length)
+    def _read(
+        self, store: Store, key: str, offset: int, length: int, chunk: int, algorithm: str
+    ) -> list[bytes]:
+        """The leaf digests of ``length`` bytes of ``key`` at ``offset``. Raises _Short,
+        ObjectNotFoundError, StoreError."""
+        step = max(chunk, self._range_size // chunk * chunk)
+        buf = self._engine.buffers.take(step)
+        try:
+            view = memoryview(buf)[:length]
+            got = self._engine.read_exact(store, key, offset, view)
+            if got != length:
+                raise _Short(got)
+            leaves = digest.leaves_of(view, chunk, algorithm)
+            view.release()
+        finally:
+            self._engine.buffers.give(buf)
+        self._progress(length)
         return leaves
 
     def check(
@@ -223,15 +242,21 @@ class _Hasher:
     ) -> None:
         chunk = manifest.chunk_size
         step = max(chunk, self._range_size // chunk * chunk)
-        prefix = record.ckpt + protocol.FILES_DIR
+        prefix = record.ckpt + attempt_layout.FILES_DIR
         jobs: list[tuple[FileEntry, _Job]] = []
         for entry in manifest.files:
             if entry.chunks is not None:
-                jobs.append((entry, self._pool.submit(self._chunked, store, entry)))
+                jobs.append((entry, self._engine.submit(self._chunked, store, entry)))
                 continue
             ranges = [
-                self._pool.submit(
-                    self._read, store, prefix + entry.path, off, min(step, entry.size - off), chunk
+                self._engine.submit(
+                    self._read,
+                    store,
+                    prefix + entry.path,
+                    off,
+                    min(step, entry.size - off),
+                    chunk,
+                    entry.algorithm,
                 )
                 for off in range(0, entry.size, step)
             ]
@@ -253,18 +278,9 @@ class _Hasher:
     def _chunked(self, store: Store, entry: FileEntry) -> list[str]:
         """Every chunk of a chunked file read back and checked (one at a time: this runs
         on a pool worker itself)."""
-        problems = chunks.read_and_check(_Inline(), store, entry)
-        if self._progress is not None:
-            with self._lock:
-                self._progress(entry.size)
+        problems = chunks.read_and_check(self._engine, store, entry)
+        self._progress(entry.size)
         return problems
-
-
-class _Inline:
-    """The engine call ``chunks.read_and_check`` makes: retries, in the calling thread."""
-
-    def retry(self, fn, what, idempotent=True):
-        return call_with_retries(fn, what=what)
 
 
 class _Short(Exception):
@@ -301,6 +317,8 @@ def verify_run(
         seq=latest.seq,
         writer_epoch=latest.writer.epoch,
     )
+    warning = unranked(latest.settings.retention, latest.retained())
+    report.warnings += [warning] if warning is not None else []
     records = latest.retained() if all else latest.retained()[:1]
     hasher = _Hasher(concurrency, range_size, progress) if read_data else None
     try:

@@ -5,43 +5,8 @@ watcher polls that directory, decides when each checkpoint is *complete*, snapsh
 hard links (so the trainer may rotate it away at once) and hands it to a
 ``CheckpointManager``, which uploads and commits it. No change to the training code.
 
-A checkpoint is taken as soon as the framework's own last write shows it complete (read
-from the installed transformers 5, Lightning 2.6 and accelerate 1.x sources); waiting for
-files to stay unchanged is only a fallback where no such write exists:
-
-``checkpoint-N/`` (Hugging Face ``Trainer``; step N)
-    ``trainer_state.json`` exists and parses. ``Trainer._save_checkpoint`` writes the model,
-    ``training_args.bin``, optimizer, scheduler, scaler and RNG state, then
-    ``trainer_state.json``, and only then rotates *older* checkpoints
-    (``save_total_limit``). With one process (``rng_state.pth``) that is final. With
-    several, every rank writes its own ``rng_state_K.pth`` with no barrier after it, so the
-    files must also be unchanged for ``settle`` seconds (and ranks 0..K all present).
-``*.ckpt`` files (Lightning ``ModelCheckpoint``; the step comes from ``step=S``)
-    A complete zip archive. Lightning's ``_atomic_save`` serialises into memory and writes
-    through an fsspec transaction: a temporary file renamed into place on one filesystem,
-    copied into place across filesystems; ``torch.save``'s zip central directory comes
-    last, so a partial copy is never readable. A ``.ckpt`` that is not a zip archive
-    (legacy format) needs ``settle``. Names without ``step=`` (``last.ckpt``) are skipped.
-``*.ckpt/`` directories (Lightning FSDP / model-parallel sharded checkpoints)
-    ``meta.pt`` is a complete zip: rank 0 writes it after ``torch.distributed.checkpoint``
-    finished every shard and ``.metadata`` (which alone is not enough).
-``checkpoint_N/`` in the directory or in its ``checkpoints/`` (``accelerate`` with
-``automatic_checkpoint_naming``; step N)
-    accelerate writes no completion marker. Its ``save_state`` writes weights, optimizer,
-    scheduler, sampler and scaler, then every process its own ``random_states_K.pkl``,
-    then the main process any ``custom_checkpoint_K.pkl``. Complete when
-    ``checkpoint_{N+1}`` exists (accelerate creates it only after a barrier every process
-    reaches once done with N), else when ``random_states_0.pkl`` is a complete zip, ranks
-    0..K are all present and the files are unchanged for ``settle``. N is accelerate's save
-    counter (``ProjectConfiguration.iteration``), not the optimizer step: accelerate
-    records no training step (the ``step`` in ``random_states_K.pkl`` is its gradient
-    accumulation counter, reset every epoch).
-any other directory with a marker file (default ``.complete``)
-    The writer's own "done" signal. The step is the marker's content (an integer, or JSON
-    with ``"step"``) or else the number the directory name ends with.
-any directory whose name ends with a number, quiet for ``quiet_period`` (opt-in only)
-    ``accept_quiet_dirs=True``. Beware: a writer killed half-way leaves a directory that is
-    quiet forever, and this rule would commit it. Prefer markers.
+A checkpoint is taken as soon as the framework's own last write shows it complete; the
+layouts and their rules are in ``cloudckpt.watch_layouts``.
 
 Every rule also requires that no file vanished since the previous look (a directory being
 deleted by rotation is never taken half-deleted). Files in the watched tree that belong to
@@ -70,64 +35,35 @@ import errno
 import json
 import logging
 import os
-import re
 import shutil
 import threading
 import time
-import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from cloudckpt.committer import read_latest, refuse_foreign_data, run_has_data
 from cloudckpt.errors import CloudCkptError, ConfigurationError, FencedError, NeedsRepairError
-from cloudckpt.manager import CheckpointManager, SaveHandle
+from cloudckpt.manager import CheckpointManager, ManagerBase
 from cloudckpt.protocol import CorruptRecordError, Latest
 from cloudckpt.retention import logged_eval_metrics
+from cloudckpt.savequeue import SaveHandle
 from cloudckpt.stores import Store, open_store
+from cloudckpt.watch_layouts import (
+    DS_LATEST,
+    Candidate,
+    Signature,
+    Verdict,
+    find_candidates,
+    judge_candidate,
+)
 
 log = logging.getLogger("cloudckpt.watch")
 
-HF_DIR = re.compile(r"^checkpoint-(\d+)$")
-HF_STATE = "trainer_state.json"
-HF_SINGLE_RNG = "rng_state.pth"  # world_size <= 1
-HF_RANK_RNG = re.compile(r"^rng_state_(\d+)\.pth$")  # one per process otherwise
-ACCELERATE_DIR = re.compile(r"^checkpoint_(\d+)$")
-ACCELERATE_PARENT = "checkpoints"  # ProjectConfiguration(automatic_checkpoint_naming=True)
-ACCELERATE_RNG = re.compile(r"^random_states_(\d+)\.pkl$")
-LIGHTNING_STEP = re.compile(r"(?:^|[-_])step=(\d+)")
-LIGHTNING_META = "meta.pt"
-TRAILING_NUMBER = re.compile(r"(\d+)$")
-TEMP_SUFFIXES = (".tmp", ".temp", ".part", ".partial", ".incomplete", ".lock")
-MAX_DEPTH = 4  # how deep *.ckpt files are looked for (lightning_logs/version_0/checkpoints)
 MAX_TRIES = 3
 FINAL_POLL = 0.1  # seconds between looks while stopping: the budget is short
 
-Signature = tuple[tuple[str, int, int], ...]
 EventSink = Callable[[dict[str, Any]], None]
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """Something in the watched directory that is, or will become, a checkpoint."""
-
-    path: Path
-    source: str  # path relative to the watched directory, '/'-separated
-    kind: str  # "hf", "lightning", "lightning-dir", "accelerate", "marker", "quiet"
-    step: int | None
-
-    @property
-    def is_file(self) -> bool:
-        return self.kind == "lightning"
-
-
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-    """Whether a candidate is complete, and the rule that says so (shown in the output)."""
-
-    complete: bool
-    rule: str  # why it is complete, or what it still lacks
-    settle: float = 0.0  # seconds its files must still stay unchanged; 0: take it now
 
 
 @dataclasses.dataclass
@@ -157,49 +93,6 @@ def _signature(c: Candidate) -> Signature | None:
 
 def _raise(exc: OSError) -> None:
     raise exc
-
-
-def _zip_state(path: Path) -> str:
-    """``"complete"``, ``"partial"`` or ``"not-zip"``. ``torch.save`` writes a zip archive
-    whose central directory comes last, so a file cut short (or still being copied) has
-    none and cannot be opened."""
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        if magic != b"PK\x03\x04":
-            return "not-zip" if len(magic) == 4 else "partial"
-        with zipfile.ZipFile(path) as z:
-            z.namelist()
-        return "complete"
-    except (OSError, zipfile.BadZipFile, EOFError, ValueError):
-        return "partial"
-
-
-def _ranks(names: set[str], pattern: re.Pattern[str]) -> tuple[set[int], list[int]]:
-    """The rank numbers of files named by ``pattern`` and the ranks below the highest that
-    are missing (a rank still writing its file)."""
-    ranks = {int(m.group(1)) for n in names if (m := pattern.match(n))}
-    return ranks, sorted(set(range(max(ranks) + 1)) - ranks) if ranks else []
-
-
-def _marker_step(path: Path) -> int | None:
-    try:
-        text = path.read_text(errors="replace").strip()
-    except OSError:
-        return None
-    if text.isdigit():
-        return int(text)
-    try:
-        body = json.loads(text) if text else None
-    except ValueError:
-        return None
-    step = body.get("step") if isinstance(body, dict) else None
-    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
-
-
-def _is_temp(name: str) -> bool:
-    """Names writers use for files and directories still being written."""
-    return name.startswith(".") or name.startswith("tmp-") or name.endswith(TEMP_SUFFIXES)
 
 
 def _check_options(
@@ -252,7 +145,8 @@ class Watcher:
         quiet_period: seconds unchanged for ``accept_quiet_dirs``; also when an
             incomplete checkpoint is reported as abandoned.
         markers: file names that mark any directory complete.
-        accept_quiet_dirs: also take directories that are merely quiet (see module doc).
+        accept_quiet_dirs: also take directories that are merely quiet (see
+            ``cloudckpt.watch_layouts``).
         final_upload_timeout: seconds ``stop()`` leaves for the final upload.
         max_pending: saves handed over and not yet committed at once (the watcher waits
             for a slot instead of blocking in ``save()``).
@@ -269,7 +163,7 @@ class Watcher:
     def __init__(
         self,
         directory: str | os.PathLike[str],
-        url: str | Store | CheckpointManager,
+        url: str | Store | ManagerBase,
         *,
         settle: float = 2.0,
         quiet_period: float = 30.0,
@@ -322,14 +216,14 @@ class Watcher:
 
     def _open_run(
         self,
-        url: str | Store | CheckpointManager,
+        url: str | Store | ManagerBase,
         storage_options: Mapping[str, Any] | None,
         max_pending: int,
         manager_options: dict[str, Any],
     ) -> Latest | None:
         """Set ``manager`` (built here unless given) and return the run's LATEST, read
         first (raises as the constructor says)."""
-        if isinstance(url, CheckpointManager):
+        if isinstance(url, ManagerBase):
             self.manager, self._owns_manager = url, False
             return self._read_run(self.manager.store)
         if isinstance(url, Store):
@@ -375,128 +269,14 @@ class Watcher:
     def scan(self) -> list[Candidate]:
         """Every checkpoint-like entry in the directory (complete or not). Also records,
         per directory, the files that belong to no checkpoint (``_loose``)."""
-        found: list[Candidate] = []
-        self._loose = {}
-        self._scan_dir(self.directory, 0, found)
+        found, self._loose = find_candidates(self.directory, self.markers, self.accept_quiet_dirs)
         return found
 
-    def _scan_dir(self, root: Path, depth: int, found: list[Candidate]) -> None:
-        try:
-            entries = sorted(os.scandir(root), key=lambda e: e.name)
-        except OSError:
-            return
-        loose = []
-        for entry in entries:
-            name = entry.name
-            if _is_temp(name):
-                continue
-            path = Path(entry.path)
-            source = path.relative_to(self.directory).as_posix()
-            try:
-                is_dir = entry.is_dir(follow_symlinks=False)
-                is_file = entry.is_file(follow_symlinks=False)
-            except OSError:
-                continue
-            if is_file and name.endswith(".ckpt"):
-                m = LIGHTNING_STEP.search(name[: -len(".ckpt")])
-                found.append(Candidate(path, source, "lightning", int(m.group(1)) if m else None))
-            elif not is_dir:
-                loose.append(name)  # a plain file (or a link such as last.ckpt)
-            elif candidate := self._classify_dir(path, source, depth):
-                found.append(candidate)
-            elif depth < MAX_DEPTH:
-                self._scan_dir(path, depth + 1, found)
-        if loose:
-            rel = root.relative_to(self.directory).as_posix()
-            self._loose[rel] = loose
-
-    def _classify_dir(self, path: Path, source: str, depth: int) -> Candidate | None:
-        name = path.name
-        if depth == 0 and (m := HF_DIR.match(name)):
-            return Candidate(path, source, "hf", int(m.group(1)))
-        if (m := ACCELERATE_DIR.match(name)) and (
-            depth == 0 or (depth == 1 and path.parent.name == ACCELERATE_PARENT)
-        ):
-            return Candidate(path, source, "accelerate", int(m.group(1)))
-        if name.endswith(".ckpt"):
-            m = LIGHTNING_STEP.search(name[: -len(".ckpt")])
-            return Candidate(path, source, "lightning-dir", int(m.group(1)) if m else None)
-        if marker := next((mk for mk in self.markers if (path / mk).is_file()), None):
-            step = _marker_step(path / marker)
-            if step is None and (m := TRAILING_NUMBER.search(name)):
-                step = int(m.group(1))
-            return Candidate(path, source, "marker", step)
-        if self.accept_quiet_dirs and depth == 0 and (m := TRAILING_NUMBER.search(name)):
-            return Candidate(path, source, "quiet", int(m.group(1)))
-        return None
-
     def judge(self, c: Candidate, sig: Signature) -> Verdict:
-        """The kind's completeness rule (module doc); the caller applies ``settle``."""
-        names = {rel for rel, _, _ in sig}
-        if c.kind == "hf":
-            return self._judge_hf(c, names)
-        if c.kind == "lightning":
-            state = _zip_state(c.path) if sig[0][1] > 0 else "partial"
-            if state == "complete":
-                return Verdict(True, "a complete torch.save archive (Lightning writes by rename)")
-            if state == "not-zip":
-                return Verdict(
-                    True, f"not a zip archive: unchanged for {self.settle:g}s", self.settle
-                )
-            return Verdict(False, "its zip archive is not complete yet")
-        if c.kind == "lightning-dir":
-            if LIGHTNING_META in names and _zip_state(c.path / LIGHTNING_META) == "complete":
-                return Verdict(True, "meta.pt written (Lightning writes it after every shard)")
-            return Verdict(False, "no complete meta.pt yet (Lightning writes it last)")
-        if c.kind == "accelerate":
-            return self._judge_accelerate(c, names)
-        if c.kind == "marker":
-            marker = next((mk for mk in self.markers if mk in names), None)
-            if marker is None:
-                return Verdict(False, "its marker file is gone")
-            return Verdict(True, f"marker file {marker}")
-        return Verdict(
-            bool(sig),
-            f"unchanged for {self.quiet_period:g}s (--accept-quiet-dirs)",
-            self.quiet_period,
-        )
-
-    def _judge_hf(self, c: Candidate, names: set[str]) -> Verdict:
-        if HF_STATE not in names:
-            return Verdict(False, "no trainer_state.json yet (Trainer writes it last)")
-        try:
-            json.loads((c.path / HF_STATE).read_bytes())
-        except (OSError, ValueError):
-            return Verdict(False, "trainer_state.json is still being written")
-        if HF_SINGLE_RNG in names:
-            return Verdict(True, "trainer_state.json written (the Trainer's last file)")
-        ranks, missing = _ranks(names, HF_RANK_RNG)
-        if missing:
-            return Verdict(False, f"rng_state_{missing[0]}.pth of another rank not written yet")
-        who = f"{len(ranks)} ranks' rng_state files" if ranks else "no rng_state file"
-        return Verdict(
-            True,
-            f"trainer_state.json written, {who}, unchanged for {self.settle:g}s",
-            self.settle,
-        )
-
-    def _judge_accelerate(self, c: Candidate, names: set[str]) -> Verdict:
-        after = f"checkpoint_{(c.step or 0) + 1}"  # the kind always has a step (its name)
-        if (c.path.parent / after).is_dir():
-            return Verdict(
-                True, f"{after} begun (accelerate's next save starts after all finished)"
-            )
-        ranks, missing = _ranks(names, ACCELERATE_RNG)
-        if 0 not in ranks:
-            return Verdict(False, "no random_states_0.pkl yet (accelerate writes it last)")
-        if missing:
-            return Verdict(
-                False, f"random_states_{missing[0]}.pkl of another process not written yet"
-            )
-        if _zip_state(c.path / "random_states_0.pkl") != "complete":
-            return Verdict(False, "random_states_0.pkl is still being written")
-        return Verdict(
-            True, f"random_states_*.pkl written, unchanged for {self.settle:g}s", self.settle
+        """The completeness rule of ``c``'s layout (``watch_layouts``); the caller applies
+        ``settle``."""
+        return judge_candidate(
+            c, sig, settle=self.settle, quiet_period=self.quiet_period, markers=self.markers
         )
 
     # ---------------------------------------------------------------- the loop
@@ -599,7 +379,7 @@ class Watcher:
             self._reported.add(rel)
             reason = (
                 "they belong to no checkpoint layout watch recognises (HF checkpoint-N/, "
-                "Lightning *.ckpt, accelerate checkpoint_N/, a directory holding a "
+                "Lightning *.ckpt, accelerate checkpoint_N/, DeepSpeed global_stepN/, a directory holding a "
                 f"{' or '.join(self.markers) or 'marker'} file)"
             )
             log.info("not uploading the files in %s (%s): %s", rel, ", ".join(names[:5]), reason)
@@ -631,7 +411,11 @@ class Watcher:
         try:
             handle = self.manager.save(step, metadata, metrics=_metrics(c))
             with handle as staging:
-                _link_snapshot(c, sig, staging)
+                if c.kind == "deepspeed":  # DeepSpeed's layout: the tag directory + latest
+                    _link_snapshot(c, sig, staging / c.path.name)
+                    (staging / DS_LATEST).write_text(c.path.name)
+                else:
+                    _link_snapshot(c, sig, staging)
         except _Changed as exc:
             self._seen.pop(c.source, None)
             if not c.path.exists():
@@ -715,7 +499,12 @@ class Watcher:
             "will_retry": retry,
         }
         self.failed.append(event)
-        log.error("upload of %s failed (%s)%s", c.source, exc, "; will retry" if retry else "")
+        log.error(
+            "upload of %s failed (%s)%s",
+            c.source,
+            exc,
+            "; will retry" if retry else "; giving up on it",
+        )
         self._emit(event)
         if retry:
             self._done.discard(c.source)

@@ -126,6 +126,43 @@ def target(request) -> Target:
     return request.getfixturevalue(f"{request.param}_target")
 
 
+def _through(t: Target, proxy_url: str) -> dict[str, Any]:
+    """``t``'s storage options, sent to ``proxy_url`` instead of its server."""
+    options = dict(t.storage_options)
+    if "connection_string" in options:  # Azurite: BlobEndpoint=http://host:port/account
+        endpoint = options["connection_string"].split("BlobEndpoint=")[1].split(";")[0]
+        server = endpoint.rsplit("/", 1)[0]
+        options["connection_string"] = options["connection_string"].replace(server, proxy_url)
+    else:
+        options["endpoint_url"] = proxy_url
+    return options
+
+
+def _upstream(t: Target) -> str:
+    options = t.storage_options
+    if "connection_string" in options:
+        return (
+            options["connection_string"].split("BlobEndpoint=")[1].split(";")[0].rsplit("/", 1)[0]
+        )
+    return options["endpoint_url"]
+
+
+@pytest.fixture
+def behind_proxy():
+    """Put a ``FaultProxy`` between a networked target's clients and its server:
+    ``behind_proxy(target, **proxy_kwargs)`` -> (proxy, storage options that reach the
+    server through it). The proxies stop at the end of the test."""
+    from cloudckpt.testing.proxy import FaultProxy
+
+    with contextlib.ExitStack() as stack:
+
+        def _behind(t: Target, **kwargs: Any):
+            proxy = stack.enter_context(FaultProxy(_upstream(t), **kwargs))
+            return proxy, _through(t, proxy.endpoint_url)
+
+        yield _behind
+
+
 @pytest.fixture
 def open_target():
     """Open a store on a target (each call is a new, independent client)."""

@@ -34,7 +34,7 @@ class Mutant:
 def _restore_scans_the_bucket(setattr_: Callable[[Any, str, Any], None]) -> None:
     """A restore that, like tools that trust "the newest complete directory", also offers
     every attempt whose manifest is complete, committed or not, newest first."""
-    from cloudckpt import protocol, reader
+    from cloudckpt import attempt_layout, manifests, reader
 
     original = reader.load_latest_for_reading
 
@@ -44,12 +44,12 @@ def _restore_scans_the_bucket(setattr_: Callable[[Any, str, Any], None]) -> None
             return latest, from_records
         known = {r.commit_id for r in latest.retained()}
         found = []
-        for obj in store.list(protocol.CKPT_PREFIX):
-            if not obj.key.endswith(protocol.MANIFEST_NAME):
+        for obj in store.list(attempt_layout.CKPT_PREFIX):
+            if not obj.key.endswith(attempt_layout.MANIFEST_NAME):
                 continue
             with contextlib.suppress(Exception):
                 data, _ = store.get(obj.key)
-                manifest = protocol.parse_manifest(data)
+                manifest = manifests.parse_manifest(data)
                 if manifest.commit_id not in known:
                     found.append(manifest.record(data, store.now()))
         records = sorted([*latest.retained(), *found], key=lambda r: r.step, reverse=True)
@@ -78,9 +78,9 @@ def _gc_forgets_pending_tombstones(setattr_: Callable[[Any, str, Any], None]) ->
 
 def _manifest_not_checked_against_latest(setattr_: Callable[[Any, str, Any], None]) -> None:
     """A manifest is accepted if it is well formed and sealed, whatever LATEST recorded."""
-    from cloudckpt import protocol
+    from cloudckpt import manifests
 
-    original = protocol.parse_manifest
+    original = manifests.parse_manifest
 
     def unchecked(data, record=None):
         if record is not None:
@@ -91,7 +91,7 @@ def _manifest_not_checked_against_latest(setattr_: Callable[[Any, str, Any], Non
             )
         return original(data, record)
 
-    setattr_(protocol, "parse_manifest", unchecked)
+    setattr_(manifests, "parse_manifest", unchecked)
 
 
 def _no_chunk_source_rule(setattr_: Callable[[Any, str, Any], None]) -> None:
@@ -144,25 +144,30 @@ def _reused_chunks_not_listed(setattr_: Callable[[Any, str, Any], None]) -> None
 
 def _whole_file_digest_unchecked(setattr_: Callable[[Any, str, Any], None]) -> None:
     """A whole file is accepted once every range arrived, without comparing its digest."""
-    from cloudckpt import transfer
+    from cloudckpt import download
 
-    setattr_(transfer._FileDownload, "finish", lambda self: transfer._fsync_path(self.target))
+    original = download._Target.finish
+
+    def fsync_only(self):
+        if self.entry.chunks is not None:
+            return original(self)
+        download._fsync_path(self.target)
+
+    setattr_(download._Target, "finish", fsync_only)
 
 
 def _chunked_file_digest_unchecked(setattr_: Callable[[Any, str, Any], None]) -> None:
     """A chunked file is accepted once each chunk matches its name, whatever their order."""
-    import os
+    from cloudckpt import download
 
-    from cloudckpt import chunks
+    original = download._Target.finish
 
     def fsync_only(self):
-        fd = os.open(self.target, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        if self.entry.chunks is None:
+            return original(self)
+        download._fsync_path(self.target)
 
-    setattr_(chunks._Target, "finish", fsync_only)
+    setattr_(download._Target, "finish", fsync_only)
 
 
 def _resumed_chunks_age_unbounded(setattr_: Callable[[Any, str, Any], None]) -> None:
@@ -264,8 +269,194 @@ def _local_copy_trusted(setattr_: Callable[[Any, str, Any], None]) -> None:
     setattr_(fetch, "_run_local", trusting)
 
 
+def _cp_file_digest_unchecked(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """`cp` commits once every chunk matched its name, without checking that they make up
+    each file's recorded digest."""
+    from cloudckpt import copying
+
+    setattr_(copying, "_file_ok", lambda entry, leaves: True)
+
+
+def _cp_reuses_dropped_chunks(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """`cp` names the destination's chunks of every checkpoint LATEST still records,
+    dropped ones (pending tombstones, which GC will delete) included."""
+    from cloudckpt import chunks, copying
+    from cloudckpt.reader import fetch_manifest
+
+    def every_recorded(writer):
+        latest = writer.committer.latest
+        records = [*latest.retained(), *(t.record for t in latest.tombstones)] if latest else []
+        known = []
+        for record in records:
+            with contextlib.suppress(Exception):
+                manifest = fetch_manifest(writer.store, record)
+                known += [chunks._Known(c, manifest.commit_id)
+                          for f in manifest.files for c in f.chunks or ()]  # fmt: skip
+        return known
+
+    setattr_(copying, "_retained_chunks", every_recorded)
+
+
+def _export_into_runs(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """`export` checks only that its destination prefix is not itself a run (as it once
+    did): a prefix inside a run, or one holding a run, is written with --force."""
+    from cloudckpt import protocol
+    from cloudckpt.catalog import export
+    from cloudckpt.errors import DestinationNotEmptyError
+
+    def prefix_only(out, overwrite):
+        if out.exists(protocol.LATEST_KEY):
+            raise DestinationNotEmptyError(f"{out.url} is a cloudckpt run")
+        if next(iter(out.list("")), None) is not None and not overwrite:
+            raise DestinationNotEmptyError(f"{out.url} is not empty")
+
+    setattr_(export, "_check_export_destination", prefix_only)
+    setattr_(export, "_refuse_runs_above", lambda dest, out, options: None)
+    setattr_(export, "refuse_run_directories", lambda *args: None)
+
+
+def _staging_deletes_unmarked_directories(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """Start-up takes every directory under attempts/, committed/ and dcp/ for
+    cloudckpt's, marker or not (and deletes those it cannot read)."""
+    from cloudckpt import localcopy, staging
+
+    def any_directory(path, name, entries):
+        return path.is_dir()
+
+    setattr_(staging, "own_directory", any_directory)
+    setattr_(localcopy, "own_directory", any_directory)
+
+
+def _retention_ignores_keep_every(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """Retention that forgets the keep_every rule (milestones)."""
+    from cloudckpt import retention
+
+    kept = retention.RetentionPolicy.kept
+
+    def without(self, current, history, pinned):
+        return kept(dataclasses.replace(self, keep_every=None), current, history, pinned)
+
+    setattr_(retention.RetentionPolicy, "kept", without)
+
+
+def _retention_ignores_pins(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """Retention that forgets pins (a pinned checkpoint is kept only if a rule keeps it)."""
+    from cloudckpt import retention
+
+    kept = retention.RetentionPolicy.kept
+    setattr_(
+        retention.RetentionPolicy,
+        "kept",
+        lambda self, current, history, pinned: kept(self, current, history, set()),
+    )
+
+
+def _retention_keep_last_off_by_one(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """keep_last=N keeps the newest N-1 (with the current one, N-1 at least 1)."""
+    from cloudckpt import retention
+
+    setattr_(
+        retention, "newest", lambda candidates, n: candidates if n is None else candidates[: n - 1]
+    )
+
+
+def _raw_download(store: Any, ckpt: str, entry: Any, into: Any) -> None:
+    """A file's bytes as the store holds them, unchecked (chunks concatenated)."""
+    from cloudckpt import attempt_layout
+
+    if entry.chunks is not None:
+        data = b"".join(store.get(c.key)[0] for c in entry.chunks)
+    else:
+        data = store.get(ckpt + attempt_layout.FILES_DIR + entry.path)[0]
+    target = into.joinpath(*entry.path.split("/"))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(data)
+
+
+def _partial_restore_unverified(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A restore fetches the files it selected as the store holds them ("just these
+    files"), with no digest check."""
+    from cloudckpt import restore
+
+    def raw(store, engine, record, manifest, rest, tmp, progress, clock):
+        for entry in rest:
+            _raw_download(store, record.ckpt, entry, tmp)
+
+    setattr_(restore, "_download_rest", raw)
+
+
+def _get_files_unverified(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """``get`` of several files writes them as the store holds them, unchecked."""
+    from cloudckpt.catalog import get
+
+    def raw(store, engine, record, entries, root, targets):
+        out = []
+        for entry, target in zip(entries, targets, strict=True):
+            _raw_download(store, record.ckpt, entry, root)
+            out.append(get.FileResult(entry.path, target, entry.size, entry.digest,
+                                      entry.mode, record.step, record.commit_id))  # fmt: skip
+        return out
+
+    setattr_(get, "_download_into", raw)
+
+
+def _copy_noop_by_step_only(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """``cp`` calls a checkpoint already copied when the destination retains its step,
+    whatever that checkpoint holds."""
+    from cloudckpt import copying
+
+    def by_step(dst, latest, manifest, step):
+        for record in latest.retained() if latest is not None else ():
+            if record.step == step:
+                return record
+        return None
+
+    setattr_(copying, "already_held", by_step)
+
+
+def _copy_resets_destination_retention(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """``cp`` commits with the default keep-best and periods (it inherits only keep_last,
+    keep_every and the grace period from the destination), dropping its best."""
+    from cloudckpt import protocol
+    from cloudckpt.catalog import copy as catalog_copy
+
+    original = catalog_copy._copy_writer
+
+    def partial_inherit(target, engine, writer_id, progress, settings):
+        writer = original(target, engine, writer_id, progress, settings)
+        if settings is None:
+            writer.committer._inherit = frozenset({"keep_last", "keep_every", "gc_grace_s"})
+            writer.committer.settings = protocol.Settings()
+        return writer
+
+    setattr_(catalog_copy, "_copy_writer", partial_inherit)
+
+
+def _restore_into_runs(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A restore that writes wherever it is told, a local run's directory included."""
+    from cloudckpt import restore
+
+    setattr_(restore, "refuse_run_directories", lambda *args, **kwargs: None)
+
+
+def _unranked_metric_unreported(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """Nothing says that checkpoints lack the metric keep-best ranks by."""
+    from cloudckpt import attempts, retention, verify
+
+    for module in (retention, attempts, verify):
+        setattr_(module, "unranked", lambda policy, records, saved=None: None)
+
+
 _RESUME = "tests/test_resume_state.py"
+_CP_GUARDS = "tests/test_copy_guards.py"
+_STAGING = "tests/test_staging_dedicated.py"
 _DCP = "tests/test_dcp.py"
+_CATALOG = "tests/test_catalog.py::"
+_COPY = "tests/test_copy.py::"
+_NOT_SIMULATED_CATALOG = (
+    "the simulation's actors save, restore whole checkpoints and collect garbage; they run "
+    "no partial reads or copies between runs"
+)
 
 MUTANTS = {
     m.name: m
@@ -283,7 +474,7 @@ MUTANTS = {
             "GC keeps a chunk named only by a pending tombstone",
             _gc_forgets_pending_tombstones,
             ("tests/test_guards.py::test_gc_keeps_a_chunk_named_only_by_a_pending_tombstone",),
-            range(500, 800),  # hits 503, 555, 760 (python tools/mutation_scan.py)
+            range(100, 1300),  # hits 120, 1208 (python tools/mutation_scan.py)
             "deleted chunk",
         ),
         Mutant(
@@ -329,7 +520,11 @@ MUTANTS = {
             "reused-chunks-not-listed",
             "a commit never names a chunk that is not in the store",
             _reused_chunks_not_listed,
-            ("tests/test_chunks.py::test_a_save_never_names_a_reused_chunk_that_is_gone",),
+            (
+                "tests/test_chunks.py::test_a_save_never_names_a_reused_chunk_that_is_gone",
+                "tests/test_distributed.py::test_a_multi_rank_save_reuploads_a_reused_chunk_"
+                "that_is_gone",
+            ),
             why_not_simulated=(
                 "in the simulation a chunk can go missing only through another broken rule; "
                 "the fast test deletes one by hand"
@@ -481,8 +676,371 @@ MUTANTS = {
                 "tests damage a kept copy by hand"
             ),
         ),
+        Mutant(
+            "cp-file-digest-unchecked",
+            "cp commits a file only once its bytes make up its recorded digest",
+            _cp_file_digest_unchecked,
+            tuple(
+                f"{_CP_GUARDS}::test_cp_never_commits_files_that_do_not_match_their_digests"
+                f"[{case}-{backend}]"
+                for case in (
+                    "chunks of two files swapped",
+                    "two chunks inside one leaf swapped",
+                    "two whole leaves swapped",
+                    "whole files' digests swapped",
+                )
+                for backend in ("memory", "s3")
+            ),
+            why_not_simulated="the simulation has no copying actor; the fast tests forge "
+            "consistent manifests by hand",
+        ),
+        Mutant(
+            "cp-reuses-dropped-chunks",
+            "cp names a destination chunk only if a checkpoint the destination retains names it",
+            _cp_reuses_dropped_chunks,
+            (f"{_CP_GUARDS}::test_cp_names_only_chunks_of_checkpoints_the_destination_retains",),
+            why_not_simulated="the simulation has no copying actor (and the commit rule "
+            "refuses the copy's first attempt there: the guard sees the wasted attempt)",
+        ),
+        Mutant(
+            "export-into-runs",
+            "export never writes inside a run, nor over one",
+            _export_into_runs,
+            tuple(
+                f"tests/test_export_into_runs.py::{t}"
+                for t in (
+                    "test_export_into_or_over_a_local_run_is_refused",
+                    "test_export_into_or_over_a_run_on_s3_is_refused",
+                    "test_the_python_api_refuses_a_prefix_inside_a_run[1]",
+                    "test_the_python_api_refuses_a_prefix_inside_a_run[3]",
+                )
+            ),
+            why_not_simulated="the simulation does not export",
+        ),
+        Mutant(
+            "staging-deletes-unmarked-directories",
+            "a manager deletes only directories of its staging directory that cloudckpt wrote",
+            _staging_deletes_unmarked_directories,
+            (
+                f"{_STAGING}::test_a_staging_directory_with_the_users_directories_is_refused_"
+                "and_nothing_deleted",
+                f"{_STAGING}::test_push_refuses_such_a_staging_directory_with_a_hint",
+            ),
+            why_not_simulated="the simulation's hosts keep no staging directory between "
+            "crashes; the fast tests put the user's directories there",
+        ),
+        Mutant(
+            "retention-ignores-keep-every",
+            "a checkpoint whose step is a multiple of keep_every is never dropped",
+            _retention_ignores_keep_every,
+            (
+                f"{_RETENTION}test_periods_combine_with_keep_last_and_every_and_pins",
+                f"{_RETENTION}test_the_kept_set_is_exactly_the_union_of_the_rules",
+            ),
+            range(0, 40),  # hits 6, 8, 10 (python tools/mutation_scan.py)
+            "milestone step",
+        ),
+        Mutant(
+            "retention-ignores-pins",
+            "a pinned checkpoint is never dropped",
+            _retention_ignores_pins,
+            (
+                f"{_RETENTION}test_periods_combine_with_keep_last_and_every_and_pins",
+                f"{_RETENTION}test_the_kept_set_is_exactly_the_union_of_the_rules",
+            ),
+            range(0, 40),  # hits 7, 15, 19
+            "pinned",
+        ),
+        Mutant(
+            "retention-keep-last-off-by-one",
+            "the newest keep_last checkpoints are never dropped",
+            _retention_keep_last_off_by_one,
+            (f"{_RETENTION}test_the_kept_set_is_exactly_the_union_of_the_rules",),
+            range(0, 40),  # hits 7, 21, 34
+            "dropped with only",
+        ),
+        Mutant(
+            "partial-restore-unverified",
+            "a partial restore (include/exclude) verifies every file it selects",
+            _partial_restore_unverified,
+            tuple(
+                f"tests/test_restore.py::test_a_partial_restore_reads_only_what_it_selects_"
+                f"and_verifies_it[{chunking}]"
+                for chunking in ("tensor", "off")
+            ),
+            why_not_simulated=_NOT_SIMULATED_CATALOG,
+        ),
+        Mutant(
+            "get-files-unverified",
+            "get of several files (or a glob) verifies every file before it appears",
+            _get_files_unverified,
+            (f"{_CATALOG}test_get_files_falls_back_when_a_selected_file_is_damaged",),
+            why_not_simulated=_NOT_SIMULATED_CATALOG,
+        ),
+        Mutant(
+            "copy-noop-by-step-only",
+            "cp skips a copy only when the destination holds the same content as that step",
+            _copy_noop_by_step_only,
+            (f"{_COPY}test_copying_the_same_checkpoint_twice_commits_it_once",),
+            why_not_simulated=_NOT_SIMULATED_CATALOG,
+        ),
+        Mutant(
+            "copy-resets-destination-retention",
+            "cp keeps every retention rule of the destination (its best checkpoint too)",
+            _copy_resets_destination_retention,
+            (f"{_COPY}test_cp_keeps_metrics_and_retention_and_carries_the_sources_on_request",),
+            why_not_simulated=_NOT_SIMULATED_CATALOG,
+        ),
+        Mutant(
+            "unranked-metric-unreported",
+            "a keep-best metric the checkpoints lack is reported (save, ls, verify)",
+            _unranked_metric_unreported,
+            (
+                f"{_RETENTION}test_a_save_without_the_ranked_metric_warns_once_naming_what_it_"
+                "records",
+                "tests/test_cli_retention.py::test_a_mistyped_best_metric_is_reported_by_push_"
+                "watch_ls_and_verify",
+            ),
+            why_not_simulated="the simulation checks what is kept, not what is reported",
+        ),
+        Mutant(
+            "restore-into-runs",
+            "a restore never writes into, over or around a file:// run's directory",
+            _restore_into_runs,
+            ("tests/test_restore.py::test_restore_never_writes_into_or_over_a_local_run",),
+            why_not_simulated="the simulation restores into memory, not into directories",
+        ),
     ]
 }
+
+
+# --------------------------------------------------------------------------- issue 28, items 6-8
+# The local tier, load_state's header and the DCP partial read (a block of their own).
+
+
+def _header_judged_from_one_read(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """``load_state`` judges a checkpoint by its first header read: a damaged local copy or
+    one garbled response (a header that is not sane, or not the verified file's) counts as
+    a damaged checkpoint."""
+    from cloudckpt import reader
+    from cloudckpt.errors import CorruptionError, UnsafePathError
+    from cloudckpt.integrations import _torch_restore as tr
+
+    def one_read(self, prefix, entry, copy, manifest, stats):
+        read = lambda n: self._read_head(prefix, entry, copy, n, stats)  # noqa: E731
+        return tr._header_bytes(read, entry.size, self.dtypes)
+
+    def no_second_read(self, record):
+        try:
+            return self._load(record, verified_head=False)
+        except tr._HeaderMoved:
+            return reader.Damaged("the header of tensors.safetensors changed")
+        except (CorruptionError, UnsafePathError) as exc:
+            return reader.Damaged.of(exc)
+
+    setattr_(tr._Loader, "_head", one_read)
+    setattr_(tr._Loader, "try_one", no_second_read)
+
+
+def _local_copy_unverified(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A restore into a directory keeps every file it took from the kept copy, unverified."""
+    from cloudckpt import fetch
+
+    setattr_(fetch, "verify_local", lambda engine, jobs, **kw: [j.local is not None for j in jobs])
+
+
+def _local_manifest_unchecked(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The manifest kept with a local copy is used if it parses, whatever LATEST recorded."""
+    from cloudckpt import localcopy, manifests
+    from cloudckpt.errors import CloudCkptError
+
+    def any_manifest(self, record):
+        try:
+            return manifests.parse_manifest((self.dir / localcopy.MANIFEST).read_bytes())
+        except (OSError, CloudCkptError):
+            return None
+
+    setattr_(localcopy.LocalCopy, "manifest", any_manifest)
+
+
+def _local_tier_links(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A restore hard-links the kept copy's files, asked to or not."""
+    from cloudckpt import restore
+
+    original = restore.place_file
+    setattr_(
+        restore,
+        "place_file",
+        lambda source, target, *, link=False: original(source, target, link=True),
+    )
+
+
+def _local_tier_takes_any_file(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A restore takes whatever the kept copy holds under a file's name, following links."""
+    import shutil
+
+    from cloudckpt import restore
+
+    def any_file(source, target, *, link=False):
+        try:
+            shutil.copyfile(source, target)  # follows a symbolic link, opens anything
+        except FileNotFoundError:
+            return None
+        return "copy"
+
+    setattr_(restore, "place_file", any_file)
+
+
+def _dcp_applies_before_verify(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The DCP reader applies each window as it verifies, before the later ones are read."""
+    from cloudckpt.integrations import dcp
+
+    setattr_(dcp.CloudStorageReader, "_verify_batches", lambda self, batches, by_path, stats: None)
+
+
+def _dcp_chunk_list_unchecked(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A partial read trusts the manifest's chunk list to make up the file (each chunk is
+    still checked against its name)."""
+    from cloudckpt import fetch
+
+    original = fetch.manifest_root
+
+    def trusting(entry):
+        return None if original(entry) is None else entry.digest
+
+    setattr_(fetch, "manifest_root", trusting)
+
+
+_HEADER = "tests/test_header_reads.py::"
+_LOCAL = "tests/test_local_restore.py::"
+_NOT_SIMULATED_LOCAL = (
+    "the simulation's hosts keep no staging directory between crashes and restore into "
+    "directories only; the fast tests damage a kept copy by hand"
+)
+
+MUTANTS.update(
+    {
+        m.name: m
+        for m in [
+            Mutant(
+                "header-judged-from-one-read",
+                "load_state judges a checkpoint by a verified header only (a bad local copy "
+                "or one garbled response is read again from the store first)",
+                _header_judged_from_one_read,
+                (
+                    *(
+                        f"{_HEADER}test_a_damaged_header_in_the_local_copy_is_read_from_the_"
+                        f"store[{how}]"
+                        for how in ("length", "json", "other-header")
+                    ),
+                    *(
+                        f"{_HEADER}test_a_garbled_header_response_is_read_again_before_"
+                        f"judging[{how}-{chunking}]"
+                        for how in ("length", "json")
+                        for chunking in ("tensor", "off")
+                    ),
+                ),
+                why_not_simulated=_NOT_SIMULATED_LOCAL,
+            ),
+            Mutant(
+                "local-copy-unverified",
+                "a restore keeps a file of the kept copy only once its bytes verify",
+                _local_copy_unverified,
+                (
+                    f"{_LOCAL}test_a_kept_file_that_does_not_verify_is_downloaded",
+                    f"{_LOCAL}test_link_local_hard_links_on_request_and_an_edited_copy_is_"
+                    "downloaded",
+                ),
+                why_not_simulated=_NOT_SIMULATED_LOCAL,
+            ),
+            Mutant(
+                "local-manifest-unchecked",
+                "the kept copy's manifest is used only if it is the one LATEST names",
+                _local_manifest_unchecked,
+                (f"{_LOCAL}test_a_kept_manifest_of_another_checkpoint_is_not_used",),
+                why_not_simulated=_NOT_SIMULATED_LOCAL,
+            ),
+            Mutant(
+                "local-tier-links",
+                "restored files are independent of the kept copy (hard links only on request)",
+                _local_tier_links,
+                (f"{_LOCAL}test_two_restores_from_the_local_tier_are_independent",),
+                why_not_simulated=_NOT_SIMULATED_LOCAL,
+            ),
+            Mutant(
+                "local-tier-takes-any-file",
+                "a restore takes only regular files of the kept copy, never following a link",
+                _local_tier_takes_any_file,
+                tuple(
+                    f"{_LOCAL}test_only_regular_files_of_the_kept_copy_are_taken[{kind}]"
+                    for kind in ("symlink", "fifo")
+                ),
+                why_not_simulated=_NOT_SIMULATED_LOCAL,
+            ),
+            Mutant(
+                "dcp-applies-before-verify",
+                "the DCP reader applies nothing before every window of the plan verified",
+                _dcp_applies_before_verify,
+                tuple(
+                    f"{_DCP}::test_a_damaged_later_window_leaves_every_planned_tensor_"
+                    f"untouched[{chunking}]"
+                    for chunking in ("tensor", "fixed")
+                ),
+                why_not_simulated="the simulation's readers restore into directories",
+            ),
+            Mutant(
+                "dcp-chunk-list-unchecked",
+                "a DCP partial read checks the file's digest from the chunk list first",
+                _dcp_chunk_list_unchecked,
+                (f"{_DCP}::test_a_chunk_list_that_is_not_the_file_fails_the_load_untouched",),
+                why_not_simulated="the simulation's readers restore whole files",
+            ),
+        ]
+    }
+)
+
+
+# --------------------------------------------------------------------------- DeepSpeed (issue 32)
+
+
+def _deepspeed_step_before_latest(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """watch takes a global_stepN/ before DeepSpeed's ``latest`` names it."""
+    from cloudckpt import watch_layouts
+
+    setattr_(watch_layouts, "_latest_names", lambda c: True)
+
+
+def _deepspeed_missing_shard_taken(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """watch does not look for every rank's ZeRO shard (nor settles for them)."""
+    import re
+
+    from cloudckpt import watch_layouts
+
+    setattr_(watch_layouts, "DS_SHARD", re.compile(r"(?!)"))
+
+
+_DS_WATCH = "tests/test_watch.py::test_deepspeed_steps_are_taken_once_latest_names_them"
+MUTANTS.update(
+    {
+        m.name: m
+        for m in [
+            Mutant(
+                "deepspeed-step-before-latest",
+                "watch uploads a DeepSpeed step only once `latest` names it (or a later one)",
+                _deepspeed_step_before_latest,
+                (_DS_WATCH,),
+                why_not_simulated="the simulation has no sidecar",
+            ),
+            Mutant(
+                "deepspeed-missing-shard-taken",
+                "watch waits for every rank's ZeRO shard (0..R) and for them to settle",
+                _deepspeed_missing_shard_taken,
+                (_DS_WATCH,),
+                why_not_simulated="the simulation has no sidecar",
+            ),
+        ]
+    }
+)
 
 
 @contextlib.contextmanager
@@ -501,3 +1059,612 @@ def applied(name: str) -> Iterator[Mutant]:
     finally:
         for obj, attr, value in reversed(undo):
             setattr(obj, attr, value)
+
+
+# --------------------------------------------------------------------------- newer formats
+# Issue 28, item 1: a format this version does not know is a newer version's, never damage
+# (docs/design.md §3, "Format changes: the policy").
+
+_NEWER = "tests/test_newer_format.py::"
+_NOT_SIMULATED_NEWER_MANIFEST = (
+    "the simulation's newer version writes a newer LATEST (the pointer rule); a newer "
+    "manifest under a LATEST this version reads is set up by tests/test_newer_format.py"
+)
+
+
+def _unknown_latest_as_damage(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A LATEST (or commit record) in a format this version does not know raises the
+    error of a damaged one, as before issue 28."""
+    from cloudckpt import protocol
+    from cloudckpt.errors import CorruptRecordError, UnknownFormatError
+
+    original = protocol.check_format  # where parse_latest looks it up
+
+    def as_damage(body, family, known, what, kind):
+        try:
+            original(body, family, known, what, kind)
+        except UnknownFormatError as exc:
+            if family != "cloudckpt.latest/":
+                raise
+            raise CorruptRecordError(exc.message) from None
+
+    setattr_(protocol, "check_format", as_damage)
+
+
+def _unknown_record_skipped(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The reader's fallback over the commit records skips a newer record as if it were
+    damaged, and reads the next older one."""
+    import types
+
+    from cloudckpt import protocol, reader
+    from cloudckpt.errors import CorruptRecordError, UnknownFormatError
+
+    def parse_latest(data, what="LATEST"):
+        try:
+            return protocol.parse_latest(data, what)
+        except UnknownFormatError as exc:
+            raise CorruptRecordError(exc.message) from None
+
+    proxy = types.SimpleNamespace(**{**vars(protocol), "parse_latest": parse_latest})
+    setattr_(reader, "protocol", proxy)
+
+
+def _repair_over_unknown(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """repair takes a newer LATEST for a damaged one and passes over newer commit records,
+    rebuilding from the newest record it can read (an older one)."""
+    from cloudckpt import repair
+    from cloudckpt.errors import CorruptRecordError, UnknownFormatError
+
+    setattr_(repair, "CorruptRecordError", (CorruptRecordError, UnknownFormatError))
+
+
+def _gc_over_unknown(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """GC takes a newer manifest for an unreadable one (keeps every chunk this time) and
+    goes on deleting tombstones and orphans."""
+    from cloudckpt import chunks
+    from cloudckpt.errors import UnknownFormatError
+
+    original = chunks.protected_chunk_keys
+
+    def swallowing(store, latest, deleting=()):
+        try:
+            return original(store, latest, deleting)
+        except UnknownFormatError:
+            return None
+
+    setattr_(chunks, "protected_chunk_keys", swallowing)
+
+
+def _writer_over_unknown(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A save that cannot read the current manifest (a newer version's) uploads in full
+    and commits over it, as before issue 28."""
+    from cloudckpt import attempts
+
+    class NeverRaised(Exception):
+        pass
+
+    setattr_(attempts, "UnknownFormatError", NeverRaised)
+
+
+def _newer_journal_abandoned(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A staging journal in a newer format is taken for an unreadable one: the manager
+    deletes that attempt at start-up."""
+    from cloudckpt import staging
+
+    setattr_(staging, "unknown_format", lambda *args: ValueError("unknown journal"))
+
+
+# --- issue 32 items 8 and 10: fencing warnings, gc_grace at construction --------------------
+
+
+def _fenced_writer_always_named(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """push and cp warn about every writer they fence, an exited earlier push's too."""
+    from cloudckpt import admin
+
+    setattr_(admin.WriterStatus, "may_be_live", property(lambda self: True))
+
+
+def _gc_grace_unchecked_at_construction(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A manager accepts a gc_grace too short to commit under; the first save refuses it."""
+    from cloudckpt import manager
+
+    setattr_(manager, "check_grace", lambda grace, store: None)
+
+
+_FIRST_HOUR = "tests/test_first_hour.py::"
+
+# --------------------------------------------------------------------------- issue 28 #5
+# Short reads: a cut answer is a transient error on every backend, a short answer is read
+# again before a file is judged truncated, and wrappers forward the zero-copy read.
+
+
+def _gcs_short_read_is_short(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """GCS's direct read returns what arrived when the connection closes cleanly mid-body
+    (http.client reports a FIN as the end of the body): a cut answer passes for short."""
+    from cloudckpt.stores import gcs
+
+    def read_into(resp, buf, skip):
+        while skip > 0:
+            skipped = len(resp.read(min(skip, 1 << 20)))
+            if not skipped:
+                return 0
+            skip -= skipped
+        got = 0
+        while got < len(buf):
+            n = resp.readinto(buf[got:])
+            if not n:
+                break
+            got += n
+        return got
+
+    setattr_(gcs, "_read_into", read_into)
+
+
+def _azure_cut_not_transient(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """Azure: a download the SDK gave up on mid-body is a plain StoreError, not retried."""
+    from cloudckpt.stores import _azure_errors
+
+    setattr_(_azure_errors, "_cut_short", lambda exc: False)
+
+
+def _fsspec_cut_not_transient(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """fsspec (http://): an answer shorter than its Content-Length is a plain StoreError."""
+    from cloudckpt.stores import fsspec_store
+
+    setattr_(fsspec_store, "_cut_short", lambda exc: False)
+
+
+def _short_read_judged_at_once(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A ranged read that answers short is taken for a short object at once."""
+    from cloudckpt.transfer import TransferEngine
+
+    def read_exact(self, store, key, start, view):
+        return int(self._retry(lambda: store.get_range_into(key, start, view), f"download {key}"))
+
+    setattr_(TransferEngine, "read_exact", read_exact)
+
+
+def _short_judged_by_the_answers(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """Answers short on every retry are taken for a short object without asking the store
+    the object's size (as before simulation seed 1430): a proxy that cuts every answer
+    makes an intact checkpoint look truncated."""
+    from cloudckpt import transfer
+    from cloudckpt.errors import TransientStoreError
+
+    def read_exact(retry, store, key, start, view):
+        short: list[int | None] = [None]
+
+        def once() -> int:
+            short[0] = None
+            got = store.get_range_into(key, start, view)
+            if got < len(view):
+                short[0] = got
+                raise TransientStoreError(f"{key}: {got} of {len(view)} bytes")
+            return got
+
+        try:
+            return int(retry(once, f"download {key}"))
+        except TransientStoreError:
+            if short[0] is None:
+                raise
+            return short[0]
+
+    setattr_(transfer, "read_exact", read_exact)
+
+
+def _wrapper_drops_get_range_into(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A forwarding wrapper inherits ``Store``'s copying ``get_range_into`` instead of
+    forwarding it: the inner store's zero-copy read goes unused behind every wrapper."""
+    from cloudckpt.stores.base import Store
+    from cloudckpt.testing.wrappers import ForwardingStore
+
+    setattr_(ForwardingStore, "get_range_into", Store.get_range_into)
+
+
+def _faults_skip_get_range_into(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The fault injector forwards ``get_range_into`` untouched: its rules never reach
+    the zero-copy read path (as before issue 28)."""
+    from cloudckpt.testing.faults import FaultInjectingStore
+    from cloudckpt.testing.wrappers import ForwardingStore
+
+    setattr_(FaultInjectingStore, "get_range_into", ForwardingStore.get_range_into)
+
+
+_CUT = "tests/test_store_conformance.py::test_a_cut_response_is_transient_on_every_backend"
+_SHORT = "tests/test_short_reads.py::"
+_NOT_SIMULATED_STORES = "the simulation runs on the memory store; real backends are not in it"
+
+# --------------------------------------------------------------------------- digests (issue 31)
+
+
+def _digest_algorithm_ignored(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """Every hash is the one new checkpoints use, whatever the manifest's algorithm: a
+    SHA-256 checkpoint is checked with BLAKE3 (a reader that forgot to pass it on)."""
+    from cloudckpt import digest
+
+    original = digest.hasher
+
+    def writing_algorithm(algorithm=None, size_hint=0):
+        return original(None, size_hint)
+
+    setattr_(digest, "hasher", writing_algorithm)
+
+
+def _unknown_digest_is_damage(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A digest this version does not know is reported as damage (CorruptRecordError), as
+    before BLAKE3: a restore falls back past a newer writer's checkpoint."""
+    from cloudckpt import digest
+    from cloudckpt.errors import CorruptRecordError, UnknownFormatError
+
+    original = digest.check
+
+    def as_damage(algorithm, what=""):
+        try:
+            return original(algorithm, what)
+        except UnknownFormatError as exc:
+            raise CorruptRecordError(exc.message) from None
+
+    setattr_(digest, "check", as_damage)
+
+
+def _latest_format_ignores_digest(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """LATEST keeps an older format when it names BLAKE3 checkpoints: an older reader
+    opens their manifests and takes them for damage."""
+    from cloudckpt import formats, protocol
+
+    def older(self):
+        records = [*self.retained(), *(t.record for t in self.tombstones)]
+        if self.settings.retention.extended or any(r.metrics for r in records):
+            return formats.LATEST_FORMAT_RETENTION
+        return formats.LATEST_FORMAT
+
+    setattr_(protocol.Latest, "format", property(older))
+
+
+_DIGESTS = "tests/test_digest_algorithms.py::"
+_NOT_SIMULATED_DIGESTS = (
+    "the simulation's writers all save with the one digest new checkpoints use; SHA-256 "
+    "runs, unknown digests and older readers are set up by the fast tests"
+)
+
+MUTANTS.update(
+    {
+        m.name: m
+        for m in [
+            Mutant(
+                "unknown-latest-as-damage",
+                "a LATEST in a format this version does not know is refused, not damage",
+                _unknown_latest_as_damage,
+                (
+                    f"{_NEWER}test_restore_and_load_state_refuse_a_newer_latest_never_an_older_"
+                    "step",
+                    f"{_NEWER}test_the_cli_exits_10_naming_the_version_and_changes_nothing",
+                    f"{_NEWER}test_repair_refuses_a_newer_latest_and_changes_nothing",
+                    f"{_NEWER}test_gc_deletes_nothing_of_a_run_with_a_newer_latest",
+                    f"{_NEWER}test_a_save_refuses_a_newer_latest_and_writes_nothing",
+                ),
+                range(0, 10),
+                "I11",
+            ),
+            Mutant(
+                "unknown-record-skipped",
+                "a reader never falls back past a commit record in a newer format",
+                _unknown_record_skipped,
+                (f"{_NEWER}test_a_newer_commit_record_is_not_skipped_for_an_older_one",),
+                range(0, 10),
+                "I11: a restore returned step",
+            ),
+            Mutant(
+                "repair-over-unknown",
+                "repair refuses while LATEST or any commit record is in a newer format",
+                _repair_over_unknown,
+                (
+                    f"{_NEWER}test_repair_refuses_a_newer_latest_and_changes_nothing",
+                    f"{_NEWER}test_repair_refuses_while_any_commit_record_is_newer",
+                ),
+                range(0, 10),
+                "I11: final wrote LATEST over the one a newer version wrote",
+            ),
+            Mutant(
+                "gc-over-unknown",
+                "GC deletes nothing by a manifest in a newer format",
+                _gc_over_unknown,
+                (f"{_NEWER}test_gc_deletes_nothing_by_a_newer_manifest",),
+                why_not_simulated=_NOT_SIMULATED_NEWER_MANIFEST,
+            ),
+            Mutant(
+                "writer-over-unknown",
+                "a save never commits over a checkpoint in a newer format",
+                _writer_over_unknown,
+                (f"{_NEWER}test_a_save_refuses_a_newer_manifest_under_its_latest",),
+                why_not_simulated=_NOT_SIMULATED_NEWER_MANIFEST,
+            ),
+            Mutant(
+                "newer-journal-abandoned",
+                "a staging journal in a newer format stops the manager and is kept",
+                _newer_journal_abandoned,
+                (f"{_NEWER}test_a_newer_staging_journal_is_refused_and_kept",),
+                why_not_simulated="the simulation's writers share no staging directory with "
+                "another version",
+            ),
+            Mutant(
+                "fenced-writer-always-named",
+                "push/cp warn only about a fenced writer that may still run",
+                _fenced_writer_always_named,
+                (f"{_FIRST_HOUR}test_an_exited_writer_is_fenced_without_a_warning_in_process",),
+                why_not_simulated="the simulation checks what is committed, not what is said",
+            ),
+            Mutant(
+                "gc-grace-unchecked-at-construction",
+                "a gc_grace too short to commit under is refused when the manager is built",
+                _gc_grace_unchecked_at_construction,
+                (f"{_FIRST_HOUR}test_gc_grace_too_short_is_refused_when_the_manager_is_built",),
+                why_not_simulated="the simulation builds its managers with valid settings",
+            ),
+            Mutant(
+                "gcs-short-read-taken-as-truncation",
+                "GCS: a ranged read cut short by a clean close (FIN) is a transient error",
+                _gcs_short_read_is_short,
+                (f"{_CUT}[gcs-FIN]",),
+                why_not_simulated=_NOT_SIMULATED_STORES,
+            ),
+            Mutant(
+                "azure-cut-not-transient",
+                "Azure: a download cut short (FIN or RST) is a transient error",
+                _azure_cut_not_transient,
+                (f"{_CUT}[azurite-FIN]", f"{_CUT}[azurite-RST]"),
+                why_not_simulated=_NOT_SIMULATED_STORES,
+            ),
+            Mutant(
+                "fsspec-cut-not-transient",
+                "fsspec (http://): an answer shorter than its Content-Length is transient",
+                _fsspec_cut_not_transient,
+                (f"{_CUT}[http-FIN]",),
+                why_not_simulated=_NOT_SIMULATED_STORES,
+            ),
+            Mutant(
+                "short-judged-by-the-answers",
+                "answers short on every retry are judged by the object's stored size: an "
+                "object that holds the bytes had its answers cut (a store failure, not damage)",
+                _short_judged_by_the_answers,
+                (f"{_SHORT}test_answers_cut_short_every_time_are_a_store_failure_not_damage",),
+                why_not_simulated="pending: seeds not yet scanned (tools/mutation_scan.py)",
+            ),
+            Mutant(
+                "short-read-judged-at-once",
+                "a ranged read that answers short is read again before the file is judged "
+                "truncated",
+                _short_read_judged_at_once,
+                (
+                    f"{_SHORT}test_a_short_read_is_read_again_before_a_file_is_judged_"
+                    "truncated[memory-off]",
+                    f"{_SHORT}test_a_short_read_is_read_again_before_a_file_is_judged_"
+                    "truncated[seaweedfs-off]",
+                ),
+                why_not_simulated="pending: seeds not yet scanned (tools/mutation_scan.py)",
+            ),
+            Mutant(
+                "wrapper-drops-get-range-into",
+                "wrappers forward get_range_into (the inner store's zero-copy read)",
+                _wrapper_drops_get_range_into,
+                (f"{_SHORT}test_wrappers_forward_the_zero_copy_read[ForwardingStore]",),
+                why_not_simulated="reads through a copy are the same bytes: no invariant breaks",
+            ),
+            Mutant(
+                "faults-skip-get-range-into",
+                "the fault injector's rules on get_range reach get_range_into",
+                _faults_skip_get_range_into,
+                (
+                    f"{_SHORT}test_the_fault_injector_reaches_the_zero_copy_read_path[memory]",
+                    f"{_SHORT}test_the_fault_injector_reaches_the_zero_copy_read_path[seaweedfs]",
+                ),
+                why_not_simulated="a fault injector that injects nothing breaks no invariant",
+            ),
+        ]
+    }
+)
+
+
+# --------------------------------------------------------------------------- issue 28 items 2-4
+
+
+def _resumed_chunk_trusted_by_name(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """An interrupted attempt's chunk is named once a listing shows its name and size,
+    its content never checked."""
+    from cloudckpt import chunks
+
+    setattr_(chunks, "resumed_chunk_ok", lambda engine, store, known, data: True)
+
+
+def _failure_after_cas_fails_the_save(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """Whatever fails after the commit landed (the journal's ``committed`` write on a
+    full disk) fails the save: a committed save reported as failed."""
+    from cloudckpt import localsave
+
+    def raising(step, what, fn, warnings):
+        fn()
+        return True
+
+    setattr_(localsave, "after_commit", raising)
+
+
+def _attempt_dated_by_its_birth_read(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The commit's bound counts from the store's clock read before ``ATTEMPT.json``,
+    never from its objects' ``last_modified`` (what GC dates the attempt by)."""
+    from cloudckpt import committer
+
+    setattr_(committer.AttemptAge, "dated", lambda self, times: self)
+
+
+_AFTER_COMMIT = "tests/test_after_commit.py::"
+_RESUMED = "tests/test_resumed_content.py::"
+
+MUTANTS.update(
+    {
+        m.name: m
+        for m in [
+            Mutant(
+                "resumed-chunk-trusted-by-name",
+                "a resumed chunk is named only once its content checks",
+                _resumed_chunk_trusted_by_name,
+                (
+                    f"{_RESUMED}test_a_resumed_push_never_names_a_chunk_whose_bytes_differ",
+                    f"{_RESUMED}test_a_resumed_copy_never_names_a_chunk_whose_bytes_differ",
+                ),
+                why_not_simulated="the simulation's stores never hold other bytes under a "
+                "chunk's name (no actor writes them)",
+            ),
+            Mutant(
+                "failure-after-cas-reported-failed",
+                "a save whose compare-and-swap landed is reported committed, with a warning "
+                "for what failed after",
+                _failure_after_cas_fails_the_save,
+                (
+                    f"{_AFTER_COMMIT}test_a_full_disk_at_the_committed_journal_write_reports_"
+                    "the_save_committed",
+                ),
+                why_not_simulated="the simulation's staging disk never fills",
+            ),
+            Mutant(
+                "attempt-dated-by-birth-read",
+                "the commit's bound counts from the oldest last_modified of the attempt's "
+                "objects, as GC dates it",
+                _attempt_dated_by_its_birth_read,
+                (
+                    "tests/test_store_clock.py::test_a_store_clock_stepping_back_before_"
+                    "attempt_json_cannot_let_gc_own_a_commit",
+                ),
+                why_not_simulated="reachable (the store's clock steps back for a write), but "
+                "GC must sweep in the window; 300 seeds showed no violation with the rule "
+                "removed",
+            ),
+            Mutant(
+                "digest-algorithm-ignored",
+                "each file and chunk is checked with its manifest's digest algorithm",
+                _digest_algorithm_ignored,
+                (f"{_DIGESTS}test_a_sha256_run_mixes_with_blake3_restore_verify_gc_cp_fallback",),
+                why_not_simulated=_NOT_SIMULATED_DIGESTS,
+            ),
+            Mutant(
+                "unknown-digest-is-damage",
+                "a digest this version does not know is a newer format, not damage",
+                _unknown_digest_is_damage,
+                (f"{_DIGESTS}test_an_unknown_digest_is_a_newer_format_not_damage",),
+                why_not_simulated=_NOT_SIMULATED_DIGESTS,
+            ),
+            Mutant(
+                "latest-format-ignores-digest",
+                "a LATEST naming a BLAKE3 checkpoint is /4, which older readers refuse",
+                _latest_format_ignores_digest,
+                (
+                    f"{_DIGESTS}test_an_older_reader_refuses_a_blake3_run_at_the_pointer",
+                    f"{_DIGESTS}test_new_checkpoints_use_blake3_and_say_so[fixed]",
+                ),
+                why_not_simulated=_NOT_SIMULATED_DIGESTS,
+            ),
+        ]
+    }
+)
+
+
+# --------------------------------------------------------------------------- issue 32 item 10
+
+
+def _library_logs_in_their_own_style(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The CLI prints the library's logs as ``cloudckpt: WARNING: ...`` again, beside its
+    own ``warning: ...`` lines (one event, two styles)."""
+    import sys
+
+    from cloudckpt.cli import _common
+
+    def emit(self, record):
+        sys.stderr.write(f"cloudckpt: {record.levelname}: {record.getMessage()}\n")
+
+    setattr_(_common._CliLogHandler, "emit", emit)
+
+
+_ONE_LINE = "tests/test_cli_one_line.py::"
+
+MUTANTS.update(
+    {
+        m.name: m
+        for m in [
+            Mutant(
+                "library-logs-in-their-own-style",
+                "the CLI prints each event once, in its own style: the library's warnings "
+                "and errors as warning:/error: lines",
+                _library_logs_in_their_own_style,
+                (
+                    f"{_ONE_LINE}test_get_after_a_fallback_warns_once_in_the_clis_style[False]",
+                    f"{_ONE_LINE}test_watch_reports_a_failed_upload_once_in_the_clis_style",
+                ),
+                why_not_simulated="not reachable: the simulation checks what is committed, "
+                "not what is said",
+            ),
+        ]
+    }
+)
+
+
+# --------------------------------------------------------------------------- issue 30 item 1
+
+
+def _multi_rank_reuse_sources_unreported(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A rank of a multi-rank save reports no checkpoint its reused chunks come from, so
+    the coordinator's commit requires none of them retained."""
+    from cloudckpt.distributed import _save
+
+    setattr_(_save, "_reuse_sources", lambda stats: frozenset())
+
+
+MUTANTS.update(
+    {
+        m.name: m
+        for m in [
+            Mutant(
+                "multi-rank-reuse-sources-unreported",
+                "a multi-rank commit requires the checkpoints every rank's reused chunks "
+                "come from to be retained",
+                _multi_rank_reuse_sources_unreported,
+                (
+                    "tests/test_distributed.py::test_a_multi_rank_commit_requires_the_sources_"
+                    "of_reused_chunks",
+                ),
+                why_not_simulated="the simulation has no multi-rank saves",
+            ),
+        ]
+    }
+)
+
+
+def _multi_rank_reupload_keeps_missing_chunks(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The retry of a multi-rank save whose reused chunks were missing uses the same index:
+    the ranks name the missing chunks again instead of uploading them."""
+    from cloudckpt.distributed import _chunks
+
+    original = _chunks.RankChunks.index
+
+    def ignoring(self, base, again):
+        return original(self, base, None if again is None or again.missing is not None else again)
+
+    setattr_(_chunks.RankChunks, "index", ignoring)
+
+
+MUTANTS.update(
+    {
+        m.name: m
+        for m in [
+            Mutant(
+                "multi-rank-reupload-keeps-missing-chunks",
+                "a multi-rank save whose reused chunks are missing is saved again once, every "
+                "rank uploading those chunks",
+                _multi_rank_reupload_keeps_missing_chunks,
+                (
+                    "tests/test_distributed.py::test_a_multi_rank_save_reuploads_a_reused_chunk_"
+                    "that_is_gone",
+                ),
+                why_not_simulated="the simulation has no multi-rank saves",
+            ),
+        ]
+    }
+)

@@ -30,7 +30,10 @@ from cloudckpt import (
     StagingError,
     TransientStoreError,
     UnsupportedBackendError,
+    attempt_layout,
+    canonical,
     digest,
+    formats,
     protocol,
 )
 from cloudckpt.gc import collect_garbage
@@ -62,8 +65,8 @@ def _commit_manifest(store, body: bytes, files: dict[str, bytes], step: int = 9,
     manifest = json.loads(body)
     prefix = manifest["ckpt"]
     for rel, data in files.items():
-        store.put(prefix + protocol.FILES_DIR + rel, data)
-    store.put(prefix + protocol.MANIFEST_NAME, body)
+        store.put(prefix + attempt_layout.FILES_DIR + rel, data)
+    store.put(prefix + attempt_layout.MANIFEST_NAME, body)
     fields = dict(
         ckpt=prefix,
         step=step,
@@ -81,7 +84,7 @@ def _commit_manifest(store, body: bytes, files: dict[str, bytes], step: int = 9,
         latest,
         protocol.CheckpointRecord(**fields),
         latest.settings,
-        protocol.parse_iso(fields["committed_at"]),
+        canonical.parse_iso(fields["committed_at"]),
     )
     store.put(protocol.LATEST_KEY, new.to_bytes())
 
@@ -89,24 +92,26 @@ def _commit_manifest(store, body: bytes, files: dict[str, bytes], step: int = 9,
 def _manifest(entries: list[dict], step: int = 9, **extra) -> bytes:
     attempt = "20300101T000000000Z-0badf00d"
     body = {
-        "format": protocol.MANIFEST_FORMAT,
-        "ckpt": protocol.ckpt_prefix(step, 1, attempt),
+        "format": formats.MANIFEST_FORMAT,
+        "ckpt": attempt_layout.ckpt_prefix(step, 1, attempt),
         "step": step,
         "epoch": 1,
         "commit_id": attempt,
         "writer_id": "evil",
         "created_at": "t",
         "metadata": {},
-        "digest": {"algorithm": digest.ALGORITHM, "chunk_size": digest.CHUNK_SIZE},
+        # A /1 manifest, as cloudckpt wrote before BLAKE3.
+        "digest": {"algorithm": digest.SHA256_TREE, "chunk_size": digest.CHUNK_SIZE},
         "files": entries,
         "total_bytes": sum(e["size"] for e in entries),
         **extra,
     }
-    return protocol._sealed(body)
+    return canonical.seal(body)
 
 
 def _entry(path: str, data: bytes, **override) -> dict:
-    return {"path": path, "size": len(data), "digest": digest.tree_digest(data), **override}
+    tree = digest.tree_digest(data, algorithm=digest.SHA256_TREE)
+    return {"path": path, "size": len(data), "digest": tree, **override}
 
 
 PWNED = b"pwned"
@@ -172,7 +177,7 @@ def test_nothing_intact_raises_with_every_reason(memory_target, tmp_path):
 def _reseal(data: bytes, **changes) -> bytes:
     body = json.loads(data)
     body.update(changes)
-    return protocol._sealed(body)
+    return canonical.seal(body)
 
 
 BAD_LATEST = {
@@ -181,7 +186,8 @@ BAD_LATEST = {
     "not json": lambda d: b"\x00\xffnot json",
     "a json list": lambda d: b"[1, 2]",
     "edited without resealing": lambda d: d.replace(b'"seq":2', b'"seq":3'),
-    "future format": lambda d: _reseal(d, format="cloudckpt.latest/99"),
+    # A sealed LATEST in a format this version does not read is a newer version's, not
+    # damage: refused with no fallback (tests/test_newer_format.py).
     "broken seq chain": lambda d: _reseal(d, parent_seq=7),
     "field of the wrong type": lambda d: _reseal(d, seq="2"),
     "hostile checkpoint prefix": lambda d: _reseal(

@@ -32,7 +32,7 @@ def test_quick_benchmark_runs_every_group_and_writes_its_json(tmp_path):
     assert doc["schema"] == "cloudckpt.bench/1" and doc["quick"] is True
     assert doc["partial"] is False
     names = [g["name"] for g in doc["groups"]]
-    for expected in ("torch", "torch-restore", "torch-resume", "s3-upload", "s3-restore",
+    for expected in ("torch", "torch-restore", "torch-resume", "dir-resume", "s3-upload", "s3-restore",
                      "gcs-upload", "gcs-restore", "moto-upload", "moto-restore"):  # fmt: skip
         assert expected in names, names
     assert names.count("s3-upload") == 2, "one upload group per payload-signing setting"
@@ -68,6 +68,53 @@ def test_quick_dcp_benchmark_loads_at_2_and_3_ranks(tmp_path):
         assert set(group["contenders"]) == {"cloudckpt CloudStorageReader", "DCP S3StorageReader"}
         (cmp,) = group["comparisons"]
         assert math.isfinite(cmp["speedup"]) and cmp["speedup"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_quick_dlio_benchmark_saves_and_restores_the_scaled_workload(tmp_path):
+    """The dlio group (issue 31 item 6): DLIO's checkpoint workload at a tiny size, every
+    contender saves and restores (each restore checked against what was saved), and the
+    JSON records the workload's DLIO fields, the per-rank sizes and the ratios."""
+    import importlib
+
+    dlio = importlib.import_module("benchmarks.dlio_checkpoint")
+    out = tmp_path / "dlio.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--json", str(out),
+         "--workdir", str(tmp_path / "work"), "--groups", "dlio"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    groups = {g["name"]: g for g in doc["groups"]}
+    assert sorted(groups) == ["dlio-restore", "dlio-save"]
+    peers = {"DLIO pt_s3_save (S3Checkpoint)", "DLIO pt_save (local file, fsync)",
+             "DCP save S3StorageWriter"}  # fmt: skip
+    assert set(groups["dlio-save"]["contenders"]) == {"cloudckpt", *peers}
+    restore = groups["dlio-restore"]
+    assert set(restore["contenders"]) == {"cloudckpt", "DLIO pt_s3_save (S3Checkpoint)",
+                                          "DLIO pt_save (local file)", "DCP load S3StorageReader"}  # fmt: skip
+    w = dlio.Workload.scaled(64, 2, 2)  # --quick's size
+    for group in groups.values():
+        work = group["workload"]
+        assert (work["hidden_size"], work["num_layers"], work["ranks"]) == (64, 2, 2)
+        assert group["bytes"] == w.total_bytes() == 2 * sum(w.rank_bytes())
+        assert work["files_per_checkpoint"] == 4
+        for contender in group["contenders"].values():
+            assert contender["gib_per_s"] > 0
+        for cmp in group["comparisons"]:
+            assert cmp["cloudckpt"] == "cloudckpt" and cmp["baseline"] in group["contenders"]
+            assert math.isfinite(cmp["speedup"]) and cmp["speedup"] > 0
+    metrics = {c["metric"] for c in restore["comparisons"]}
+    assert metrics == {"s", "first_step"}
+    for contender in restore["contenders"].values():
+        m = contender["metrics"]
+        assert m["first_step"]["median"] >= m["s"]["median"] > 0
+    # The full configuration is llama3-8b's: 8.03e9 parameters, about 105 GiB with Adam.
+    full = dlio.Workload()
+    assert full.num_parameters() == 8_030_261_248
+    assert 104 * 2**30 < full.total_bytes() < 106 * 2**30
 
 
 @pytest.mark.timeout(300)

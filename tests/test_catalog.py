@@ -18,12 +18,20 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cloudckpt import CheckpointManager, CheckpointNotFoundError, CorruptionError, protocol
+from cloudckpt import (
+    CheckpointManager,
+    CheckpointNotFoundError,
+    CorruptionError,
+    attempt_layout,
+    manifests,
+    protocol,
+)
 from cloudckpt.catalog import (
     diff_checkpoints,
     export_checkpoint,
     file_digest,
     get_file,
+    get_files,
     list_runs,
 )
 from cloudckpt.cli import cli
@@ -122,7 +130,7 @@ def cloud(request):
 
 def _flags(target) -> list[str]:
     so = target.storage_options
-    if target.backend == "s3":
+    if target.backend in ("s3", "seaweedfs"):
         return ["--endpoint-url", so["endpoint_url"], "--region", "us-east-1",
                 "-o", f"key={so['key']}", "-o", f"secret={so['secret']}"]  # fmt: skip
     return ["--endpoint-url", so["endpoint_url"], "-o", "token=anon", "-o", "project=test"]
@@ -151,8 +159,8 @@ def test_runs_command(cloud, tmp_path):
     ]
     assert set(doc["runs"][0]) == {
         "url", "path", "status", "step", "commit_id", "committed_at", "total_bytes",
-        "num_files", "retained", "stored_bytes", "updated_at", "age_seconds",
-        "writer_epoch", "problem",
+        "num_files", "retained", "stored_bytes", "stored_objects", "unreferenced_bytes",
+        "unreferenced_attempts", "updated_at", "age_seconds", "writer_epoch", "problem",
     }  # fmt: skip
     table = run("runs", base, target=cloud)
     assert table.exit_code == 0 and re.search(r"b/c\s.*\s20\s", table.stdout), table.stdout
@@ -161,6 +169,49 @@ def test_runs_command(cloud, tmp_path):
     assert ls.exit_code == 0 and "cloudckpt runs" in ls.output, ls.output
     none = run("runs", _sub(base, "nothing"), target=cloud)
     assert none.exit_code == 0 and "no runs" in none.output
+
+
+@pytest.fixture(params=["seaweedfs", "s3"])
+def s3_like(request):
+    return request.getfixturevalue(f"{request.param}_target")
+
+
+def test_runs_reports_every_byte_a_run_stores_and_what_awaits_gc(s3_like, tmp_path):
+    """The issue's case: a run whose current checkpoint names every chunk in a dropped
+    checkpoint's prefix (pushed again unchanged with keep_last 1), and an interrupted
+    push's chunks. `runs` reported 0 B (the bytes the retained checkpoints own); it must
+    report every byte of the run, and apart what no retained checkpoint references."""
+    target = s3_like
+    url = _sub(target.url, "exp")
+    for step in (1, 2):  # the same files: step 2 names step 1's chunks
+        _push(url, target.storage_options, tmp_path, step=step, seed=7, keep_last=1)
+    store = open_store(url, target.storage_options)
+    latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
+    (dropped,) = [t.record for t in latest.tombstones]
+    assert latest.current.owned_bytes == 0  # what `runs` used to sum
+    # An interrupted push: its ATTEMPT.json and one chunk, referenced by nothing.
+    orphan = attempt_layout.ckpt_prefix(3, 1, "20300101T000000000Z-0badc0de")
+    store.put(orphan + "ATTEMPT.json", b"{}")
+    blob = os.urandom(512 * 1024)
+    store.put(orphan + "chunks/" + hashlib.sha256(blob).hexdigest(), blob)
+    every = list(store.list(""))
+    expected_unref = sum(
+        o.size
+        for o in every
+        if o.key.startswith(orphan)
+        or o.key in (dropped.ckpt + "ATTEMPT.json", dropped.manifest_key)
+    )
+    store.close()
+
+    doc = ok_json(run("runs", target.url, "--json", target=target))
+    (exp,) = doc["runs"]
+    assert exp["stored_bytes"] == sum(o.size for o in every) > 2 * CHUNK_SIZE + len(blob)
+    assert exp["stored_objects"] == len(every)
+    assert exp["unreferenced_bytes"] == expected_unref > len(blob)
+    assert exp["unreferenced_attempts"] == 2  # step 1's prefix (less its chunks) and the orphan
+    table = run("runs", target.url, target=target)
+    assert table.exit_code == 0 and "awaiting gc" in table.stdout, table.output
+    assert f"({exp['unreferenced_attempts']})" in table.stdout
 
 
 # --------------------------------------------------------------------------- get
@@ -224,6 +275,84 @@ def test_get_command(cloud, tmp_path):
     assert missing.exit_code == 3 and "config.json" in missing.output  # lists the files
 
 
+def test_get_into_a_directory_named_with_a_trailing_slash_creates_it(cloud, tmp_path):
+    """`get FILE DIR/` with DIR missing writes DIR/FILE (it used to write a file named
+    DIR); without the slash a missing parent is refused and nothing is created."""
+    files = _push(cloud.url, cloud.storage_options, tmp_path, step=3, seed=3, big=False)
+    ok_json(run("get", cloud.url, "config.json", f"{tmp_path}/weights/", "--json", target=cloud))
+    assert (tmp_path / "weights" / "config.json").read_bytes() == files["config.json"]
+    out = tmp_path / "new" / "deeper"
+    got = run("get", cloud.url, "config.json", f"{out}/", "--json", target=cloud)
+    doc = ok_json(got)
+    assert out.is_dir() and (out / "config.json").read_bytes() == files["config.json"]
+    assert doc["dest"] == str(out / "config.json") and doc["num_files"] == 1
+    refused = run("get", cloud.url, "config.json", tmp_path / "nope" / "c.json", target=cloud)
+    assert refused.exit_code == 7 and "end the destination with '/'" in refused.output
+    assert not (tmp_path / "nope").exists()
+    (tmp_path / "afile").write_text("x")
+    assert run("get", cloud.url, "config.json", f"{tmp_path}/afile/", target=cloud).exit_code == 7
+    # A file the checkpoint lacks: exit 3 before the directory is created.
+    assert run("get", cloud.url, "nope", f"{tmp_path}/made/", target=cloud).exit_code == 3
+    assert not (tmp_path / "made").exists()
+
+
+def test_get_several_files_and_globs(seaweedfs_target, tmp_path):
+    """`get URL PATH... DEST`: exact paths and globs, each file under its own path in
+    DEST (created), verified; only they are read (damage elsewhere goes unnoticed, and
+    costs no fallback); files that exist are refused unless --force, before anything is
+    written."""
+    t = seaweedfs_target
+    _push(t.url, t.storage_options, tmp_path, step=1, seed=1, big=False)
+    files = _push(t.url, t.storage_options, tmp_path, step=2, seed=2, big=False)
+    store = open_store(t.url, t.storage_options)
+    latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
+    manifest = manifests.parse_manifest(store.get(latest.current.manifest_key)[0])
+    (model,) = [f for f in manifest.files if f.path == "model.safetensors"]
+    flip_bit(store, model.chunks[0].key, seed=5)  # not selected: never read
+    store.close()
+    out = tmp_path / "out"
+    doc = ok_json(run("get", t.url, "*.json", "tokenizer/", out, "--json", target=t))
+    assert (doc["step"], doc["skipped"], doc["num_files"]) == (2, [], 2)
+    assert [(f["path"], f["dest"]) for f in doc["files"]] == [
+        ("config.json", str(out / "config.json")),
+        ("tokenizer/vocab.txt", str(out / "tokenizer" / "vocab.txt")),
+    ]
+    assert doc["dest"] == str(out) and "size" not in doc
+    assert {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} == {
+        "config.json", "tokenizer/vocab.txt"
+    }  # fmt: skip
+    assert (out / "tokenizer" / "vocab.txt").read_bytes() == files["tokenizer/vocab.txt"]
+    assert all(f["digest"] == file_digest(f["dest"]) for f in doc["files"])
+    # Two exact paths into the current directory's stand-in, then refused: they exist.
+    again = run("get", t.url, "config.json", "tokenizer/vocab.txt", out, target=t)
+    assert again.exit_code == 7, again.output
+    forced = run("get", t.url, "config.json", "tokenizer/vocab.txt", out, "--step", 1,
+                 "--force", target=t)  # fmt: skip
+    assert forced.exit_code == 0 and "2 files of step 1" in forced.stdout, forced.output
+    assert (out / "config.json").read_bytes() == b'{"seed": 1}'
+    missing = run("get", t.url, "config.json", "*.bin", tmp_path / "x", target=t)
+    assert missing.exit_code == 3 and "'*.bin'" in missing.output
+    assert not (tmp_path / "x").exists()
+    piped = run("get", t.url, "*.json", "-", target=t)
+    assert piped.exit_code == 2
+
+
+def test_get_files_falls_back_when_a_selected_file_is_damaged(memory_target, tmp_path):
+    url = memory_target.url
+    first = _push(url, {}, tmp_path, step=1, seed=1, chunking="off")
+    _push(url, {}, tmp_path, step=2, seed=2, chunking="off")
+    store = open_store(url)
+    latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
+    flip_bit(store, latest.current.ckpt + "files/tokenizer/vocab.txt", seed=3)
+    got = get_files(store, ["tokenizer/", "config.json"], tmp_path / "o")
+    assert got.step == 1 and [s.step for s in got.skipped] == [2]
+    assert (tmp_path / "o" / "tokenizer" / "vocab.txt").read_bytes() == first["tokenizer/vocab.txt"]
+    with pytest.raises(CorruptionError):
+        get_files(store, ["tokenizer/vocab.txt"], tmp_path / "p", step=2)
+    assert not list((tmp_path / "p").rglob("vocab.txt"))  # damaged bytes never land
+    store.close()
+
+
 # --------------------------------------------------------------------------- export
 
 
@@ -274,7 +403,7 @@ def test_export_stops_at_damage_and_says_what_was_written(memory_target, tmp_pat
     _push(memory_target.url, {}, tmp_path, step=1, seed=1)
     store = open_store(memory_target.url)
     latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
-    manifest = protocol.parse_manifest(store.get(latest.current.manifest_key)[0])
+    manifest = manifests.parse_manifest(store.get(latest.current.manifest_key)[0])
     last = manifest.files[-1]  # tokenizer/vocab.txt, exported last
     flip_bit(store, last.chunks[0].key, seed=1)
     dest = memory_target.url.rsplit("/", 1)[0] + "/out"
@@ -287,8 +416,9 @@ def test_export_stops_at_damage_and_says_what_was_written(memory_target, tmp_pat
 
 
 def test_digest_matches_the_manifest_and_the_documented_recipes(file_target, tmp_path):
-    """`cloudckpt digest` prints what the manifest records, and so do the recipes in
-    docs/cli.md (Python with hashlib only, and sha256sum in a shell)."""
+    """`cloudckpt digest` prints what the manifest records (BLAKE3), and so do the recipes
+    in docs/cli.md (Python with blake3 for blake3-tree, sha256sum in a shell for
+    `--algorithm sha256-tree`)."""
     files = _push(file_target.url, {}, tmp_path, step=1, seed=8)
     shown = ok_json(run("show", file_target.url, "--json"))["manifest"]["files"]
     recorded = {f["path"]: f["digest"] for f in shown}
@@ -317,6 +447,10 @@ def test_digest_matches_the_manifest_and_the_documented_recipes(file_target, tmp
             [sys.executable, "-c", python, str(path)], capture_output=True, text=True, check=True
         ).stdout.split()[0]
         assert out == expected, name
+        expected = ok_json(run("digest", path, "--algorithm", "sha256-tree", "--json"))
+        assert expected["algorithm"] == "sha256-tree"
+        expected = expected["files"][0]["digest"]
+        assert expected == file_digest(path, "sha256-tree") != out
         out = subprocess.run(
             ["sh", "-c", shell, "sh", str(path)], capture_output=True, text=True, check=True
         ).stdout.split()[0]
@@ -385,3 +519,40 @@ def test_restore_and_get_keep_modes_but_never_special_bits(memory_target, tmp_pa
         os.umask(old)
     assert got.mode == 0o750 and stat.S_IMODE((tmp_path / "c").stat().st_mode) == 0o750
     assert hashlib.sha256((tmp_path / "c").read_bytes()).digest()
+
+
+def test_the_examples_of_the_new_flags_in_docs_cli_run(tmp_path, monkeypatch):
+    """The page's examples of `restore --include/--exclude`, `get` with globs, `cp
+    --keep-settings` and `show --commit`, run as written against a file:// run (its URL,
+    the archive's and the commit id substituted)."""
+    import shlex
+
+    page = (ROOT / "docs" / "cli.md").read_text()
+    flags = ("--include", "--exclude", "--keep-settings", "--commit", "'*.safetensors'")
+    examples = [
+        line
+        for line in re.findall(r"^ *\$ (cloudckpt .*)$", page, flags=re.MULTILINE)
+        if any(f in line for f in flags)
+    ]
+    assert len(examples) == 5, examples
+    src = tmp_path / "ckpt"
+    for rel in ("model.safetensors", "optimizer.pt", "rng_state.pth", "config.json",
+                "tokenizer/vocab.txt"):  # fmt: skip
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(rel.encode())
+    run_url, archive = f"file://{tmp_path}/runs/exp42", f"file://{tmp_path}/archive/exp42"
+    pushed = ok_json(run("push", src, run_url, "--step", 4500, "--json"))
+    monkeypatch.chdir(tmp_path)
+    for line in examples:
+        line = line.replace("s3://bucket/runs/exp42", run_url).replace(
+            "s3://archive/exp42", archive
+        )
+        line = re.sub(r"--commit \S+", f"--commit {pushed['commit_id']}", line)
+        done = run(*shlex.split(line)[1:])
+        assert done.exit_code == 0, (line, done.output)
+    weights = sorted(p.name for p in (tmp_path / "weights").rglob("*") if p.is_file())
+    assert weights == ["config.json", "model.safetensors"]
+    assert not (tmp_path / "no-optimizer" / "optimizer.pt").exists()
+    assert (tmp_path / "no-optimizer" / "config.json").exists()
+    assert (tmp_path / "for-inference" / "tokenizer" / "vocab.txt").exists()
+    assert (tmp_path / "archive" / "exp42" / "LATEST").exists()

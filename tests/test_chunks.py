@@ -9,11 +9,20 @@ from pathlib import Path
 
 import pytest
 
-from cloudckpt import CheckpointManager, MissingChunkError, protocol
+from cloudckpt import (
+    CheckpointManager,
+    MissingChunkError,
+    attempt_layout,
+    canonical,
+    digest,
+    formats,
+    manifests,
+    protocol,
+)
 from cloudckpt.chunks import ChunkIndex, plan, tensor_cuts
 from cloudckpt.errors import ChunkSourceDroppedError
 from cloudckpt.gc import collect_garbage
-from cloudckpt.restore import fetch_manifest
+from cloudckpt.reader import fetch_manifest
 from cloudckpt.stores import open_store
 from cloudckpt.stores.memory import ManualClock, MemoryStore, drop_memory_bucket
 from cloudckpt.verify import verify_run
@@ -220,19 +229,22 @@ def test_chunking_off_writes_plain_manifests(mem, tmp_path):
     assert store.head(latest.current.ckpt + "files/f").size == 3
 
 
-def test_old_format_run_still_restores(tmp_path):
-    """A run written before chunks (LATEST/1, manifest/1) restores and takes new saves."""
+def test_old_format_run_still_restores(tmp_path, monkeypatch):
+    """A run written before chunks (LATEST/1, manifest/1, SHA-256) restores and takes new
+    saves (BLAKE3: LATEST/4)."""
     url = f"memory://old-{random.getrandbits(32):08x}/run"
     store = open_store(url)
+    monkeypatch.setattr(digest, "ALGORITHM", digest.SHA256_TREE)
     with CheckpointManager(store, staging_dir=tmp_path / "s", auto_gc=False, chunking="off") as mgr:
         mgr.resume(tmp_path / "r0")
         with mgr.save(1) as d:
             _write(d, {"f": b"old"})
+    monkeypatch.undo()
     data, info = store.get("LATEST")
     body = json.loads(data)
     body["format"] = "cloudckpt.latest/1"
     body.pop("self_sha256")
-    old = protocol._sealed(body)
+    old = canonical.seal(body)
     store.put("LATEST", old, mode=protocol_update(info.version))
     with CheckpointManager(store, staging_dir=tmp_path / "s2", auto_gc=False) as mgr:
         assert _read(mgr.resume(tmp_path / "r1").path) == {"f": b"old"}
@@ -240,7 +252,7 @@ def test_old_format_run_still_restores(tmp_path):
             _write(d, {"f": b"new"})
     latest = protocol.parse_latest(store.get("LATEST")[0])
     assert latest.current.step == 2
-    assert json.loads(store.get("LATEST")[0])["format"] == protocol.LATEST_FORMAT
+    assert json.loads(store.get("LATEST")[0])["format"] == formats.LATEST_FORMAT_DIGEST
 
 
 def protocol_update(version):
@@ -287,31 +299,33 @@ def test_a_save_whose_chunk_source_was_dropped_uploads_in_full(mem, tmp_path, mo
     [
         ([[0, "0" * 64, 10]], "do not add up"),
         ([[0, "0" * 64, 8 * MiB + 1]], "crosses a digest leaf"),
-        ([[0, "zz", 11]], "not a hex SHA-256"),
+        ([[0, "zz", 11]], "not a hex digest"),
         ([[1, "0" * 64, 11]], "malformed chunk reference"),
         ([[0, "0" * 64, True]], "malformed chunk reference"),
     ],
 )
 def test_hostile_chunk_lists_are_refused(chunks, error):
-    prefix = protocol.ckpt_prefix(1, 1, "20300101T000000000Z-deadbeef")
-    manifest = protocol.Manifest(
+    prefix = attempt_layout.ckpt_prefix(1, 1, "20300101T000000000Z-deadbeef")
+    manifest = manifests.Manifest(
         ckpt=prefix,
         step=1,
         epoch=1,
         commit_id="20300101T000000000Z-deadbeef",
         writer_id="w",
         created_at="t",
-        files=(protocol.FileEntry("f", 11, "0" * 64, (protocol.ChunkRef(prefix, "0" * 64, 11),)),),
+        files=(
+            manifests.FileEntry("f", 11, "0" * 64, (manifests.ChunkRef(prefix, "0" * 64, 11),)),
+        ),
     )
     body = json.loads(manifest.to_bytes())
-    assert body["format"] == protocol.MANIFEST_FORMAT_CHUNKED
+    assert body["format"] == formats.MANIFEST_FORMAT_DIGEST  # BLAKE3, chunked
     body["files"][0]["chunks"] = chunks
     body.pop("self_sha256")
     with pytest.raises(protocol.CorruptRecordError, match=error):
-        protocol.parse_manifest(protocol._sealed(body))
+        manifests.parse_manifest(canonical.seal(body))
     body["chunk_owners"] = ["../../etc/"]
     with pytest.raises(protocol.CorruptRecordError, match="not a checkpoint prefix"):
-        protocol.parse_manifest(protocol._sealed(body))
+        manifests.parse_manifest(canonical.seal(body))
 
 
 @pytest.mark.parametrize("backend", ["memory", "s3"])

@@ -30,6 +30,15 @@ def cloud(request):
     return request.getfixturevalue(f"{request.param}_target")
 
 
+def as_typed_at_a_terminal() -> None:
+    """``preexec_fn`` of a CLI process a test interrupts with SIGINT, as Ctrl-C would: its
+    SIGINT at the default action. A shell that runs the tests in the background (``cmd &``
+    without job control, as ``nohup ... &`` does) starts them with SIGINT ignored, which a
+    child inherits; Ctrl-C never reaches such a process, and the CLI rightly leaves an
+    ignored SIGINT ignored (the test would wait for an interrupt that cannot come)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def flags(target) -> list[str]:
     """Storage flags that reach the test server (what a user would type)."""
     so = target.storage_options
@@ -144,14 +153,15 @@ def test_push_ls_show_restore_verify_pin_gc(cloud, tmp_path):
 
     listing = ok_json(run("ls", url, "--json", target=cloud))
     assert set(listing) == {
-        "url", "seq", "writer", "settings", "from_commit_records", "checkpoints", "tombstones",
+        "url", "seq", "writer", "settings", "from_commit_records", "warnings", "checkpoints",
+        "tombstones",
     }  # fmt: skip
     assert [c["step"] for c in listing["checkpoints"]] == [20, 10]
     assert [c["current"] for c in listing["checkpoints"]] == [True, False]
     assert listing["writer"]["epoch"] == 2 and listing["from_commit_records"] is False
     assert set(listing["checkpoints"][0]) == {
         "step", "commit_id", "ckpt", "epoch", "committed_at", "num_files", "total_bytes",
-        "owned_bytes", "shared_bytes", "current", "pins", "metadata", "metrics",
+        "owned_bytes", "shared_bytes", "current", "pins", "metadata", "metrics", "kept_because",
     }  # fmt: skip
     for c in listing["checkpoints"]:  # chunked by default: what it stores + what it names
         assert c["owned_bytes"] + c["shared_bytes"] == c["total_bytes"]
@@ -555,6 +565,7 @@ def test_interrupted_restore_leaves_dest_as_it_was(s3_target, manager_factory, t
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 env={**os.environ, **env},
+                preexec_fn=as_typed_at_a_terminal,
             )  # fmt: skip
             # Interrupt once the temporary directory beside DEST holds the preallocated file
             # and big.bin's first range request is held.
@@ -603,6 +614,7 @@ def test_interrupted_push_flushes_once_and_abandons_on_the_second_signal(s3_targ
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=as_typed_at_a_terminal,
         )  # fmt: skip
         prefix = f"ckpt/{step:012d}-"
         while proc.poll() is None and not any(store.list(prefix)):
@@ -665,7 +677,10 @@ def test_an_interrupt_ends_the_process_even_when_cleanup_hangs(tmp_path, sig):
         "main()\n"
     )
     proc = subprocess.Popen(
-        [sys.executable, str(script), "stuck"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [sys.executable, str(script), "stuck"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=as_typed_at_a_terminal,
     )
     try:
         assert proc.stdout.readline() == b"ready\n"

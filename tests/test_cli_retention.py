@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from test_cli import ok_json, run
@@ -65,6 +66,9 @@ def test_bad_retention_flags_exit_2_before_touching_the_store(tmp_path, args, sa
     result = _push(tmp_path, f"file://{tmp_path}/run", 1, *args, target=None)
     assert result.exit_code == 2, result.output
     assert says in result.output
+    # In the CLI's words, never the Python API's (issue 32 item 9).
+    python_names = r"\b(keep_best|best_metric|best_mode|keep_periods|keep_last|keep_every)\b"
+    assert not re.search(python_names, result.output), result.output
     assert not (tmp_path / "run").exists()
 
 
@@ -87,3 +91,44 @@ def test_watch_records_what_the_trainer_logged_and_keeps_the_best(s3_target, tmp
         (12, {"eval_loss": 0.5, "eval_runtime": 0.1}),
         (6, {"eval_loss": 0.1, "eval_runtime": 0.1}),
     ]
+
+
+def test_a_mistyped_best_metric_is_reported_by_push_watch_ls_and_verify(s3_target, tmp_path):
+    """``--best-metric eval_los`` while the checkpoints record ``eval_loss``: push warns
+    at the first save, and ls and verify say it (stderr and --json ``warnings``), naming
+    what the checkpoints record; verify's exit status stays 0 (it is not damage)."""
+    url, t = s3_target.url, s3_target
+    first = _push(tmp_path, url, 1, "--metric", "eval_loss=0.3", "--keep-best", "1",
+                  "--best-metric", "eval_los", target=t)  # fmt: skip
+    assert first.exit_code == 0, first.output
+    assert "keep-best ranks checkpoints by 'eval_los'" in first.stderr
+    assert "did you mean 'eval_loss'?" in first.stderr
+    assert first.stderr.count("keep-best ranks") == 1
+    listing = ok_json(run("ls", url, "--json", target=t))
+    (warning,) = listing["warnings"]
+    assert "'eval_los'" in warning and "(eval_loss)" in warning
+    table = run("ls", url, target=t)
+    assert table.exit_code == 0 and "keep-best ranks checkpoints by 'eval_los'" in table.stderr
+    assert "keep_best 1 by eval_los (min)" in table.stdout  # the header names the rule
+    verified = ok_json(run("verify", url, "--json", target=t))
+    assert verified["ok"] is True and verified["warnings"] == [warning]
+    human = run("verify", url, target=t)
+    assert human.exit_code == 0 and "warning: keep-best ranks" in human.stdout
+    # The right name: no warning anywhere.
+    ok_json(_push(tmp_path, url, 2, "--metric", "eval_loss=0.2", "--keep-best", "1",
+                  "--best-metric", "eval_loss", target=t))  # fmt: skip
+    assert ok_json(run("ls", url, "--json", target=t))["warnings"] == []
+
+
+def test_watch_warns_when_the_trainer_logs_no_metric_of_that_name(s3_target, tmp_path):
+    out = tmp_path / "out"
+    d = out / "checkpoint-3"
+    d.mkdir(parents=True)
+    (d / "model.safetensors").write_bytes(b"m")
+    history = [{"eval_loss": 0.4, "eval_runtime": 0.1, "step": 3}]
+    (d / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    result = run("watch", out, s3_target.url, "--once", "--keep-best", "1",
+                 "--best-metric", "eval_los", target=s3_target)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "keep-best ranks checkpoints by 'eval_los', but step 3 records metrics" in result.stderr
+    assert "(eval_loss, eval_runtime)" in result.stderr

@@ -18,7 +18,10 @@ from cloudckpt import (
     NeedsRepairError,
     StagingError,
     StaleAttemptError,
+    attempt_layout,
+    canonical,
     failpoints,
+    manifests,
     protocol,
 )
 from cloudckpt.errors import (
@@ -269,13 +272,13 @@ def test_corrupt_latest_falls_back_to_commit_records(faulty, manager_factory, tm
 
 def _plant_manifest(store, files, step=9):
     """Commit a hand-made manifest (as a hostile bucket writer could) with valid digests."""
-    attempt = protocol.new_attempt_id(dt.datetime.now(dt.timezone.utc))
-    prefix = protocol.ckpt_prefix(step, 1, attempt)
+    attempt = attempt_layout.new_attempt_id(dt.datetime.now(dt.timezone.utc))
+    prefix = attempt_layout.ckpt_prefix(step, 1, attempt)
     entries = []
     for path, data in files:
-        entries.append(protocol.FileEntry(path, len(data), protocol_digest(data)))
+        entries.append(manifests.FileEntry(path, len(data), protocol_digest(data)))
         store.put(prefix + "files/" + path.replace("../", "up/").lstrip("/"), data)
-    manifest = protocol.Manifest(
+    manifest = manifests.Manifest(
         ckpt=prefix,
         step=step,
         epoch=1,
@@ -284,7 +287,7 @@ def _plant_manifest(store, files, step=9):
         created_at="t",
         files=tuple(entries),
     )
-    body = protocol._sealed({**_manifest_dict(manifest)})
+    body = canonical.seal({**_manifest_dict(manifest)})
     store.put(prefix + "MANIFEST.json", body)
     latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
     record = protocol.CheckpointRecord(
@@ -308,7 +311,7 @@ def protocol_digest(data: bytes) -> str:
     return digest.tree_digest(data)
 
 
-def _manifest_dict(m: protocol.Manifest) -> dict:
+def _manifest_dict(m: manifests.Manifest) -> dict:
     import json
 
     return json.loads(m.to_bytes())
@@ -353,7 +356,7 @@ def test_gc_deletes_only_unreferenced_data_past_grace(memory_target, manager_fac
     _save(mgr, 1, b"one").result()
     _save(mgr, 2, b"two").result()  # step 1 -> tombstone (nothing shared)
     # An orphan: a crashed attempt's upload, and an incomplete multipart upload.
-    orphan = protocol.ckpt_prefix(3, 1, "20300101T000000000Z-deadbeef")
+    orphan = attempt_layout.ckpt_prefix(3, 1, "20300101T000000000Z-deadbeef")
     store.inner.put(orphan + "ATTEMPT.json", b"{}")
     store.inner.put(orphan + "files/f", b"junk")
     upload = store.inner.create_multipart(orphan + "files/big")
@@ -581,7 +584,7 @@ def test_a_failed_hand_over_releases_its_queue_slot(faulty, manager_factory, mon
         failed.result(timeout=5)
     # The slot is released (a leaked one would make every later save wait for the upload
     # ahead of it) and the staging directory is gone.
-    assert mgr._reserved == 0 and not mgr._open
+    assert mgr.queue._reserved == 0 and not mgr.queue._open
     assert not any((mgr.staging.attempts_dir).iterdir())
     monkeypatch.setattr(Attempt, "set_state", real)
     _save(mgr, 2).result(timeout=30)

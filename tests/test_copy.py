@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cloudckpt import CheckpointManager, CorruptionError, FencedError, NotARunError, protocol
+from cloudckpt import (
+    CheckpointManager,
+    CorruptionError,
+    FencedError,
+    NotARunError,
+    manifests,
+    protocol,
+)
 from cloudckpt.catalog import copy_checkpoint
 from cloudckpt.cli import cli
 from cloudckpt.digest import CHUNK_SIZE
@@ -126,7 +133,7 @@ def test_copy_from_a_bucket_to_a_local_run(memory_target, file_target, tmp_path)
     store = open_store(file_target.url)
     latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
     assert latest.current.step == 50 and latest.current.metadata == {}
-    manifest = protocol.parse_manifest(store.get(latest.current.manifest_key)[0])
+    manifest = manifests.parse_manifest(store.get(latest.current.manifest_key)[0])
     assert manifest.chunked and all(f.chunks is not None for f in manifest.files)
 
 
@@ -168,7 +175,7 @@ def test_a_damaged_source_is_skipped_and_nothing_of_it_committed(memory_target, 
     _push(src_url, {}, tmp_path, step=2, seed=2)
     store = open_store(src_url)
     latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
-    manifest = protocol.parse_manifest(store.get(latest.current.manifest_key)[0])
+    manifest = manifests.parse_manifest(store.get(latest.current.manifest_key)[0])
     own = [c for f in manifest.files for c in f.chunks if c.owner == latest.current.ckpt]
     flip_bit(store, own[0].key, seed=5)  # a chunk only step 2 has
     with pytest.raises(CorruptionError):
@@ -184,7 +191,9 @@ def test_a_damaged_source_is_skipped_and_nothing_of_it_committed(memory_target, 
 
 def test_an_interrupted_copy_resumes(memory_target, tmp_path):
     """A copy killed after its upload, before its commit, then run again: it names the
-    chunks the first attempt uploaded and reads nothing of them from the source."""
+    chunks the first attempt uploaded instead of sending them again. It reads them from
+    the source all the same: no commit checked them, so their content is checked against
+    the bytes they stand for before the manifest names them (issue 28 item 2)."""
     src_url = memory_target.url
     dst_url = src_url.rsplit("/", 1)[0] + "/copy"
     files = _push(src_url, {}, tmp_path, step=3, seed=1)
@@ -197,7 +206,7 @@ def test_an_interrupted_copy_resumes(memory_target, tmp_path):
     result = copy_checkpoint(src_url, dst_url)
     assert result.bytes_resumed == result.bytes_reused == result.total_bytes
     assert result.bytes_uploaded == 0
-    assert result.bytes_read == 0  # every chunk a whole leaf: named without being read
+    assert result.bytes_read == result.total_bytes  # read to check the resumed chunks
     _, got = _restored(dst_url, {}, tmp_path, "out")
     assert got == files
 
@@ -214,3 +223,114 @@ def test_copy_refuses_a_location_that_is_not_a_run_and_the_source_itself(memory_
         copy_checkpoint(src_url, src_url)
     result = CliRunner().invoke(cli, ["cp", src_url, src_url])
     assert result.exit_code == 2, result.output
+
+
+def _cli(*args) -> tuple[int, str, str]:
+    done = CliRunner().invoke(cli, [str(a) for a in args])
+    return done.exit_code, done.stdout, done.stderr
+
+
+def _metric_push(url, options, tmp_path, step, loss, **kw):
+    src = tmp_path / f"m-{url.split('/')[-1]}-{step}"
+    _tree(src, step)
+    mgr = CheckpointManager(url, storage_options=options, staging_dir=tmp_path / f"ms-{step}",
+                            auto_gc=False, **kw)  # fmt: skip
+    mgr.save_dir(step, src, metrics={"eval_loss": loss}).result()
+    mgr.close()
+
+
+def test_cp_keeps_metrics_and_retention_and_carries_the_sources_on_request(
+    s3_target, file_target, tmp_path
+):
+    """`cp` records the source's metrics (so keep-best can rank the copy), keeps every
+    retention setting of the destination (its keep-best too), and `--keep-settings` gives
+    a new archive the source's rules: it then keeps the source's best."""
+    best = {"keep_last": 1, "keep_best": 1, "best_metric": "eval_loss"}
+    so = s3_target.storage_options
+    for step, loss in ((100, 0.2), (200, 0.5)):
+        _metric_push(s3_target.url, so, tmp_path, step, loss, **best)
+    _metric_push(file_target.url, {}, tmp_path, 10, 0.1, **best)  # the destination's best
+    # --force: DEST's writer is this (live) process.
+    argv = ["cp", s3_target.url, file_target.url, "--step", 200, "--json", "--force"]
+    code, out, err = _cli(*argv, *_flags(s3_target))
+    assert code == 0, err
+    dest = open_store(file_target.url)
+    latest = protocol.parse_latest(dest.get(protocol.LATEST_KEY)[0])
+    assert [(r.step, dict(r.metrics)) for r in latest.retained()] == [
+        (200, {"eval_loss": 0.5}),
+        (10, {"eval_loss": 0.1}),  # still the best: the copy kept DEST's keep-best
+    ]
+    assert (latest.settings.keep_best, latest.settings.best_metric) == (1, "eval_loss")
+    assert json.loads(out)["settings_copied"] is False
+    dest.close()
+
+    archive = f"file://{tmp_path}/archive/run"
+    for step in (100, 200):
+        code, out, err = _cli("cp", s3_target.url, archive, "--step", step, "--keep-settings",
+                              *_flags(s3_target))  # fmt: skip
+        assert code == 0, err
+        assert "now keeps checkpoints by the retention settings of SRC" in out
+    store = open_store(archive)
+    latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
+    assert [(r.step, dict(r.metrics)) for r in latest.retained()] == [
+        (200, {"eval_loss": 0.5}),
+        (100, {"eval_loss": 0.2}),
+    ]
+    assert latest.settings.keep_last == 1 and latest.settings.best_metric == "eval_loss"
+    assert latest.settings.gc_grace_s == protocol.Settings().gc_grace_s
+    store.close()
+
+
+def test_copying_the_same_checkpoint_twice_commits_it_once(s3_target, file_target, tmp_path):
+    """The second `cp` of the same content as the same step reads and writes nothing and
+    says so; the same step with other content is copied, and `show --commit` and `diff`
+    with commit ids tell the two apart."""
+    first = _push(s3_target.url, s3_target.storage_options, tmp_path, step=5, seed=1)
+    argv = ["cp", s3_target.url, file_target.url, *_flags(s3_target)]
+    code, _, err = _cli(*argv)
+    assert code == 0, err
+    dest = open_store(file_target.url)
+    before = protocol.parse_latest(dest.get(protocol.LATEST_KEY)[0])
+    objects = sorted(o.key for o in dest.list(""))
+    code, out, err = _cli(*argv)
+    assert code == 0, err
+    assert "already holds step 5" in out and "nothing copied" in out
+    code, out, err = _cli(*argv, "--json")
+    doc = json.loads(out)
+    assert doc["noop"] is True and doc["dest_commit_id"] == before.current.commit_id
+    assert (doc["bytes_read"], doc["bytes_uploaded"], doc["fenced_writer"]) == (0, 0, None)
+    assert protocol.parse_latest(dest.get(protocol.LATEST_KEY)[0]).seq == before.seq
+    assert sorted(o.key for o in dest.list("")) == objects  # not even an attempt
+
+    # Step 5 again at the source, other bytes: copied, so DEST retains step 5 twice.
+    src = tmp_path / "other-5"
+    _tree(src, 2)
+    mgr = CheckpointManager(s3_target.url, storage_options=s3_target.storage_options,
+                            staging_dir=tmp_path / "st-other", auto_gc=False)  # fmt: skip
+    mgr.save_dir(5, src).result()
+    mgr.close()
+    code, out, err = _cli(*argv, "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["noop"] is False and doc["dest_step"] == 5
+    assert doc["dest_commit_id"] != before.current.commit_id
+    latest = protocol.parse_latest(dest.get(protocol.LATEST_KEY)[0])
+    newer, older = (r.commit_id for r in latest.retained())
+    assert [r.step for r in latest.retained()] == [5, 5]
+    shown = {}
+    for cid in (newer, older):
+        code, out, err = _cli("show", file_target.url, "--commit", cid, "--json")
+        assert code == 0, err
+        shown[cid] = {f["path"]: f["digest"] for f in json.loads(out)["manifest"]["files"]}
+    assert shown[newer]["config.json"] != shown[older]["config.json"]
+    code, out, err = _cli("diff", file_target.url, older, newer, "--json")
+    assert code == 0, err
+    diff = json.loads(out)
+    assert (diff["a"]["commit_id"], diff["b"]["commit_id"]) == (older, newer)
+    assert {f["path"] for f in diff["files"] if f["change"] == "modified"} == {
+        "config.json", "model.bin"
+    }  # fmt: skip
+    code, out, err = _cli("show", file_target.url, "--commit", "no-such-commit")
+    assert code == 3 and older in err  # the message lists the retained commits
+    dest.close()
+    assert first  # (the first source tree, copied above)

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 from cloudckpt import CheckpointManager
-from cloudckpt.restore import fetch_manifest, load_latest_for_reading, restore
+from cloudckpt.reader import fetch_manifest, load_latest_for_reading
+from cloudckpt.restore import restore
 from cloudckpt.stores import open_store
 from cloudckpt.transfer import TransferEngine
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from distrun import main_run
 
-from cloudckpt import CheckpointManager, protocol
+from cloudckpt import CheckpointManager, attempt_layout, canonical, protocol
 from cloudckpt.committer import read_latest
 from cloudckpt.distributed import WORLD_SIZE_KEY, DistributedCheckpointManager
 from cloudckpt.errors import ConfigurationError
@@ -37,7 +37,7 @@ from cloudckpt.integrations.dcp import (
     CloudStorageReader,
     CloudStorageWriter,
 )
-from cloudckpt.restore import fetch_manifest
+from cloudckpt.reader import fetch_manifest
 from cloudckpt.stores import OVERWRITE, open_store
 from cloudckpt.testing.faults import flip_bit
 
@@ -74,7 +74,7 @@ def test_dcp_save_and_async_save_commit_every_ranks_shards_once(run):
             for f in manifest.files:
                 assert (f.chunks is None) == (f.path == METADATA_FILE)
             # .metadata is DCP's own: a plain FileSystemReader can read a restored copy.
-            data, _ = store.get(record.ckpt + protocol.FILES_DIR + METADATA_FILE)
+            data, _ = store.get(record.ckpt + attempt_layout.FILES_DIR + METADATA_FILE)
             metadata = pickle.loads(data)
             assert {i.relative_path for i in metadata.storage_data.values()} == {
                 "__0_0.distcp",
@@ -83,8 +83,8 @@ def test_dcp_save_and_async_save_commit_every_ranks_shards_once(run):
         for record in latest.retained():  # no commit for the DCP save that failed
             assert record.step != 5
         step5 = [o.key for o in store.list("ckpt/000000000005-")]
-        assert any(k.endswith("/" + protocol.ATTEMPT_NAME) for k in step5)  # it was opened
-        assert not any(k.endswith("/" + protocol.MANIFEST_NAME) for k in step5)
+        assert any(k.endswith("/" + attempt_layout.ATTEMPT_NAME) for k in step5)  # it was opened
+        assert not any(k.endswith("/" + attempt_layout.MANIFEST_NAME) for k in step5)
     finally:
         store.close()
 
@@ -201,7 +201,7 @@ def test_a_damaged_checkpoint_is_skipped_for_an_older_one(mgr):
     dcp.save(_state(1), storage_writer=CloudStorageWriter(mgr, step=1))
     writer = CloudStorageWriter(mgr, step=2)
     dcp.save(_state(2), storage_writer=writer)
-    key = writer.commit_info.ckpt + protocol.FILES_DIR + METADATA_FILE
+    key = writer.commit_info.ckpt + attempt_layout.FILES_DIR + METADATA_FILE
     data, _ = mgr.store.get(key)
     mgr.store.put(key, bytes([data[0] ^ 1]) + data[1:], mode=OVERWRITE)  # one flipped bit
     reader = CloudStorageReader(mgr)
@@ -328,7 +328,7 @@ def test_the_reader_verifies_what_it_reads(memory_target, tmp_path, chunking):
     shard = next(f for f in reader.manifest.files if f.path.endswith(".distcp"))
     if chunking == "off":
         assert shard.chunks is None
-        key = writer.commit_info.ckpt + protocol.FILES_DIR + shard.path
+        key = writer.commit_info.ckpt + attempt_layout.FILES_DIR + shard.path
     else:
         key = shard.chunks[0].key
     flip_bit(mgr.store, key, bit=8 * 4096)  # inside "a"
@@ -359,4 +359,82 @@ def test_a_small_read_window_loads_in_batches(memory_target, tmp_path):
     got = {"a": torch.zeros(1536, 1024), "b": torch.zeros(1536, 1024)}
     dcp.load(got, storage_reader=reader)
     assert all(torch.equal(got[k], v) for k, v in _big(2).items())
+    mgr.close()
+
+
+def _windows(seed: int) -> dict:
+    """Four 4 MiB tensors in one rank file: two 8 MiB chunks, four read windows of 1 KiB."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(1024, 1024, generator=g) for k in "abcd"}
+
+
+@pytest.mark.parametrize("chunking", ["tensor", "fixed"])
+def test_a_damaged_later_window_leaves_every_planned_tensor_untouched(
+    memory_target, tmp_path, chunking
+):
+    """A file several read windows long whose last chunk is damaged: the load fails with
+    the caller's tensors as they were (on main the first windows were already applied)."""
+    mgr = CheckpointManager(memory_target.url, staging_dir=tmp_path / "s", chunking=chunking)
+    dcp.save(_windows(1), storage_writer=CloudStorageWriter(mgr, step=1))
+    reader = CloudStorageReader(mgr, read_window_bytes=1024)
+    shard = next(f for f in reader.manifest.files if f.path.endswith(".distcp"))
+    assert len(shard.chunks) >= 2
+    flip_bit(mgr.store, shard.chunks[-1].key, bit=8 * 4096)  # inside the last tensor
+    got = {k: torch.zeros(1024, 1024) for k in "abcd"}
+    with pytest.raises(BaseException, match="does not match its digest"):
+        dcp.load(got, storage_reader=reader)
+    assert not any(t.any() for t in got.values())  # nothing of it reached the tensors
+    mgr.close()
+
+
+def test_a_fallback_in_windows_overwrites_every_planned_tensor(memory_target, tmp_path):
+    """Step 2 lost a later chunk before the reader chose: it loads step 1, every planned
+    tensor of it, window by window."""
+    mgr = CheckpointManager(memory_target.url, staging_dir=tmp_path / "s", chunking="fixed")
+    for step in (1, 2):
+        dcp.save(_windows(step), storage_writer=CloudStorageWriter(mgr, step=step))
+    shard = next(
+        f
+        for f in fetch_manifest(mgr.store, read_latest(mgr.store).latest.current).files
+        if f.path.endswith(".distcp")
+    )
+    mgr.store.delete(shard.chunks[-1].key)
+    reader = CloudStorageReader(mgr, read_window_bytes=1024)
+    assert reader.step == 1 and [s.step for s in reader.skipped] == [2]
+    got = {k: torch.full((1024, 1024), 7.0) for k in "abcd"}
+    dcp.load(got, storage_reader=reader)
+    assert all(torch.equal(got[k], v) for k, v in _windows(1).items())
+    mgr.close()
+
+
+def test_a_chunk_list_that_is_not_the_file_fails_the_load_untouched(memory_target, tmp_path):
+    """Every chunk intact and the manifest consistent with LATEST (re-sealed), but its chunk
+    list swaps two leaves of the rank file: the partial read checks the file's digest from
+    the chunk list before it reads anything, and applies nothing."""
+    import hashlib
+    import json
+
+    mgr = CheckpointManager(memory_target.url, staging_dir=tmp_path / "s", chunking="fixed")
+    dcp.save(_windows(1), storage_writer=CloudStorageWriter(mgr, step=1))
+    latest = json.loads(mgr.store.get(protocol.LATEST_KEY)[0])
+    record = latest["current"]
+    key = record["ckpt"] + attempt_layout.MANIFEST_NAME
+    body = json.loads(mgr.store.get(key)[0])
+    shard = next(f for f in body["files"] if f["path"].endswith(".distcp"))
+    assert shard["chunks"][0][2] == shard["chunks"][1][2]  # two whole leaves
+    shard["chunks"][0], shard["chunks"][1] = shard["chunks"][1], shard["chunks"][0]
+    manifest = canonical.seal(body)
+    mgr.store.put(key, manifest, mode=OVERWRITE)
+    latest["current"] = {
+        **record,
+        "manifest_sha256": hashlib.sha256(manifest).hexdigest(),
+        "manifest_size": len(manifest),
+    }
+    mgr.store.put(protocol.LATEST_KEY, canonical.seal(latest), mode=OVERWRITE)
+    for window in (1024, 1 << 30):
+        reader = CloudStorageReader(mgr, read_window_bytes=window)
+        got = {k: torch.zeros(1024, 1024) for k in "abcd"}
+        with pytest.raises(BaseException, match="its chunks are not the file"):
+            dcp.load(got, storage_reader=reader)
+        assert not any(t.any() for t in got.values())
     mgr.close()

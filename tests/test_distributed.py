@@ -35,7 +35,14 @@ pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from distrun import Launch, main_run
 
-from cloudckpt import CommitInfo, ConfigurationError, DestinationNotEmptyError, digest, protocol
+from cloudckpt import (
+    CommitInfo,
+    ConfigurationError,
+    DestinationNotEmptyError,
+    attempt_layout,
+    digest,
+    protocol,
+)
 from cloudckpt.committer import read_latest
 from cloudckpt.distributed import (
     WORLD_SIZE_KEY,
@@ -46,7 +53,7 @@ from cloudckpt.distributed import (
 )
 from cloudckpt.distributed._save import find_collision as _find_collision
 from cloudckpt.errors import StoreError
-from cloudckpt.restore import fetch_manifest
+from cloudckpt.reader import fetch_manifest
 from cloudckpt.stores import open_store
 
 KILL_TIMEOUT = 8.0  # the kill jobs' collective timeout, seconds
@@ -72,9 +79,9 @@ def store(run):
 def attempts(store, step: int) -> dict[str, list[str]]:
     """Attempt prefix -> object names under it, for the attempts of ``step``."""
     found: dict[str, list[str]] = {}
-    for obj in store.list(protocol.CKPT_PREFIX):
+    for obj in store.list(attempt_layout.CKPT_PREFIX):
         prefix = "/".join(obj.key.split("/")[:2]) + "/"
-        parsed = protocol.parse_ckpt_prefix(prefix)
+        parsed = attempt_layout.parse_ckpt_prefix(prefix)
         if parsed and parsed[0] == step:
             found.setdefault(prefix, []).append(obj.key[len(prefix) :])
     return found
@@ -96,18 +103,13 @@ def test_a_multi_rank_save_commits_once_with_every_ranks_files(run, store):
     assert saved[0]["commit_id"] == saved[1]["commit_id"] and saved[0]["seq"] == saved[1]["seq"]
     assert saved[0]["num_files"] == 4
 
-    # One attempt prefix for the step, shared by both ranks; ATTEMPT.json from rank 0 only.
+    # One attempt prefix for the step, shared by both ranks; ATTEMPT.json from rank 0 only;
+    # the ranks' files stored as chunks (chunking is on by default).
     (prefix, names), *others = attempts(store, 1).items()
     assert not others
-    assert sorted(names) == sorted(
-        [
-            protocol.ATTEMPT_NAME,
-            protocol.MANIFEST_NAME,
-            "files/rank-00000/extra.pt",
-            "files/rank-00000/shard.bin",
-            "files/rank-00001/extra.pt",
-            "files/rank-00001/shard.bin",
-        ]
+    chunk_names = {n for n in names if n.startswith(attempt_layout.CHUNKS_DIR)}
+    assert sorted(set(names) - chunk_names) == sorted(
+        [attempt_layout.ATTEMPT_NAME, attempt_layout.MANIFEST_NAME]
     )
 
     latest = read_latest(store).latest
@@ -116,6 +118,12 @@ def test_a_multi_rank_save_commits_once_with_every_ranks_files(run, store):
     assert record.metadata == {"loss": 0.5, WORLD_SIZE_KEY: 2}
     manifest = fetch_manifest(store, record)
     files = {f.path: f for f in manifest.files}
+    assert sorted(files) == [
+        f"{rank_dir(r)}/{name}" for r in (0, 1) for name in ("extra.pt", "shard.bin")
+    ]
+    named = {c.key for f in manifest.files for c in f.chunks}
+    assert named == {prefix + n for n in chunk_names}  # 4 files, each one chunk of its own
+    assert len(named) == 4
     for rank in (0, 1):
         shard = files[f"{rank_dir(rank)}/shard.bin"]
         assert shard.size == len(payload(rank))
@@ -124,6 +132,51 @@ def test_a_multi_rank_save_commits_once_with_every_ranks_files(run, store):
     # Exactly one write of LATEST made step 1 current, by the first job's single writer.
     commits = [c for c in commit_records(store) if c.op == "commit" and c.current.step == 1]
     assert len(commits) == 1 and commits[0].current.commit_id == record.commit_id
+
+
+def test_multi_rank_saves_upload_only_the_chunks_that_changed(run):
+    """Issue 30 item 1, with 2 real ranks (``scenario_chunks``): step 2, whose frozen files
+    are unchanged on both ranks, stores only each rank's changed file (counted from what
+    the store holds under step 2's attempt); a chunk step 2 reused, deleted before step
+    3, is uploaded again by a second attempt of step 3 and never named while missing;
+    every step restores bit-exact on both ranks."""
+    main = run["main"]
+    store = open_store(run["url"] + "-chunks", run["options"])
+    try:
+        latest = read_latest(store).latest
+        records = {r.step: r for r in latest.retained()}
+        assert sorted(records) == [1, 2, 3]
+        manifests = {step: fetch_manifest(store, r) for step, r in records.items()}
+        sizes = {step: _chunk_objects(store, r.ckpt) for step, r in records.items()}
+
+        # Step 1 stored everything (less the chunk deleted before step 3); step 2 only the
+        # two changing.bin files, naming the frozen chunks in step 1's attempt.
+        (deleted,) = [e["key"] for e in main.events(0, "chunk-deleted")]
+        (lost,) = [c for f in manifests[1].files for c in f.chunks if c.key == deleted]
+        assert sum(sizes[1].values()) + lost.size == manifests[1].total_bytes
+        changing = [f.size for f in manifests[2].files if f.path.endswith("changing.bin")]
+        assert sorted(sizes[2].values()) == sorted(changing) and len(changing) == 2
+        frozen2 = [c for f in manifests[2].files if "frozen" in f.path for c in f.chunks]
+        assert len(frozen2) == 6 and {c.owner for c in frozen2} == {records[1].ckpt}
+
+        # Step 3: the deleted chunk is not named where it was; it was uploaded again, by
+        # the second of step 3's attempts (the first is an orphan left for GC).
+        named3 = {c.key: c for f in manifests[3].files for c in f.chunks}
+        assert deleted not in named3 and not store.exists(deleted)
+        assert all(store.exists(k) for k in named3)
+        again = [c for c in named3.values() if c.key.endswith(deleted.rsplit("/", 1)[1])]
+        assert [c.owner for c in again] == [records[3].ckpt]
+        assert len(attempts(store, 3)) == 2
+        assert sorted(sizes[3].values()) == sorted(
+            [again[0].size, *(f.size for f in manifests[3].files if "changing" in f.path)]
+        )
+    finally:
+        store.close()
+    for rank in (0, 1):
+        saved = [e["step"] for e in main.events(rank, "chunks-saved")]
+        assert saved == [1, 2, 3]
+        restored = main.events(rank, "chunks-restored")
+        assert [(e["step"], e["exact"]) for e in restored] == [(s, True) for s in (1, 2, 3)]
 
 
 def test_a_failed_rank_means_no_commit_and_the_same_error_everywhere(run, store):
@@ -138,9 +191,9 @@ def test_a_failed_rank_means_no_commit_and_the_same_error_everywhere(run, store)
     assert all(t.record.step != 4 for t in latest.tombstones)
     # The coordinator opened the attempt and rank 0 uploaded; no manifest was written.
     ((_, names),) = attempts(store, 4).items()
-    assert protocol.ATTEMPT_NAME in names and protocol.MANIFEST_NAME not in names
-    assert "files/rank-00000/shard.bin" in names
-    assert not any(n.startswith("files/rank-00001/") for n in names)
+    assert attempt_layout.ATTEMPT_NAME in names and attempt_layout.MANIFEST_NAME not in names
+    # Rank 0's one chunk (b"doomed"; rank 1 failed before uploading the same bytes).
+    assert len([n for n in names if n.startswith(attempt_layout.CHUNKS_DIR)]) == 1
 
 
 def test_a_rank_whose_block_raises_fails_the_save_everywhere_at_once(run, store):
@@ -276,8 +329,9 @@ def test_a_dead_or_hung_rank_leaves_no_commit_and_the_survivor_fails_clearly(
         latest = read_latest(store).latest
         assert latest.current.step == 1 and not latest.history
         ((_, names),) = attempts(store, 2).items()
-        assert protocol.MANIFEST_NAME not in names  # the attempt never got a manifest
-        assert "files/rank-00000/part-0.bin" in names  # though rank 0 had uploaded
+        assert attempt_layout.MANIFEST_NAME not in names  # the attempt never got a manifest
+        # though rank 0 had uploaded its part-0.bin (one chunk)
+        assert any(n.startswith(attempt_layout.CHUNKS_DIR) for n in names)
     finally:
         store.close()
 
@@ -309,12 +363,11 @@ def test_single_process_save_and_resume(memory_target, tmp_path):
 
 def test_user_paths_and_a_failed_upload_in_a_single_process(memory_target, tmp_path):
     mgr = DistributedCheckpointManager(memory_target.url, staging_dir=tmp_path, per_rank_dirs=False)
-    original = mgr.engine.upload_files
 
     def failing(*args, **kwargs):
         raise StoreError("injected")
 
-    mgr.engine.upload_files = failing
+    mgr.attempts.upload_chunks = failing  # a rank's chunked upload (chunking is on)
     handle = mgr.save(1)
     with handle as d:
         (d / "model.bin").write_bytes(b"m")
@@ -322,7 +375,7 @@ def test_user_paths_and_a_failed_upload_in_a_single_process(memory_target, tmp_p
         handle.result(timeout=30)
     assert err.value.failures == {0: "StoreError: injected"}
     assert isinstance(err.value.__cause__, StoreError)
-    mgr.engine.upload_files = original  # a rank failure does not break the manager
+    del mgr.attempts.upload_chunks  # a rank failure does not break the manager
     abandoned = mgr.save(2)
     with pytest.raises(ValueError), abandoned as d:
         raise ValueError("boom")
@@ -392,3 +445,122 @@ def test_a_rank_rebuilds_every_error_class_by_name():
     assert foreign.summary == "rank 1: KeyError: 'k'"
     assert type(foreign.rebuild()) is errors.CloudCkptError
     assert RankError.of(errors.MissingChunkError("gone"), rank=0).damaged
+
+
+# ------------------------------------------------------------------------------ chunks, 1 process
+
+
+def _chunk_objects(store, prefix: str) -> dict[str, int]:
+    """Chunk key -> size, for the chunks stored under the attempt ``prefix``."""
+    where = prefix + attempt_layout.CHUNKS_DIR
+    return {o.key: o.size for o in store.list(where)}
+
+
+def test_a_multi_rank_save_reuploads_a_reused_chunk_that_is_gone(memory_target, tmp_path):
+    """Issue 30 item 1: a rank names the chunks of the checkpoint the save builds on; one
+    of them deleted meanwhile is found by the coordinator's pre-commit listing, and every
+    rank saves again (new attempt) uploading it: no commit names a missing chunk."""
+    store = open_store(memory_target.url)
+    frozen = os.urandom(300_000)
+    mgr = DistributedCheckpointManager(memory_target.url, staging_dir=tmp_path / "s", auto_gc=False)
+    with mgr.save(1) as d:
+        (d / "base.bin").write_bytes(frozen)
+        (d / "adapter.bin").write_bytes(b"one")
+    mgr.wait()
+    step1 = fetch_manifest(store, read_latest(store).latest.current)
+    (lost,) = [c for f in step1.files for c in f.chunks if f.path.endswith("base.bin")]
+    store.delete(lost.key)  # gone from the store; the rank's index still has it
+
+    for step in (2, 3):
+        with mgr.save(step) as d:
+            (d / "base.bin").write_bytes(frozen)
+            (d / "adapter.bin").write_bytes(b"%d" % step)
+        mgr.wait()
+        record = read_latest(store).latest.current
+        assert record.step == step
+        named = {c.key for f in fetch_manifest(store, record).files for c in f.chunks}
+        assert lost.key not in named and all(store.exists(k) for k in named)
+    # Step 2 uploaded the lost chunk again, in its second attempt (the first is an orphan);
+    # step 3 uploaded only its adapter, reusing that copy.
+    assert len(attempts(store, 2)) == 2
+    ((step3, _),) = attempts(store, 3).items()
+    assert list(_chunk_objects(store, step3).values()) == [1]
+    res = mgr.restore(tmp_path / "out")
+    assert res.step == 3
+    assert (res.rank_path / "base.bin").read_bytes() == frozen
+    assert (res.rank_path / "adapter.bin").read_bytes() == b"3"
+    mgr.close()
+    store.close()
+
+
+def test_a_multi_rank_commit_requires_the_sources_of_reused_chunks(
+    memory_target, tmp_path, monkeypatch
+):
+    """The ranks report which checkpoints their reused chunks come from, and the commit
+    requires them retained: a source dropped meanwhile (as by an unpin) refuses the commit
+    and every rank saves again in full, naming no older chunk."""
+    from cloudckpt import chunks
+    from cloudckpt.errors import ChunkSourceDroppedError
+
+    store = open_store(memory_target.url)
+    frozen = os.urandom(100_000)
+    mgr = DistributedCheckpointManager(memory_target.url, staging_dir=tmp_path / "s", auto_gc=False)
+    with mgr.save(1) as d:
+        (d / "base.bin").write_bytes(frozen)
+    mgr.wait()
+    step1 = read_latest(store).latest.current.commit_id
+    real = chunks.UploadStats.requires
+    refused = []
+
+    def dropped_once(self, base):
+        if step1 in self.sources and not refused:
+            refused.append(True)
+            raise ChunkSourceDroppedError(f"checkpoint {step1} is no longer retained")
+        return real(self, base)
+
+    monkeypatch.setattr(chunks.UploadStats, "requires", dropped_once)
+    with mgr.save(2) as d:
+        (d / "base.bin").write_bytes(frozen)
+        (d / "new.bin").write_bytes(b"two")
+    mgr.wait()
+    record = read_latest(store).latest.current
+    assert refused and record.step == 2
+    owners = {c.owner for f in fetch_manifest(store, record).files for c in f.chunks}
+    assert owners == {record.ckpt}  # everything uploaded again under the retry's attempt
+    assert len(attempts(store, 2)) == 2
+    res = mgr.restore(tmp_path / "out")
+    assert (res.rank_path / "base.bin").read_bytes() == frozen
+    mgr.close()
+    store.close()
+
+
+def test_a_multi_rank_save_refused_twice_fails_clearly(memory_target, tmp_path, monkeypatch):
+    """Reused chunks missing at both tries: the save raises ReusedChunkMissingError (on
+    every rank), nothing is committed, and the manager takes the next save."""
+    from cloudckpt import chunks
+    from cloudckpt.errors import ReusedChunkMissingError
+
+    store = open_store(memory_target.url)
+    mgr = DistributedCheckpointManager(memory_target.url, staging_dir=tmp_path / "s", auto_gc=False)
+    with mgr.save(1) as d:
+        (d / "a.bin").write_bytes(b"a" * 5000)
+    mgr.wait()
+
+    def always_missing(store, prefix, entries):
+        raise ReusedChunkMissingError("injected: gone", missing=frozenset({"x"}))
+
+    monkeypatch.setattr(chunks, "check_uploaded", always_missing)
+    handle = mgr.save(2)
+    with handle as d:
+        (d / "a.bin").write_bytes(b"a" * 5000)
+    with pytest.raises(ReusedChunkMissingError, match="injected"):
+        handle.result(timeout=30)
+    assert read_latest(store).latest.current.step == 1
+    assert len(attempts(store, 2)) == 2  # the first try and the retry, both left for GC
+    monkeypatch.undo()
+    with mgr.save(3) as d:
+        (d / "a.bin").write_bytes(b"a" * 5000)
+    mgr.wait()
+    assert read_latest(store).latest.current.step == 3
+    mgr.close()
+    store.close()

@@ -10,7 +10,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from cloudckpt import failpoints, protocol
+from cloudckpt import attempt_layout, failpoints, manifests, protocol
 from cloudckpt.cli import cli
 from cloudckpt.gc import collect_garbage, execute_gc, plan_gc, preview_gc
 from cloudckpt.stores import OVERWRITE, open_store
@@ -58,7 +58,7 @@ def _save(mgr, step):
 def _orphan(store, step, *, manifest=False, upload=True):
     """What a crashed or fenced save leaves: ATTEMPT.json, some files, maybe a manifest,
     and an incomplete multipart upload."""
-    prefix = protocol.ckpt_prefix(step, 1, f"20300101T000000{step:03d}Z-deadbeef")
+    prefix = attempt_layout.ckpt_prefix(step, 1, f"20300101T000000{step:03d}Z-deadbeef")
     store.put(prefix + "ATTEMPT.json", b"{}")
     store.put(prefix + "files/weights", b"junk")
     if manifest:
@@ -306,7 +306,7 @@ def test_gc_dry_run_prints_the_plan_and_execution_follows_it(s3_target, manager_
     current = latest.current
     named = {
         c.key
-        for f in protocol.parse_manifest(store.get(current.manifest_key)[0], current).files
+        for f in manifests.parse_manifest(store.get(current.manifest_key)[0], current).files
         for c in f.chunks or ()
     }
     doomed = [o for o in store.list() if o.key.startswith((step1, step2, orphan))]

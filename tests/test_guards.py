@@ -13,10 +13,18 @@ import time
 
 import pytest
 
-from cloudckpt import CheckpointManager, FencedError, StaleAttemptError, digest, protocol
+from cloudckpt import (
+    CheckpointManager,
+    FencedError,
+    StaleAttemptError,
+    attempt_layout,
+    digest,
+    manifests,
+    protocol,
+)
 from cloudckpt.admin import pin
 from cloudckpt.gc import collect_garbage
-from cloudckpt.restore import fetch_manifest
+from cloudckpt.reader import fetch_manifest
 from cloudckpt.stores import open_store
 from cloudckpt.stores.memory import ManualClock
 from cloudckpt.testing.faults import Callback, FaultInjectingStore, Rule, flip_bit
@@ -50,7 +58,7 @@ def _own_data_key(store, record: protocol.CheckpointRecord) -> str:
     manifest = fetch_manifest(store, record)
     for entry in manifest.files:
         if entry.chunks is None:
-            return record.ckpt + protocol.FILES_DIR + entry.path
+            return record.ckpt + attempt_layout.FILES_DIR + entry.path
         for chunk in entry.chunks:
             if chunk.owner == record.ckpt:
                 return chunk.key
@@ -129,8 +137,8 @@ def test_a_resealed_manifest_is_refused(request, backend, tmp_path):
     evil = b"forged weights"
     assert [e.path for e in manifest.files] == ["f"]
     sha = hashlib.sha256(evil).hexdigest()
-    ref = protocol.ChunkRef(current.ckpt, sha, len(evil))
-    forged = protocol.FileEntry("f", len(evil), digest.tree_digest(evil), (ref,))
+    ref = manifests.ChunkRef(current.ckpt, sha, len(evil))
+    forged = manifests.FileEntry("f", len(evil), digest.tree_digest(evil), (ref,))
     store.put(ref.key, evil)
     store.put(current.manifest_key, dataclasses.replace(manifest, files=(forged,)).to_bytes())
 
@@ -181,7 +189,7 @@ def test_a_damaged_whole_file_falls_back(request, backend, tmp_path):
     for step in (1, 2):
         _save(mgr, step, {"f": b"%d" % step * 1000}).result()
     current = _latest(store).current
-    flip_bit(store, current.ckpt + protocol.FILES_DIR + "f", seed=3)
+    flip_bit(store, current.ckpt + attempt_layout.FILES_DIR + "f", seed=3)
     res = mgr.restore(tmp_path / "r")
     assert res.step == 1 and _read(res.path) == {"f": b"1" * 1000}
     assert [s.step for s in res.skipped] == [2] and "digest" in res.skipped[0].reason

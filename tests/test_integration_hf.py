@@ -31,7 +31,7 @@ pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from childrun import ChildRun, read_events
 
-from cloudckpt.restore import fetch_manifest, load_latest_for_reading
+from cloudckpt.reader import fetch_manifest, load_latest_for_reading
 from cloudckpt.stores import open_store
 
 pytestmark = pytest.mark.slow
@@ -223,23 +223,13 @@ def test_two_ranks_barrier_resume_and_one_rank_sigterm(moto_server, tmp_path):
 
     second = torchrun("second", "--max-steps=400", "--save-steps=1000", "--resume")
 
-    def rank1_pid() -> int | None:
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit():
-                continue
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if str(tmp_path / "second").encode() in cmd and b"LOCAL_RANK=1" in env:
-                return int(pid)
-        return None
-
     second.wait_until(
         lambda: any(e["step"] >= 9 for e in second.events("log")), 600, "step 9 after resume"
     )
-    os.kill(rank1_pid(), signal.SIGTERM)
+    # Rank 1 names its own pid: a scan of /proc for LOCAL_RANK=1 could pick a process rank
+    # 1 forked (same command line and environment), whose SIGTERM stops no training.
+    (rank1,) = [e["pid"] for e in second.events("train_begin") if e["rank"] == 1]
+    os.kill(rank1, signal.SIGTERM)
     assert second.wait(600) == 0, second.log_tail()
     assert [e["path"] for e in second.events("resumed")] == [
         str(tmp_path / "second" / "checkpoint-6")
@@ -332,5 +322,6 @@ def test_keep_best_follows_the_trainers_metric(memory_target, tmp_path):
     # "auto" never keeps fewer than the run already keeps by the same metric.
     preset = {"keep_best": 3, "best_metric": "eval_loss", "best_mode": "min"}
     assert retention(preset=preset)(metric_for_best_model="loss") == (3, "eval_loss", "min")
-    with pytest.raises(ConfigurationError, match="needs a metric"):
+    with pytest.raises(ConfigurationError, match=r"needs a metric.*metric_for_best_model") as e:
         retention(keep_best=2)()
+    assert "metric_for_best_model" in e.value.hint  # where a Trainer user names one

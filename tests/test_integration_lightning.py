@@ -26,7 +26,7 @@ pytest.importorskip("lightning")
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from childrun import ChildRun, read_events
 
-from cloudckpt.restore import load_latest_for_reading
+from cloudckpt.reader import load_latest_for_reading
 from cloudckpt.stores import open_store
 
 pytestmark = pytest.mark.slow
@@ -211,6 +211,21 @@ def test_save_top_k_best_checkpoints_stay_in_the_store_across_a_kill_and_a_fresh
         (12, "epoch=2-step=12.ckpt", {"val_loss": pytest.approx(0.2)}),
         (4, "epoch=0-step=4.ckpt", {"val_loss": pytest.approx(0.3)}),
     ]
+    # `cloudckpt ls` shows each save's monitored value (recorded as a metric, not the
+    # epoch alone) and why the store keeps it.
+    from click.testing import CliRunner
+
+    from cloudckpt.cli import cli
+
+    flags = ["--endpoint-url", options["endpoint_url"], "-o", f"key={options['key']}",
+             "-o", f"secret={options['secret']}"]  # fmt: skip
+    table = CliRunner().invoke(cli, ["ls", url, *flags])
+    assert table.exit_code == 0, table.output
+    rows = {int(line.split()[0]): line for line in table.stdout.splitlines()
+            if line.split() and line.split()[0].isdigit()}  # fmt: skip
+    assert "current, last" in rows[20] and "val_loss=0.7" in rows[20], table.stdout
+    for step, loss in ((12, "0.2"), (4, "0.3")):
+        assert " best " in rows[step] and f"val_loss={loss}" in rows[step], table.stdout
     # What `ckpt_path="best"` on a new machine does: load the best_model_path the killed
     # run's ModelCheckpoint recorded; no local file, so it comes from the store, verified.
     old_best = str(tmp_path / "killed" / "checkpoints" / "epoch=2-step=12.ckpt")

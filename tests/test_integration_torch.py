@@ -220,7 +220,7 @@ def test_the_upload_reads_the_host_buffers_and_the_staged_copy_is_written_beside
     staged = next(attempts.glob("*/files/tensors.safetensors")).read_bytes()
     release.set()
     assert handle.result(timeout=60).step == 1
-    handle._wait_until_buffers_free()  # the staged copy is finished after the commit
+    handle._job.wait_until_buffers_free()  # the staged copy is finished after the commit
     assert not list(attempts.iterdir())  # ... and leaves attempts/
     kept = mgr.staging.root / "committed"  # ... and stays as the local tier (keep_local=1)
     assert [p.read_bytes() for p in kept.glob("*/files/tensors.safetensors")] == [staged]
@@ -231,13 +231,13 @@ def test_the_upload_reads_the_host_buffers_and_the_staged_copy_is_written_beside
 
 
 def test_close_waits_for_a_state_still_being_written(s3_target, manager_factory, monkeypatch):
-    real_files = ct._memory_files
+    real_files = ct.memory_files
 
     def slow_files(*args, **kwargs):
         time.sleep(0.5)
         return real_files(*args, **kwargs)
 
-    monkeypatch.setattr(ct, "_memory_files", slow_files)
+    monkeypatch.setattr(ct, "memory_files", slow_files)
     mgr = manager_factory(s3_target)
     handle = save_state(mgr, 5, {"x": torch.ones(10)})
     mgr.close()  # must not lose the save whose files were still being written
@@ -338,7 +338,7 @@ def _unwritable(monkeypatch) -> list[int]:
         failed.append(1)
         raise RuntimeError("Numpy is not available")
 
-    monkeypatch.setattr(ct, "_memory_files", fail)
+    monkeypatch.setattr(ct, "memory_files", fail)
     return failed
 
 
@@ -398,7 +398,9 @@ def test_an_upload_the_store_refuses_fails_the_next_save_state(memory_target, ma
 
 
 def test_save_state_without_numpy_names_the_extra(memory_target, manager_factory, monkeypatch):
-    monkeypatch.setattr(ct, "_np_module", False)  # as if `import numpy` had failed
+    from cloudckpt.integrations import _torch_format
+
+    monkeypatch.setattr(_torch_format, "_np_module", False)  # as if `import numpy` had failed
     mgr = manager_factory(memory_target)
     # The hint names the [torch] extra and numpy (an install line that works as written:
     # docs/install.md).

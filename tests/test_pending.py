@@ -7,13 +7,13 @@ import logging
 
 import pytest
 
+from cloudckpt.attempts import CommitInfo
 from cloudckpt.errors import FencedError
 from cloudckpt.integrations._pending import (
     DEFAULT_EMERGENCY_TIMEOUT,
     emergency_timeout,
     wait_for_emergency,
 )
-from cloudckpt.manager import CommitInfo
 from cloudckpt.preemption import PreemptionNotice
 
 NOW = 1_000_000.0

@@ -10,9 +10,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cloudckpt import digest, protocol
+from cloudckpt import attempt_layout, canonical, digest, manifests, protocol
 from cloudckpt.errors import ConfigurationError, UnsafePathError
-from cloudckpt.protocol import CorruptRecordError, FileEntry, Manifest, Settings
+from cloudckpt.manifests import FileEntry, Manifest
+from cloudckpt.protocol import CorruptRecordError, Settings
 
 NOW = dt.datetime(2030, 1, 1, tzinfo=dt.timezone.utc)
 
@@ -20,7 +21,7 @@ NOW = dt.datetime(2030, 1, 1, tzinfo=dt.timezone.utc)
 def _record(step: int, epoch: int = 1) -> protocol.CheckpointRecord:
     attempt = f"20300101T000000000Z-{step:08x}"
     m = Manifest(
-        ckpt=protocol.ckpt_prefix(step, epoch, attempt),
+        ckpt=attempt_layout.ckpt_prefix(step, epoch, attempt),
         step=step,
         epoch=epoch,
         commit_id=attempt,
@@ -62,7 +63,7 @@ def test_every_single_bit_flip_of_latest_is_detected():
 
 def test_every_single_bit_flip_of_a_manifest_is_detected():
     m = Manifest(
-        ckpt=protocol.ckpt_prefix(5, 1, "20300101T000000000Z-00000005"),
+        ckpt=attempt_layout.ckpt_prefix(5, 1, "20300101T000000000Z-00000005"),
         step=5,
         epoch=1,
         commit_id="20300101T000000000Z-00000005",
@@ -72,12 +73,12 @@ def test_every_single_bit_flip_of_a_manifest_is_detected():
     )
     data = m.to_bytes()
     record = m.record(data, NOW)
-    assert protocol.parse_manifest(data, record) == m
+    assert manifests.parse_manifest(data, record) == m
     for bit in range(len(data) * 8):
         damaged = bytearray(data)
         damaged[bit // 8] ^= 1 << (bit % 8)
         with pytest.raises(CorruptRecordError):
-            protocol.parse_manifest(bytes(damaged), record)
+            manifests.parse_manifest(bytes(damaged), record)
 
 
 def test_seq_chain_and_epochs():
@@ -122,13 +123,13 @@ def test_keep_last_none_keeps_everything():
 )
 def test_hostile_paths_are_refused(path):
     with pytest.raises(UnsafePathError):
-        protocol.safe_relpath(path)
+        manifests.safe_relpath(path)
 
 
 def test_file_and_directory_of_the_same_name_is_refused():
     entries = [FileEntry("a", 1, "0" * 64), FileEntry("a/b", 1, "0" * 64)]
     with pytest.raises(UnsafePathError):
-        protocol.validate_file_entries(entries)
+        manifests.validate_file_entries(entries)
 
 
 def test_manifest_must_match_its_record():
@@ -144,23 +145,23 @@ def test_manifest_must_match_its_record():
         files=(),
     ).to_bytes()
     with pytest.raises(CorruptRecordError):
-        protocol.parse_manifest(data, m)
+        manifests.parse_manifest(data, m)
 
 
 def test_oversized_or_wrong_typed_fields_are_corrupt():
     body = json.loads(_run([1]).to_bytes())
     body["current"]["manifest_size"] = "12"
     del body["self_sha256"]
-    sealed = protocol._sealed(body)
+    sealed = canonical.seal(body)
     with pytest.raises(CorruptRecordError):
         protocol.parse_latest(sealed)
 
 
 def test_metadata_must_be_json():
     with pytest.raises(ConfigurationError):
-        protocol.canonical_json({"x": float("nan")})
+        canonical.canonical_json({"x": float("nan")})
     with pytest.raises(ConfigurationError):
-        protocol.canonical_json({"x": object()})
+        canonical.canonical_json({"x": object()})
 
 
 @given(st.binary(max_size=3 * 64), st.sampled_from([16, 64, 100]))

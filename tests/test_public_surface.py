@@ -23,7 +23,7 @@ ERRORS_EXPORTED_AT_TOP = [
     "MissingDependencyError", "NeedsRepairError", "NotARunError", "ObjectNotFoundError",
     "OutcomeUnknownError", "PermissionDeniedError", "PreconditionFailedError",
     "SaveDroppedError", "StagingError", "StaleAttemptError", "StoreConflictError", "StoreError",
-    "TransientStoreError", "UnsafePathError", "UnsupportedBackendError",
+    "TransientStoreError", "UnknownFormatError", "UnsafePathError", "UnsupportedBackendError",
 ]  # fmt: skip
 
 SURFACE = {
@@ -44,9 +44,9 @@ SURFACE = {
         "crc32c_b64", "open_store", "parse_url", "split_url",
     ],
     "cloudckpt.catalog": [
-        "CheckpointDiff", "CopyResult", "ExportResult", "FileChange", "FileResult", "RunInfo",
-        "copy_checkpoint", "diff_checkpoints", "export_checkpoint", "file_digest", "get_file",
-        "list_runs",
+        "CheckpointDiff", "CopyResult", "ExportResult", "FileChange", "FileResult",
+        "FilesResult", "RunInfo", "copy_checkpoint", "diff_checkpoints", "export_checkpoint",
+        "file_digest", "get_file", "get_files", "list_runs",
     ],
     "cloudckpt.distributed": [
         "CollectiveError", "DistributedCheckpointManager", "DistributedRestoreResult",
@@ -69,14 +69,14 @@ SURFACE = {
     ],
     "cloudckpt.testing.faults": [
         "Callback", "Conflict", "Crash", "DeliverTwice", "FailBefore", "Fault",
-        "FaultInjectingStore", "Latency", "LoseResponse", "Rule", "Truncate", "delete_latest",
+        "FaultInjectingStore", "Latency", "LoseResponse", "Rule", "ShortRead", "Truncate", "delete_latest",
         "flip_bit", "truncate_object",
     ],
     "cloudckpt.testing.conformance": [
         "ALL_CHECKS", "StoreOpener", "check_cas_increments",
         "check_chunked_checkpoint_roundtrip", "check_clock", "check_create_refuses_existing",
-        "check_listing", "check_multipart_roundtrip", "check_racing_creates",
-        "check_racing_creates_processes", "check_read_write_basics",
+        "check_cut_responses", "check_listing", "check_multipart_roundtrip", "check_racing_creates",
+        "check_racing_creates_processes", "check_ranged_reads_into", "check_read_write_basics",
         "check_stale_version_fails", "check_update_missing_fails", "check_versions_change",
         "run_all",
     ],

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from cloudckpt import digest, protocol
+from cloudckpt import attempt_layout, digest, protocol
 from cloudckpt.committer import Committer, read_latest
-from cloudckpt.restore import fetch_manifest
+from cloudckpt.reader import fetch_manifest
 from cloudckpt.stores import open_store
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
@@ -158,7 +158,7 @@ def test_racing_managers_lose_no_acknowledged_save(race_target, pool):
         manifest = fetch_manifest(store, record)
         (entry,) = manifest.files
         if entry.chunks is None:
-            data, _ = store.get(record.ckpt + protocol.FILES_DIR + entry.path)
+            data, _ = store.get(record.ckpt + attempt_layout.FILES_DIR + entry.path)
         else:  # chunked (the default): the chunks, each named by its SHA-256
             data = b"".join(store.get(c.key)[0] for c in entry.chunks)
         assert data == race_worker.content(name, step)

@@ -10,7 +10,14 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from cloudckpt import CorruptionError, FencedError, NeedsRepairError, protocol
+from cloudckpt import (
+    CorruptionError,
+    FencedError,
+    NeedsRepairError,
+    attempt_layout,
+    canonical,
+    protocol,
+)
 from cloudckpt.cli import cli
 from cloudckpt.errors import CommitConflictError
 from cloudckpt.repair import repair
@@ -99,14 +106,14 @@ def test_epoch_is_above_every_epoch_seen(run, prefix_epoch, latest_epoch, expect
     store, _ = run
     # Traces of writers whose commit records never landed: an attempt prefix (a writer that
     # claimed and uploaded), and the damaged LATEST's own bytes.
-    prefix = protocol.ckpt_prefix(5, prefix_epoch, "20300101T000000000Z-0badcafe")
+    prefix = attempt_layout.ckpt_prefix(5, prefix_epoch, "20300101T000000000Z-0badcafe")
     store.put(prefix + "ATTEMPT.json", b"{}")
     if latest_epoch is None:
         store.delete(protocol.LATEST_KEY)
     else:
         body = _latest(store).to_dict()
         body["writer"]["epoch"] = latest_epoch
-        store.put(protocol.LATEST_KEY, protocol.canonical_json(body) + b"garbage")
+        store.put(protocol.LATEST_KEY, canonical.canonical_json(body) + b"garbage")
     report = repair(store)
     assert report.highest_epoch_seen == expected - 1
     assert _latest(store).writer.epoch == expected

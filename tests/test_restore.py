@@ -20,11 +20,18 @@ from pathlib import Path
 
 import pytest
 
-from cloudckpt import CheckpointManager, CheckpointNotFoundError, protocol
+from cloudckpt import (
+    CheckpointManager,
+    CheckpointNotFoundError,
+    attempt_layout,
+    canonical,
+    protocol,
+)
 from cloudckpt.chunks import MIN_PIECE
 from cloudckpt.distributed import DistributedCheckpointManager
 from cloudckpt.gc import collect_garbage
-from cloudckpt.restore import MAX_LATEST_REREADS, fetch_manifest, restore
+from cloudckpt.reader import MAX_LATEST_REREADS, fetch_manifest
+from cloudckpt.restore import restore
 from cloudckpt.stores import open_store
 from cloudckpt.stores.memory import ManualClock, MemoryStore, drop_memory_bucket
 from cloudckpt.testing.faults import Callback, FaultInjectingStore, Rule
@@ -65,17 +72,17 @@ def _rewrite_current_manifest(store, edit: Callable[[dict], None]) -> None:
     everything consistent: the manifest is resealed and LATEST records its new digest."""
     latest = json.loads(store.get(protocol.LATEST_KEY)[0])
     record = latest["current"]
-    key = record["ckpt"] + protocol.MANIFEST_NAME
+    key = record["ckpt"] + attempt_layout.MANIFEST_NAME
     body = json.loads(store.get(key)[0])
     edit(body)
-    manifest = protocol._sealed(body)
+    manifest = canonical.seal(body)
     store.put(key, manifest)
     latest["current"] = {
         **record,
         "manifest_sha256": hashlib.sha256(manifest).hexdigest(),
         "manifest_size": len(manifest),
     }
-    store.put(protocol.LATEST_KEY, protocol._sealed(latest))
+    store.put(protocol.LATEST_KEY, canonical.seal(latest))
 
 
 def _by_path(body: dict) -> dict[str, dict]:
@@ -218,7 +225,7 @@ def test_a_checkpoint_collected_under_a_slow_restore_restores_the_current_one(me
     trainer = _Trainer(store, clock, tmp_path)
     trainer.step()
     trainer.step()  # step 2 is current; step 1 was dropped and collected
-    key = f"ckpt/*/{protocol.MANIFEST_NAME}" if when == "manifest" else "ckpt/*/chunks/*"
+    key = f"ckpt/*/{attempt_layout.MANIFEST_NAME}" if when == "manifest" else "ckpt/*/chunks/*"
     faulty, rule = _under_gc(store, trainer, key)
     with TransferEngine() as engine:
         res = restore(faulty, tmp_path / "out", engine)
@@ -326,3 +333,158 @@ def test_a_slow_restore_from_s3_restores_the_current_checkpoint(s3_target, tmp_p
     assert [(s.step, s.dropped) for s in res.skipped] == [(1, True)]
     mgr.close()
     store.close()
+
+
+# --------------------------------------------------------------------------- partial restore
+
+PARTIAL = {
+    "model.safetensors": random.Random(1).randbytes(2 * MiB + 3),
+    "optimizer.pt": random.Random(2).randbytes(MiB + 5),
+    "config.json": b'{"a": 1}',
+    "tokenizer/vocab.txt": b"a b c",
+}
+
+
+def _two_checkpoints(mgr: CheckpointManager) -> None:
+    """Steps 1 and 2 of ``PARTIAL`` (step 2's config differs)."""
+    _save(mgr, 1, PARTIAL)
+    _save(mgr, 2, {**PARTIAL, "config.json": b'{"a": 2}'})
+
+
+@pytest.mark.parametrize("chunking", ["tensor", "off"])
+def test_a_partial_restore_reads_only_what_it_selects_and_verifies_it(
+    seaweedfs_target, manager_factory, tmp_path, chunking
+):
+    """``restore(include=, exclude=)`` (the manager's, on SeaweedFS): only the selected
+    files land, each verified (a damaged one falls back to the older checkpoint, its bytes
+    never returned); a damaged file left out is never read, so it costs no fallback."""
+    _two_checkpoints(manager_factory(seaweedfs_target, chunking=chunking))
+    mgr = manager_factory(seaweedfs_target)  # another host: no local copy, all from the store
+    got = mgr.restore(tmp_path / "w", include=["*.safetensors", "*.json"], exclude=["opt*"])
+    assert _tree(tmp_path / "w") == {
+        "model.safetensors": PARTIAL["model.safetensors"],
+        "config.json": b'{"a": 2}',
+    }
+    assert got.step == 2 and got.skipped == () and got.num_files == 2
+    assert got.excluded == ("optimizer.pt", "tokenizer/vocab.txt")
+    assert got.total_bytes == len(PARTIAL["model.safetensors"]) + 8
+    assert got.bytes_downloaded == got.total_bytes  # the rest was never read
+
+    store = open_store(seaweedfs_target.url, seaweedfs_target.storage_options)
+    current = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0]).current
+    manifest = fetch_manifest(store, current)
+    by_path = {f.path: f for f in manifest.files}
+
+    def damage(path: str) -> None:
+        entry = by_path[path]
+        key = entry.chunks[0].key if entry.chunks else current.ckpt + "files/" + path
+        data = bytearray(store.get(key)[0])
+        data[0] ^= 1
+        store.put(key, bytes(data))
+
+    damage("optimizer.pt")  # left out: not read, no fallback
+    got = mgr.restore(tmp_path / "x", exclude=["optimizer.pt"])
+    assert got.step == 2 and got.skipped == () and got.excluded == ("optimizer.pt",)
+    damage("config.json")  # selected: found, and step 1 restored instead
+    got = mgr.restore(tmp_path / "y", include=["config.json"])
+    assert got.step == 1 and [s.step for s in got.skipped] == [2]
+    assert _tree(tmp_path / "y") == {"config.json": b'{"a": 1}'}
+    with pytest.raises(CheckpointNotFoundError, match="no file of step 2 is selected"):
+        mgr.restore(tmp_path / "z", include=["*.bin"], step=2)
+    assert not (tmp_path / "z").exists() or not any((tmp_path / "z").iterdir())
+    store.close()
+
+
+def test_partial_restore_arguments_are_checked(memory_target, manager_factory, tmp_path):
+    from cloudckpt.errors import ConfigurationError
+
+    mgr = manager_factory(memory_target)
+    _save(mgr, 1, PARTIAL)
+    with pytest.raises(ConfigurationError, match=r"include=\['\*\.json'\]"):
+        mgr.restore(tmp_path / "a", include="*.json")  # one string: a list was meant
+    with pytest.raises(ConfigurationError):
+        mgr.restore(tmp_path / "b", exclude=[""])
+    # A directory pattern, and a whole restore (no pattern) excludes nothing.
+    mgr.restore(tmp_path / "c", include=["tokenizer/"])
+    assert _tree(tmp_path / "c") == {"tokenizer/vocab.txt": b"a b c"}
+    assert mgr.restore(tmp_path / "d").excluded == ()
+
+
+def test_restore_include_exclude_on_the_command_line(s3_target, manager_factory, tmp_path):
+    from click.testing import CliRunner
+    from test_cli import flags
+
+    from cloudckpt.cli import cli
+
+    mgr = manager_factory(s3_target)
+    _two_checkpoints(mgr)
+    argv = ["restore", s3_target.url, str(tmp_path / "w"), "--include", "*.safetensors",
+            "--include", "tokenizer/", "--exclude", "*.txt", *flags(s3_target)]  # fmt: skip
+    done = CliRunner().invoke(cli, [*argv, "--json"])
+    assert done.exit_code == 0, done.output
+    doc = json.loads(done.stdout)
+    assert sorted(doc["excluded"]) == ["config.json", "optimizer.pt", "tokenizer/vocab.txt"]
+    assert doc["num_files"] == 1 and _tree(tmp_path / "w") == {
+        "model.safetensors": PARTIAL["model.safetensors"]
+    }
+    human = CliRunner().invoke(cli, [*argv[:2], str(tmp_path / "h"), *argv[3:]])
+    assert human.exit_code == 0, human.output
+    assert "left out by --include/--exclude, not read: 3 file(s)" in human.stdout
+    argv = ["restore", s3_target.url, str(tmp_path / "n"), "--include", "*.bin"]
+    nothing = CliRunner().invoke(cli, argv + flags(s3_target))
+    assert nothing.exit_code == 3 and "config.json" in nothing.output
+
+
+def test_the_multi_rank_restore_takes_the_same_patterns(memory_target, tmp_path):
+    mgr = DistributedCheckpointManager(memory_target.url, staging_dir=tmp_path / "s")
+    handle = mgr.save(3)
+    with handle as d:
+        for rel, data in PARTIAL.items():
+            (d / rel).parent.mkdir(parents=True, exist_ok=True)
+            (d / rel).write_bytes(data)
+    handle.result(timeout=60)
+    # Paths as the checkpoint holds them: each rank's files under rank-<N>/.
+    got = mgr.restore(tmp_path / "r", include=["*.json", "*/tokenizer/"])
+    assert _tree(got.rank_path) == {
+        "config.json": PARTIAL["config.json"],
+        "tokenizer/vocab.txt": PARTIAL["tokenizer/vocab.txt"],
+    }
+    mgr.close()
+
+
+def test_restore_never_writes_into_or_over_a_local_run(tmp_path):
+    """``restore --force`` replaces its destination: a destination that is, lies inside or
+    holds a file:// run would replace or add to that run's committed objects. Refused
+    (exit 7, DestinationNotEmptyError), by the CLI and the Python API, and the run still
+    verifies."""
+    from click.testing import CliRunner
+
+    from cloudckpt.cli import cli
+    from cloudckpt.errors import DestinationNotEmptyError
+
+    run = tmp_path / "runs" / "mine"
+    mgr = CheckpointManager(f"file://{run}", staging_dir=tmp_path / "staging")
+    _save(mgr, 1, {"model.bin": b"weights" * 100})
+    mgr.close()
+    before = _tree(run)
+    committed = max((p for p in run.rglob("*") if p.is_file()), key=lambda p: len(p.parts))
+    for dest, what in [
+        (run, "is the cloudckpt run"),
+        (committed.parent, "is inside the cloudckpt run"),
+        (run / "restored", "is inside the cloudckpt run"),
+        (tmp_path / "runs", "holds the cloudckpt run"),
+    ]:
+        result = CliRunner().invoke(cli, ["restore", f"file://{run}", str(dest), "--force"])
+        assert result.exit_code == 7, (dest, result.output)
+        assert what in result.stderr and "a restore would" in result.stderr, result.stderr
+        with pytest.raises(DestinationNotEmptyError, match=what):
+            restore(open_store(f"file://{run}"), dest, TransferEngine(), overwrite=True)
+    assert _tree(run) == before and not (run / "restored").exists()
+    assert verify_run(open_store(f"file://{run}")).ok
+    # A plain directory is still replaced with --force.
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "old.txt").write_bytes(b"old")
+    result = CliRunner().invoke(cli, ["restore", f"file://{run}", str(plain), "--force"])
+    assert result.exit_code == 0, result.output
+    assert _tree(plain) == {"model.bin": b"weights" * 100}

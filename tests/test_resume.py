@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cloudckpt import CheckpointManager, failpoints, protocol
+from cloudckpt import CheckpointManager, attempt_layout, failpoints, manifests, protocol
 from cloudckpt.gc import collect_garbage
 from cloudckpt.stores import open_store
 from cloudckpt.stores.memory import ManualClock, MemoryStore, drop_memory_bucket
@@ -67,7 +67,7 @@ def _interrupt_upload(store, tmp_path: Path, src: Path, step: int) -> str:
 def _chunk_owners(store, step: int) -> set[str]:
     latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
     record = next(r for r in latest.retained() if r.step == step)
-    manifest = protocol.parse_manifest(store.get(record.manifest_key)[0], record)
+    manifest = manifests.parse_manifest(store.get(record.manifest_key)[0], record)
     return {c.owner for f in manifest.files for c in f.chunks or ()}
 
 
@@ -91,7 +91,7 @@ def test_a_save_of_the_same_step_resumes_the_interrupted_upload(clocked, tmp_pat
     clock.advance(3 * GRACE)
     report = collect_garbage(store)
     assert interrupted in report.deleted_orphans
-    assert not store.exists(interrupted + protocol.ATTEMPT_NAME)
+    assert not store.exists(interrupted + attempt_layout.ATTEMPT_NAME)
     assert verify_run(store, all=True, read_data=True).ok
     restored = _manager(store, tmp_path, "reader").restore(tmp_path / "out")
     assert (tmp_path / "out" / "weights.bin").read_bytes() == (src / "weights.bin").read_bytes()

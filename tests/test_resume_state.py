@@ -22,7 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
-from cloudckpt import CheckpointManager, failpoints, protocol  # noqa: E402
+from cloudckpt import CheckpointManager, attempt_layout, failpoints  # noqa: E402
 from cloudckpt.committer import read_latest  # noqa: E402
 from cloudckpt.errors import (  # noqa: E402
     CheckpointNotFoundError,
@@ -87,7 +87,7 @@ def _tensors_key(store, record, which: str = "last") -> str:
     shares (a chunk it stored first, or the whole file)."""
     entry = next(f for f in fetch_manifest(store, record).files if f.path == "tensors.safetensors")
     if entry.chunks is None:
-        return record.ckpt + protocol.FILES_DIR + entry.path
+        return record.ckpt + attempt_layout.FILES_DIR + entry.path
     own = [c for c in entry.chunks if c.owner == record.ckpt]
     return (own[-1] if which == "last" else own[0]).key
 
@@ -294,11 +294,11 @@ def test_a_local_copy_deleted_under_a_restore_is_held_or_downloaded(
     else:
         real_link = restore_mod._link_local
 
-        def delete_then_link(copy, entry, tmp):
+        def delete_then_link(copy, entry, tmp, *link):
             if entry.path == "b" and copy_dir.exists():
                 shutil.rmtree(copy_dir)
                 deleted.append(copy_dir)
-            return real_link(copy, entry, tmp)
+            return real_link(copy, entry, tmp, *link)
 
         monkeypatch.setattr(restore_mod, "_link_local", delete_then_link)
     again = CheckpointManager(memory_target.url, staging_dir=staging)
@@ -416,7 +416,7 @@ def test_a_crash_while_keeping_the_local_copy(memory_target, tmp_path, monkeypat
     handle = save_state(first, 1, _state(1))
     assert handle.result(timeout=60).step == 1  # committed; the copy is kept afterwards
     with pytest.raises(failpoints.SimulatedCrash):
-        handle._local_copy.result(timeout=60)  # the process dies while keeping it
+        handle._job.local_copy.result(timeout=60)  # the process dies while keeping it
     monkeypatch.undo()
     first.staging.close()
     assert moves and list(staging.glob("attempts/*/copy.json"))
@@ -449,10 +449,10 @@ def test_the_commit_does_not_wait_for_the_local_copy_but_buffer_reuse_does(
     mgr = CheckpointManager(memory_target.url, staging_dir=staging)
     handle = save_state(mgr, 1, _state(1))
     assert handle.result(timeout=60).step == 1  # committed while the copy is held
-    assert not handle._local_copy.done()
+    assert not handle._job.local_copy.done()
     assert not ct._savers[mgr]._previous.done()  # the buffers are still being read
     gate.set()
-    handle._local_copy.result(timeout=60)
+    handle._job.local_copy.result(timeout=60)
     mgr.close()
     assert [p.name[:12] for p in (staging / COMMITTED_DIR).iterdir()] == ["000000000001"]
 

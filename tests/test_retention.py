@@ -14,24 +14,34 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cloudckpt import digest, protocol, retention
-from cloudckpt.errors import ConfigurationError, CorruptRecordError
-from cloudckpt.protocol import FileEntry, Manifest, Settings
+from cloudckpt import attempt_layout, canonical, digest, formats, protocol, retention
+from cloudckpt.errors import ConfigurationError, CorruptRecordError, UnknownFormatError
+from cloudckpt.manifests import FileEntry, Manifest
+from cloudckpt.protocol import Settings
 
 T0 = dt.datetime(2030, 1, 1, tzinfo=dt.timezone.utc)
 
 
-def _record(step: int, metrics=None, at: dt.datetime | None = None) -> protocol.CheckpointRecord:
+def _record(
+    step: int, metrics=None, at: dt.datetime | None = None, algorithm: str = digest.SHA256_TREE
+) -> protocol.CheckpointRecord:
+    """A committed record of ``step``. SHA-256 by default: the LATEST format tests below are
+    about what a /2 or /3 writer produced; a BLAKE3 manifest makes LATEST /4 on its own."""
     attempt = f"20300101T000000000Z-{step:08x}"
     m = Manifest(
-        ckpt=protocol.ckpt_prefix(step, 1, attempt),
+        ckpt=attempt_layout.ckpt_prefix(step, 1, attempt),
         step=step,
         epoch=1,
         commit_id=attempt,
         writer_id="w",
         created_at="t",
-        files=(FileEntry("model.bin", 3, digest.tree_digest(b"abc")),),
+        files=(
+            FileEntry(
+                "model.bin", 3, digest.tree_digest(b"abc", algorithm=algorithm), algorithm=algorithm
+            ),
+        ),
         metrics=retention.clean_metrics(metrics),
+        algorithm=algorithm,
     )
     return m.record(m.to_bytes(), at or T0 + dt.timedelta(seconds=step))
 
@@ -186,7 +196,7 @@ def test_one_per_hour_for_the_last_day():
 
 
 def _iso(r) -> dt.datetime:
-    return protocol.parse_iso(r.committed_at)
+    return canonical.parse_iso(r.committed_at)
 
 
 def test_periods_combine_with_keep_last_and_every_and_pins():
@@ -220,7 +230,7 @@ def test_time_is_the_current_checkpoints_not_a_clock():
 # --------------------------------------------------------------------------- formats
 
 
-# What cloudckpt read before retention by metric existed (protocol.LATEST_FORMATS_READ).
+# What cloudckpt read before retention by metric existed (formats.LATEST_FORMATS_READ).
 OLD_READER_FORMATS = ("cloudckpt.latest/1", "cloudckpt.latest/2")
 
 
@@ -229,8 +239,11 @@ def test_a_latest_that_keeps_the_best_is_refused_by_an_older_cloudckpt(monkeypat
     body = latest.to_bytes()
     assert latest.format == "cloudckpt.latest/3" and protocol.parse_latest(body) == latest
     monkeypatch.setattr(protocol, "LATEST_FORMATS_READ", OLD_READER_FORMATS)
-    with pytest.raises(CorruptRecordError, match="latest/3"):
+    # Refused as a newer version's format, not as damage (issue 28, item 1).
+    with pytest.raises(UnknownFormatError, match="latest/3") as exc_info:
         protocol.parse_latest(body)
+    assert exc_info.value.found == "cloudckpt.latest/3"
+    assert exc_info.value.written_by == formats.WRITTEN_BY
 
 
 @pytest.mark.parametrize(
@@ -247,6 +260,18 @@ def test_anything_an_older_writer_would_lose_makes_it_latest_3(settings_, metric
     assert protocol.parse_latest(latest.to_bytes()) == latest
 
 
+def test_a_blake3_checkpoint_makes_it_latest_4_whatever_else_it_holds():
+    # A /3 reader would take a BLAKE3 record for SHA-256 (docs/design.md §3).
+    latest = protocol.initial(protocol.Writer(1, "w", "t"), Settings(keep_last=2), T0)
+    latest = protocol.commit(latest, _record(1), Settings(keep_last=2), T0)
+    assert latest.format == "cloudckpt.latest/2"
+    latest = protocol.commit(
+        latest, _record(2, algorithm=digest.BLAKE3_TREE), Settings(keep_last=2), T0
+    )
+    assert latest.format == "cloudckpt.latest/4"
+    assert protocol.parse_latest(latest.to_bytes()) == latest
+
+
 def test_a_latest_without_them_stays_a_2_body():
     latest = _run([(1, None), (2, {})], Settings(keep_last=1))
     doc = json.loads(latest.to_bytes())
@@ -260,8 +285,8 @@ def test_a_setting_this_version_does_not_know_is_refused_not_ignored():
     # A newer rule that a writer ignored would drop what it keeps (the /2 hazard above).
     doc = json.loads(_run([(1, None)], Settings(keep_last=1)).to_bytes())
     body = {**doc, "settings": {**doc["settings"], "keep_tagged": ["release"]}}
-    with pytest.raises(CorruptRecordError, match="keep_tagged"):
-        protocol.parse_latest(protocol._sealed(body))
+    with pytest.raises(UnknownFormatError, match="keep_tagged"):
+        protocol.parse_latest(canonical.seal(body))
 
 
 def test_a_malformed_retention_setting_is_corrupt():
@@ -276,7 +301,7 @@ def test_a_malformed_retention_setting_is_corrupt():
     ):
         body = {**doc, "settings": {**doc["settings"], **change}}
         with pytest.raises(CorruptRecordError):
-            protocol.parse_latest(protocol._sealed(body))
+            protocol.parse_latest(canonical.seal(body))
 
 
 # --------------------------------------------------------------------------- properties
@@ -360,6 +385,102 @@ def test_the_kept_set_is_exactly_the_union_of_the_rules(policy, ops):
         assert set(ever) == kept | {t.record.commit_id for t in latest.tombstones}
         # History stays newest first, and LATEST round-trips.
         assert protocol.parse_latest(latest.to_bytes()) == latest
+
+
+def _oracle_reasons(policy: Settings, candidates, pinned) -> dict[str, set[str]]:
+    """Each rule's keeps (from docs/design.md §8, as ``_oracle_keeps``), by the reason
+    ``ls`` prints for it."""
+    out: dict[str, set[str]] = {"current": {candidates[0].commit_id}}
+    out["pinned"] = {r.commit_id for r in candidates if r.commit_id in pinned}
+    n = len(candidates) if policy.keep_last is None else policy.keep_last
+    out["all" if policy.keep_last is None else f"last {n}"] = {r.commit_id for r in candidates[:n]}
+    if policy.keep_every:
+        out[f"every {policy.keep_every}"] = {
+            r.commit_id for r in candidates if r.step % policy.keep_every == 0
+        }
+    if policy.keep_best:
+        scored = [
+            r for r in candidates
+            if isinstance(r.metrics.get(policy.best_metric), float)
+            and math.isfinite(r.metrics[policy.best_metric])
+        ]  # fmt: skip
+        ranked = sorted(
+            scored,
+            key=lambda r: (
+                r.metrics[policy.best_metric] * (1 if policy.best_mode == "min" else -1),
+                -candidates.index(r),
+            ),
+        )
+        out[f"best by {policy.best_metric}"] = {r.commit_id for r in ranked[: policy.keep_best]}
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(policy=_POLICIES, ops=_OPS)
+def test_every_reason_names_a_rule_that_keeps_it(policy, ops):
+    """``reasons`` (what `ls` prints as "kept because") is the kept set with, for each
+    checkpoint, exactly the rules that keep it; ``kept`` is its keys."""
+    latest = protocol.initial(protocol.Writer(1, "w", "t"), policy, T0)
+    at = T0
+    for step, (op, value, gap) in enumerate(ops, start=1):
+        at += dt.timedelta(seconds=gap)
+        latest = protocol.commit(latest, _record(step, {"loss": value} if value else {}, at),
+                                 policy, T0)  # fmt: skip
+        if op == "pin":
+            latest = protocol.pin(latest, latest.retained()[-1].commit_id, "p", T0)
+    current, history, pinned = latest.current, latest.history, latest.pinned_ids()
+    why = policy.retention.reasons(current, history, pinned)
+    assert set(why) == policy.retention.kept(current, history, pinned)
+    assert set(why) == {r.commit_id for r in latest.retained()}  # what the commits kept
+    expected = _oracle_reasons(policy, latest.retained(), pinned)
+    for cid, reasons in why.items():
+        periodic = [r for r in reasons if r.startswith("one per ")]
+        assert [r for r in reasons if not r.startswith("one per ")] == [
+            name for name, ids in expected.items() if cid in ids
+        ]
+        assert len(periodic) <= len(policy.keep_periods)
+
+
+def test_reasons_read_as_ls_prints_them():
+    policy = Settings(keep_last=2, keep_every=10, keep_best=1, best_metric="loss",
+                      keep_periods=((3600, 86400),))  # fmt: skip
+    latest = _run([(10, {"loss": 0.1}), (11, {"loss": 0.5}), (12, {"loss": 0.4})], policy)
+    why = policy.retention.reasons(latest.current, latest.history, set())
+    by_step = {r.step: why[r.commit_id] for r in latest.retained()}
+    assert by_step == {
+        12: ["current", "last 2", "one per 1h for 1d"],
+        11: ["last 2"],
+        10: ["every 10", "best by loss"],
+    }
+    assert policy.retention.describe() == [
+        "keep_last 2", "keep_every 10", "keep_best 1 by loss (min)", "one per 1h for 1d"
+    ]  # fmt: skip
+    assert Settings(keep_last=None).retention.describe() == ["keep_last all"]
+    for seconds, text in [(90, "1m30s"), (3600, "1h"), (5400, "1h30m"), (86400, "1d"),
+                          (2592000, "30d"), (604800, "1w"), (0, "0s")]:  # fmt: skip
+        assert retention.format_duration(seconds) == text
+        assert retention.parse_duration(text) == seconds
+
+
+def test_a_best_metric_the_checkpoints_lack_is_reported_with_the_name_they_record():
+    policy = Settings(keep_best=1, best_metric="eval_los").retention
+    typo = [_record(2, {"eval_loss": 0.2, "epoch": 1.0}), _record(1, {"eval_loss": 0.3})]
+    warning = retention.unranked(policy, typo)
+    assert warning is not None
+    assert "'eval_los'" in warning and "2 of 2 retained checkpoints" in warning
+    assert "(epoch, eval_loss)" in warning and "did you mean 'eval_loss'?" in warning
+    one = retention.unranked(policy, typo, saved=typo[0])
+    assert one is not None and one.startswith("keep-best ranks checkpoints by 'eval_los', but "
+                                              "step 2 records metrics without it")  # fmt: skip
+    # Nothing amiss: no keep-best; every checkpoint with metrics has it; none has metrics
+    # (saves between evaluations). A checkpoint that lacks it beside others that have it
+    # is named, but no other name is suggested (the ranking is right).
+    right = Settings(keep_best=1, best_metric="eval_loss").retention
+    assert retention.unranked(right, typo) is None
+    assert retention.unranked(Settings().retention, typo) is None
+    assert retention.unranked(policy, [_record(3), _record(4)]) is None
+    odd = retention.unranked(right, [_record(3, {"eval_los": 0.1}), *typo])
+    assert odd is not None and "1 of 3" in odd and "did you mean" not in odd
 
 
 # --------------------------------------------------------------------------- the manager
@@ -475,7 +596,7 @@ def test_committed_at_and_periods_are_on_the_stores_clock(memory_target, tmp_pat
         for step in range(1, 13):  # one every 20 minutes of the store's clock
             _save(mgr, step)
             mgr.wait()
-            assert protocol.parse_iso(mgr.list()[0].committed_at) == clock()
+            assert canonical.parse_iso(mgr.list()[0].committed_at) == clock()
             clock.advance(20 * 60)
         # Now 04:05; the current one 03:45: the newest of hours 3 (step 12), 2 (step 9,
         # 02:45) and 1 (step 6, 01:45); 00:45 is 3 h before 03:45: out.
@@ -483,3 +604,37 @@ def test_committed_at_and_periods_are_on_the_stores_clock(memory_target, tmp_pat
     finally:
         mgr.close()
         store.close()
+
+
+def test_a_save_without_the_ranked_metric_warns_once_naming_what_it_records(
+    memory_target, manager_factory, caplog
+):
+    """``best_metric="eval_los"`` while the saves record ``eval_loss``: the first save
+    that shows it logs a warning (once), naming the metrics it records and the likely
+    name; a later manager with default options warns too (the rule is the run's)."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="cloudckpt")
+    mgr = manager_factory(memory_target, keep_last=1, keep_best=1, best_metric="eval_los")
+    for step in (1, 2, 3):
+        _save(mgr, step, eval_loss=0.5 - step / 10, epoch=float(step))
+    mgr.wait()
+    warned = [r.getMessage() for r in caplog.records if "keep-best ranks" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "by 'eval_los', but step 1 records metrics without it (epoch, eval_loss)" in warned[0]
+    assert "did you mean 'eval_loss'?" in warned[0]
+    # What the warning is about: the best (step 1's 0.4... step 3's 0.2) is not kept.
+    assert [c.step for c in mgr.list()] == [3]
+    mgr.close()
+    caplog.clear()
+    later = manager_factory(memory_target)  # inherits keep_best by eval_los
+    _save(later, 4, eval_loss=0.1)
+    later.wait()
+    assert [r for r in caplog.records if "keep-best ranks" in r.getMessage()]
+    # A save that records no metrics (between evaluations), or the ranked one: no warning.
+    caplog.clear()
+    right = manager_factory(memory_target, keep_best=1, best_metric="eval_loss")
+    _save(right, 5, eval_loss=0.3)
+    _save(right, 6)
+    right.wait()
+    assert not [r for r in caplog.records if "keep-best ranks" in r.getMessage()]

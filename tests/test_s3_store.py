@@ -35,7 +35,8 @@ from cloudckpt.errors import (
     TransientStoreError,
 )
 from cloudckpt.stores import CREATE, Update, crc32c_b64, open_store
-from cloudckpt.stores.s3 import ACCEPTED_OPTIONS, S3Store
+from cloudckpt.stores._s3_client import ACCEPTED_OPTIONS
+from cloudckpt.stores.s3 import S3Store
 from cloudckpt.testing.moto_server import MotoServer, MotoServerError
 
 MiB = 1024 * 1024
@@ -547,18 +548,18 @@ def test_signed_payloads_reuse_the_parts_digest_even_with_awscrt(s3_target, open
     import hashlib
 
     from cloudckpt import digest
-    from cloudckpt.stores import s3
+    from cloudckpt.stores import _s3_client
 
     opts = {**s3_target.storage_options, "config_kwargs": {"s3": {"payload_signing_enabled": True}}}
     store = open_target(s3_target._replace(storage_options=opts))
     seen = []
-    real = s3._PrehashedS3SigV4Auth.payload
+    real = _s3_client._PrehashedS3SigV4Auth.payload
 
     def payload(self, request):
         seen.append(digest.sha256_if_known(request.body) is not None)
         return real(self, request)
 
-    s3._PrehashedS3SigV4Auth.payload = payload
+    _s3_client._PrehashedS3SigV4Auth.payload = payload
     try:
         upload = store.create_multipart("k")
         data = os.urandom(5 * 1024 * 1024)
@@ -566,6 +567,6 @@ def test_signed_payloads_reuse_the_parts_digest_even_with_awscrt(s3_target, open
             part = store.upload_part(upload, 1, data)
         store.complete_multipart(upload, [part])
     finally:
-        s3._PrehashedS3SigV4Auth.payload = real
+        _s3_client._PrehashedS3SigV4Auth.payload = real
     assert True in seen  # the part was signed with its known digest
     assert store.get("k")[0] == data

@@ -186,3 +186,46 @@ def test_passwords_in_file_memory_and_fsspec_urls_never_leak(tmp_path, debug_log
         assert server.authorized > 0 and 401 in server.statuses  # the password was sent
     assert sum("://***@" in t for t in texts) >= 10  # the URLs are shown, masked
     _assert_clean(texts, debug_logs)
+
+
+FRAGMENT_SECRET = "FRAGMENTcloudckptTOKEN"
+
+
+def test_secrets_in_url_fragments_and_queries_are_never_printed(s3_target, tmp_path, debug_logs):
+    """``s3://b/run#TOKEN`` (or ``?token=...``) given to `runs`, `ls`, `cp` (either side),
+    `export` (either side), `diff`, `show`, `verify` and `get`: refused, human and --json
+    output alike, with the URL shown masked (``#***``) and the secret nowhere (issue 28
+    item 11). A file:// URL's fragment is refused too, not silently dropped."""
+    from click.testing import CliRunner
+
+    from cloudckpt.cli import cli
+
+    so = s3_target.storage_options
+    flags = ["--endpoint-url", so["endpoint_url"], "--region", "us-east-1",
+             "-o", f"key={so['key']}", "-o", f"secret={so['secret']}"]  # fmt: skip
+    mgr = CheckpointManager(s3_target.url, storage_options=so, staging_dir=tmp_path / "s")
+    with mgr.save(step=1) as d:
+        (d / "f").write_bytes(b"x" * 1000)
+    mgr.close()
+    good = s3_target.url
+    texts: list[str] = []
+    for tail in (f"#{FRAGMENT_SECRET}", f"?token={FRAGMENT_SECRET}", f"?a=1#{FRAGMENT_SECRET}"):
+        for bad in (good + tail, f"file://{tmp_path}/run{tail}", f"memory://b/run{tail}"):
+            commands = [
+                ["runs", bad], ["ls", bad], ["diff", bad, "1", "1"], ["show", bad],
+                ["verify", bad], ["get", bad, "f", str(tmp_path / "got")],
+                ["cp", bad, f"file://{tmp_path}/copy"], ["cp", good, bad],
+                ["export", bad, str(tmp_path / "exported")], ["export", good, bad],
+            ]  # fmt: skip
+            for args in commands:
+                for extra in ([], ["--json"]):
+                    result = CliRunner().invoke(cli, ["-vv", *args, *flags, *extra])
+                    assert result.exit_code == 2, (args, result.output)
+                    assert "not supported" in result.output, result.output
+                    if extra:  # one JSON document on stdout, the error in it
+                        doc = json.loads(result.stdout)
+                        assert "***" in doc["error"]["message"]
+                    texts.append(result.output)
+    assert sum("#***" in t for t in texts) >= 20  # the URLs are shown, masked
+    assert all(FRAGMENT_SECRET not in t for t in texts)
+    assert FRAGMENT_SECRET not in debug_logs.text

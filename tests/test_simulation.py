@@ -20,7 +20,9 @@ from cloudckpt import (
     FencedError,
     StaleAttemptError,
     StoreError,
+    attempt_layout,
     failpoints,
+    manifests,
     protocol,
 )
 from cloudckpt.admin import pin, unpin
@@ -66,7 +68,10 @@ def test_seeds():
     assert not failed, "\n\n".join(r.report() for r in failed[:5])
     # The harness must actually exercise what it claims to.
     c = summary["counters"]
-    assert c["acks"] > 5 * len(seeds) // 2 and c["fenced"] > 0 and c["gc_deleted_objects"] > 0
+    # (2 per seed: a save lists its attempt once more before its commit and the store's
+    # clock steps back for some writes, so fewer saves commit than the 2.5 per seed of
+    # before, issue 28 item 4: seeds 0-299 acknowledged 766 saves before, 716 since.)
+    assert c["acks"] > 2 * len(seeds) and c["fenced"] > 0 and c["gc_deleted_objects"] > 0
     assert c["bit_flips_detected"] == c["bit_flips"] > 0
     # Checkpoints share chunks, GC had to keep some, and flips of chunks were caught.
     assert c["chunks_reused"] > 0 and c["chunk_flips"] > 0
@@ -74,6 +79,9 @@ def test_seeds():
     assert c["resumed_chunks_committed"] > 0
     # Keep-best and one-per-period retention kept checkpoints that keep_last would drop.
     assert c["kept_by_best"] > 0 and c["kept_by_period"] > 0
+    # A newer version's LATEST was met by restore (with and without LATEST), GC, repair
+    # (also forced), a writer and a pin in every seed, and each refused it (I11).
+    assert c["newer_format_refused"] == 8 * len(seeds)
     # Hosts were suspended, and writers that woke too late were refused.
     assert c["host_suspends"] > 0 and c["save_failed:StaleAttemptError"] > 0
     assert set(summary["faults_injected"]) >= {
@@ -83,6 +91,7 @@ def test_seeds():
         "conflict",
         "latency",
         "truncate",
+        "short_read",
     }
 
 
@@ -145,23 +154,23 @@ NOW = dt.datetime(2030, 1, 1, tzinfo=dt.timezone.utc)
 
 def _attempt(store, step: int, epoch: int, data: bytes = b"x") -> protocol.CheckpointRecord:
     """Upload a one-file attempt by hand; return its record."""
-    attempt = protocol.new_attempt_id(NOW)
-    prefix = protocol.ckpt_prefix(step, epoch, attempt)
-    store.put(prefix + protocol.ATTEMPT_NAME, b"{}")
+    attempt = attempt_layout.new_attempt_id(NOW)
+    prefix = attempt_layout.ckpt_prefix(step, epoch, attempt)
+    store.put(prefix + attempt_layout.ATTEMPT_NAME, b"{}")
     store.put(prefix + "files/f", data)
     from cloudckpt import digest
 
-    manifest = protocol.Manifest(
+    manifest = manifests.Manifest(
         ckpt=prefix,
         step=step,
         epoch=epoch,
         commit_id=attempt,
         writer_id="w",
         created_at="t",
-        files=(protocol.FileEntry("f", len(data), digest.tree_digest(data)),),
+        files=(manifests.FileEntry("f", len(data), digest.tree_digest(data)),),
     )
     body = manifest.to_bytes()
-    store.put(prefix + protocol.MANIFEST_NAME, body)
+    store.put(prefix + attempt_layout.MANIFEST_NAME, body)
     return manifest.record(body, NOW)
 
 

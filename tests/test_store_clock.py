@@ -111,17 +111,16 @@ def test_a_pause_shorter_than_the_limit_still_commits(clocked, tmp_path):
 
 def test_a_grace_period_the_stores_clock_cannot_resolve_is_refused(s3_target, tmp_path):
     """S3's clock (Date, LastModified) counts whole seconds: an attempt's age can read two
-    seconds short, so a 1 s grace period cannot protect anything. Refused before upload."""
-    mgr = CheckpointManager(
-        s3_target.url,
-        storage_options=s3_target.storage_options,
-        staging_dir=tmp_path / "s",
-        gc_grace=1,
-        auto_gc=False,
-    )
+    seconds short, so a 1 s grace period cannot protect anything. Refused when the manager
+    is built (issue 32), before anything is staged or uploaded."""
     with pytest.raises(ConfigurationError, match="too short"):
-        _save(mgr, 1, b"one").result()
-    mgr.close()
+        CheckpointManager(
+            s3_target.url,
+            storage_options=s3_target.storage_options,
+            staging_dir=tmp_path / "s",
+            gc_grace=1,
+            auto_gc=False,
+        )
     # A grace period a few clock steps long works on the same store.
     mgr = CheckpointManager(
         s3_target.url,
@@ -131,4 +130,45 @@ def test_a_grace_period_the_stores_clock_cannot_resolve_is_refused(s3_target, tm
         auto_gc=False,
     )
     assert _save(mgr, 1, b"one").result().step == 1
+    mgr.close()
+
+
+def test_a_store_clock_stepping_back_before_attempt_json_cannot_let_gc_own_a_commit(
+    clocked, tmp_path
+):
+    """Issue 28 item 4: the store's clock steps back 30 s between the writer's reading of
+    it (the attempt's birth) and the write of its ``ATTEMPT.json``, which GC then dates
+    the attempt by: 30 s older than the writer thought. 75 s later the writer's own
+    reckoning (75 s) is inside the 90 s bound, GC's (105 s) past the 100 s grace: GC
+    sweeps and deletes the attempt just before the compare-and-swap. The writer dates its
+    attempt as GC does (its objects' oldest ``last_modified``) and refuses to commit."""
+    store, clock = clocked
+    mgr = CheckpointManager(
+        store, staging_dir=tmp_path / "s", keep_last=2, gc_grace=GRACE, auto_gc=False
+    )
+    writer = mgr.attempts
+    writer.claim()
+    back = Rule(
+        Callback(before=lambda: clock.advance(-30), after=lambda _: clock.advance(30)),
+        ops={"put"},
+        key="ckpt/*/ATTEMPT.json",
+    )
+    store.add(back)
+    src = tmp_path / "f"
+    src.write_bytes(b"weights" * 100)
+    begun = writer.begin(1)
+    entries, _ = writer.upload(begun, [("f", src)])
+    assert back.fired == 1
+    clock.advance(75)
+
+    def gc_first() -> None:  # GC's sweep and deletions land right before the CAS
+        report = collect_garbage(store.inner)
+        assert report.deleted_orphans == [begun.prefix]
+
+    gc = Rule(Callback(before=gc_first), ops={"put"}, key="LATEST", modes={"update"})
+    store.add(gc)
+    with pytest.raises(StaleAttemptError):
+        writer.finish(begun, entries, {})
+    latest = _latest(store)
+    assert latest.current is None  # nothing names the files GC owns (or deleted)
     mgr.close()

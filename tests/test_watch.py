@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from cli_schema import assert_matches, parse
 
-from cloudckpt import protocol
+from cloudckpt import attempt_layout, protocol
 from cloudckpt.stores import open_store
 from cloudckpt.watch import Watcher
 
@@ -222,7 +222,7 @@ def test_a_writer_killed_half_way_never_gets_its_partial_checkpoint_committed(
     assert partial not in sources and len(sources) == 3
     latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
     assert [r.step for r in latest.retained()] == [4, 2, 1]
-    assert not list(store.list(protocol.ckpt_prefix(3, 1, "x")[: len("ckpt/000000000003")]))
+    assert not list(store.list(attempt_layout.ckpt_prefix(3, 1, "x")[: len("ckpt/000000000003")]))
     store.close()
 
 
@@ -889,3 +889,52 @@ def test_watch_once_exits_non_zero_when_an_upload_fails(tmp_path, memory_target,
     assert [e["source"] for e in events if e["event"] == "failed"] == ["checkpoint-7"]
     assert events[-1]["event"] == "stopped" and events[-1]["failed"] == 1
     assert "could not be uploaded" in result.stderr
+
+
+def test_deepspeed_steps_are_taken_once_latest_names_them(tmp_path, memory_target):
+    """DeepSpeed's save_dir (files named as engine.save_checkpoint names them): a
+    global_stepN/ is taken only once ``latest`` names it, with every rank's ZeRO shard
+    present and settled (rank 0 writes ``latest`` with no barrier after the other ranks);
+    the checkpoint holds global_stepN/ and a ``latest`` naming it, as DeepSpeed loads it."""
+    w, out, events = _watcher(tmp_path, memory_target, settle=0.2)
+
+    def shards(d: Path, *ranks: int) -> None:
+        for r in ranks:
+            _zip(d / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+
+    try:
+        d2 = out / "global_step2"
+        _zip(d2 / "mp_rank_00_model_states.pt")
+        shards(d2, 0, 1, 2)
+        (out / "zero_to_fp32.py").write_text("# DeepSpeed's recovery script\n")
+        assert w.poll() == 0 and not w._settling  # every file there, but no `latest` yet
+        (out / "latest").write_text("global_step1")  # the previous save's
+        assert w.poll() == 0 and not w._settling
+        (out / "latest").write_text("global_step2")
+        assert w.poll() == 0 and [c.source for c, _ in w._settling] == ["global_step2"]
+        _settled(w, 0.2)
+        assert _flush(w) == [2]
+
+        d4 = out / "global_step4"
+        model = _zip(d4 / "mp_rank_00_model_states.pt", b"y" * 100)
+        shards(d4, 0, 2)
+        (out / "latest").write_text("global_step4")
+        assert w.poll() == 0 and not w._settling  # rank 1's shard is missing
+        shards(d4, 1)
+        assert w.poll() == 0 and [c.source for c, _ in w._settling] == ["global_step4"]
+        _settled(w, 0.2)
+        assert _flush(w) == [2, 4]
+        restored = w.manager.restore(tmp_path / "restored")
+    finally:
+        w.close()
+    files = _files(restored.path)
+    assert files["latest"] == b"global_step4"
+    assert files["global_step4/mp_rank_00_model_states.pt"] == model
+    assert sorted(files) == [
+        "global_step4/mp_rank_00_model_states.pt",
+        *(f"global_step4/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3)),
+        "latest",
+    ]
+    assert not [e for e in events if e["event"] == "ignored"]  # latest, zero_to_fp32.py
+    rules = [e["rule"] for e in events if e["event"] == "queued"]
+    assert rules == ["`latest` names it, 3 ranks' ZeRO shards, unchanged for 0.2s"] * 2

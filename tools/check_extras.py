@@ -13,7 +13,8 @@ committed checkpoint: step None" with exit status 0 (issue 21). So, for each ext
    constraints.txt 'torch==2.13.0' -e '.[hf]'`` (torch first for the integrations, as their
    docs say; ``pip install -c constraints.txt -e '.[gcs]'`` for the others; nothing else);
 2. its example, run as a user runs it, against a fresh run: ``examples/torch_loop.py``,
-   ``examples/hf_trainer.py`` and ``examples/lightning_trainer.py`` on a ``file://`` run;
+   ``examples/hf_trainer.py``, ``examples/lightning_trainer.py`` and
+   ``examples/deepspeed_train.py`` on a ``file://`` run;
    ``cloudckpt push`` then ``cloudckpt restore`` (compared byte for byte) on
    fake-gcs-server for ``[gcs]`` and on Azurite for ``[azure]``; ``cloudckpt demo`` (which
    checks itself) for ``[demo]``;
@@ -153,7 +154,7 @@ def verify_committed(
 ) -> None:
     """The run's current checkpoint is ``step``, and every retained one verifies (read
     back and hashed), checked with the CI virtualenv's cloudckpt."""
-    from cloudckpt.restore import load_latest_for_reading
+    from cloudckpt.reader import load_latest_for_reading
     from cloudckpt.stores import open_store
 
     store = open_store(url, options)
@@ -242,6 +243,7 @@ CHECKS: dict[str, tuple[bool, Callable[[Env], None]]] = {
     "torch": (True, lambda env: run_example(env, "torch_loop.py")),
     "hf": (True, lambda env: run_example(env, "hf_trainer.py", "out")),
     "lightning": (True, lambda env: run_example(env, "lightning_trainer.py", "run")),
+    "deepspeed": (True, lambda env: run_example(env, "deepspeed_train.py")),
     "gcs": (False, check_gcs),
     "azure": (False, check_azure),
     "demo": (False, check_demo),

@@ -9,7 +9,16 @@ from __future__ import annotations
 import os
 import sys
 
-from cloudckpt.cli import _catalog, _demo, _watch  # noqa: F401 - they register their commands
+# Each module registers its commands on ``cli`` when imported.
+from cloudckpt.cli import (  # noqa: F401
+    _catalog,
+    _demo,
+    _listing,
+    _maintenance,
+    _push,
+    _restore,
+    _watch,
+)
 from cloudckpt.cli._common import EXIT_CODE_TABLE, INTERRUPTED, exit_code_for
 from cloudckpt.cli._main import cli
 

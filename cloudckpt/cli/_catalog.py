@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from cloudckpt.canonical import parse_iso
 from cloudckpt.cli._common import (
     RUN_URL,
     StoreArgs,
@@ -28,7 +29,6 @@ from cloudckpt.cli._common import (
 from cloudckpt.cli._main import cli
 from cloudckpt.cli._table import age
 from cloudckpt.errors import ConfigurationError
-from cloudckpt.protocol import parse_iso
 from cloudckpt.stores import RunURL, parse_url
 
 
@@ -42,9 +42,12 @@ def _ago(iso_time: str) -> str:
 
 
 def _skipped(skipped: Any) -> list[dict[str, Any]]:
-    """The checkpoints a read skipped, as JSON (and one warning each)."""
+    """The checkpoints a read skipped, as JSON. A damaged one was warned about as it was
+    skipped (the library's one warning, in the CLI's style: ``setup_logging``); one
+    dropped meanwhile by retention, which the library does not warn about, is said here."""
     for s in skipped:
-        warn(f"skipped step {s.step} ({s.commit_id}): {s.reason}")
+        if s.dropped:
+            warn(f"skipped step {s.step} ({s.commit_id}): {s.reason}")
     return [
         {"step": s.step, "commit_id": s.commit_id, "reason": s.reason, "dropped": s.dropped}
         for s in skipped
@@ -120,11 +123,14 @@ def _dest_options(
 @store_options
 @json_option
 def runs_cmd(url: RunURL, depth: int, store_args: StoreArgs, as_json: bool) -> None:
-    """List the runs at and below URL: current step, size, age, status.
+    """List the runs at and below URL: current step, size, what each stores, age, status.
 
-    One listing per directory (a delimiter listing on S3, GCS and Azure) and one read of
-    each run's LATEST; read-only. A run whose LATEST is missing or damaged is listed as
-    needs-repair.
+    "stored" is every byte of the run's objects (what the store bills); "awaiting gc" the
+    part no retained checkpoint references (dropped checkpoints, orphan and interrupted
+    attempts; in how many attempt prefixes), which `cloudckpt gc` deletes once older than
+    the grace period. One listing per directory (a delimiter listing on S3, GCS and
+    Azure), then for each run one read of its LATEST and one listing of its objects;
+    read-only. A run whose LATEST is missing or damaged is listed as needs-repair.
     """
     from cloudckpt.catalog import list_runs
 
@@ -142,19 +148,24 @@ def runs_cmd(url: RunURL, depth: int, store_args: StoreArgs, as_json: bool) -> N
 
 
 def _print_runs(where: str, runs: list[Any]) -> None:
-    from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title=f"{where}  ·  {len(runs)} run(s)", title_justify="left")
+    from cloudckpt.cli._table import new_table
+
+    console = stdout_console()
+    console.print(Text(f"{where}  ·  {len(runs)} run(s)", style="bold"))
+    table = new_table()
     for name, justify in (
         ("run", "left"),
         ("step", "right"),
         ("size", "right"),
         ("kept", "right"),
         ("stored", "right"),
+        ("awaiting gc", "right"),
         ("updated", "left"),
         ("status", "left"),
     ):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+        table.add_column(name, justify=justify)
     for r in runs:
         table.add_row(
             r.path or ".",
@@ -162,10 +173,21 @@ def _print_runs(where: str, runs: list[Any]) -> None:
             "" if r.total_bytes is None else human_bytes(r.total_bytes),
             str(r.retained),
             "" if r.stored_bytes is None else human_bytes(r.stored_bytes),
+            _awaiting_gc(r),
             "" if r.updated_at is None else _ago(r.updated_at),
             r.status if r.problem is None else f"{r.status}: {r.problem}",
         )
-    stdout_console().print(table)
+    console.print(table)
+
+
+def _awaiting_gc(run: Any) -> str:
+    """``1.5 GiB (3)``: the bytes no retained checkpoint references, in how many attempts;
+    ``?`` when unknown."""
+    if run.unreferenced_bytes is None:
+        return "" if run.status == "needs-repair" else "?"
+    if not run.unreferenced_attempts:
+        return "0 B"
+    return f"{human_bytes(run.unreferenced_bytes)} ({run.unreferenced_attempts})"
 
 
 # ---------------------------------------------------------------------------- cp
@@ -181,6 +203,12 @@ def _print_runs(where: str, runs: list[Any]) -> None:
     is_flag=True,
     help="Claim DEST even though its writer wrote LATEST within the last hour.",
 )
+@click.option(
+    "--keep-settings",
+    is_flag=True,
+    help="Give DEST the retention settings of SRC (keep-last, keep-every, keep-best, "
+    "periods; not its gc grace). Default: DEST keeps its own (a new run: the defaults).",
+)
 @store_options
 @dest_store_options
 @json_option
@@ -190,6 +218,7 @@ def cp_cmd(
     step: int | None,
     to_step: int | None,
     force: bool,
+    keep_settings: bool,
     store_args: StoreArgs,
     dest_args: StoreArgs | None,
     as_json: bool,
@@ -197,8 +226,10 @@ def cp_cmd(
     """Copy a committed checkpoint of the run SRC into the run DEST, verified.
 
     DEST may be on another store (s3:// -> gs://, a bucket -> a local directory). The copy
-    is committed through DEST's own LATEST, where it becomes the current checkpoint; chunks
-    DEST already holds are not sent again. Like push, cp claims DEST and fences its writer:
+    is committed through DEST's own LATEST, where it becomes the current checkpoint, with
+    its metadata and metrics; chunks DEST already holds are not sent again, and a
+    checkpoint DEST already holds as that step, with the same content, is not copied again
+    (it says so). Like push, cp claims DEST and fences its writer:
     if that writer wrote LATEST within the last hour it is probably still training, and cp
     refuses (exit 5) unless --force. Storage flags apply to SRC; --dest-* ones to DEST
     (without them DEST takes SRC's flags when both URLs have the same scheme).
@@ -216,17 +247,25 @@ def cp_cmd(
             step=step,
             dest_step=to_step,
             force=force,
+            keep_settings=keep_settings,
             dest_options=dest_options,
             progress=progress,
         )
     doc = dataclasses.asdict(result)
     doc["fenced_writer"] = result.fenced_writer.to_dict() if result.fenced_writer else None
     doc["skipped"] = _skipped(result.skipped)
-    if result.fenced_writer is not None:
+    if result.fenced_writer is not None and result.fenced_writer.may_be_live:
         w = result.fenced_writer
         warn(f"cp claimed {result.dest}: writer {w.id} (epoch {w.epoch}) is fenced from now on")
     if as_json:
         emit_json(doc)
+        return
+    if result.noop:
+        click.echo(
+            f"{result.dest} already holds step {result.step} of {result.source} as step "
+            f"{result.dest_step} ({result.dest_commit_id}), with the same files, metadata "
+            "and metrics: nothing copied"
+        )
         return
     click.echo(
         f"copied step {result.step} of {result.source} to {result.dest} as step "
@@ -242,6 +281,8 @@ def cp_cmd(
         f"  read {human_bytes(result.bytes_read)}, uploaded {human_bytes(result.bytes_uploaded)}, "
         f"reused {human_bytes(result.bytes_reused)} already at the destination{resumed}"
     )
+    if result.settings_copied:
+        click.echo(f"  {result.dest} now keeps checkpoints by the retention settings of SRC")
 
 
 # ---------------------------------------------------------------------------- get
@@ -249,28 +290,88 @@ def cp_cmd(
 
 @cli.command("get")
 @click.argument("url", type=RUN_URL)
-@click.argument("path")
-@click.argument("dest", required=False, metavar="[DEST]")
+@click.argument("args", nargs=-1, required=True, metavar="PATH... [DEST]")
 @click.option("--step", type=int, help="From this step (default: the newest intact one).")
-@click.option("--force", is_flag=True, help="Replace DEST if it is a file that exists.")
+@click.option("--force", is_flag=True, help="Replace files at DEST that exist.")
 @store_options
 @json_option
 def get_cmd(
     url: RunURL,
-    path: str,
-    dest: str | None,
+    args: tuple[str, ...],
     step: int | None,
     force: bool,
     store_args: StoreArgs,
     as_json: bool,
 ) -> None:
-    """Download one file of a checkpoint (PATH as `show` lists it), verified.
+    """Download files of a checkpoint (PATH as `show` lists it, or a glob), verified.
 
-    DEST is a file or an existing directory (default: the current directory); `-` writes
-    the file to stdout (only once all of it verified). The file is checked against its
-    recorded digest before it appears (written beside DEST, then renamed), with its
-    recorded mode. A damaged copy is skipped for the next older checkpoint, with a warning.
+    One PATH: DEST is a file or a directory (an existing one, or any DEST ending in /,
+    created if missing; default: the current directory); `-` writes the file to stdout
+    (only once all of it verified). Several PATHs, or a glob ('*.json'; * matches / too;
+    'tokenizer/' is a directory): the last argument is DEST, a directory (created if
+    missing), and each file keeps its path in the checkpoint below it. Every file is
+    checked against its recorded digest before it appears (written beside, then renamed),
+    with its recorded mode. A damaged copy is skipped for the next older checkpoint, with
+    a warning.
     """
+    paths, dest = (args, None) if len(args) == 1 else (args[:-1], args[-1])
+    if len(paths) == 1 and not _is_glob(paths[0]):
+        _get_one(store_args, url, paths[0], dest, step, force, as_json)
+        return
+    if dest == "-":
+        raise click.UsageError("several files (or a glob) cannot go to stdout ('-')")
+    from cloudckpt.catalog import get_files
+
+    with store_args.open(url, writable=False) as store:
+        result = get_files(store, paths, dest, step=step, overwrite=force)
+        where = store.url
+    doc = {
+        "url": where,
+        "dest": str(result.dest),
+        "step": result.step,
+        "commit_id": result.commit_id,
+        "num_files": result.num_files,
+        "total_bytes": result.total_bytes,
+        "files": [_got_file(f) for f in result.files],
+        "skipped": _skipped(result.skipped),
+        "from_commit_records": result.from_commit_records,
+    }
+    if as_json:
+        emit_json(doc)
+        return
+    click.echo(
+        f"{result.num_files} files of step {result.step}: {human_bytes(result.total_bytes)} "
+        f"to {result.dest}, verified"
+    )
+    for f in result.files:
+        click.echo(f"  {f.path}  {human_bytes(f.size)}")
+
+
+def _is_glob(path: str) -> bool:
+    """Whether a PATH of `get` is a pattern (a glob, or a directory ending in /)."""
+    return any(c in path for c in "*?[") or path.endswith("/")
+
+
+def _got_file(f: Any) -> dict[str, Any]:
+    return {
+        "path": f.path,
+        "dest": None if f.dest is None else str(f.dest),
+        "size": f.size,
+        "digest": f.digest,
+        "mode": f.mode,
+    }
+
+
+def _get_one(
+    store_args: StoreArgs,
+    url: RunURL,
+    path: str,
+    dest: str | None,
+    step: int | None,
+    force: bool,
+    as_json: bool,
+) -> None:
+    """`get` of one exact PATH: to a file, into a directory, or to stdout."""
     from cloudckpt.catalog import get_file
 
     to_stdout = dest == "-"
@@ -284,13 +385,12 @@ def get_cmd(
         where = store.url
     doc = {
         "url": where,
-        "path": result.path,
-        "dest": None if result.dest is None else str(result.dest),
-        "size": result.size,
-        "digest": result.digest,
-        "mode": result.mode,
+        **_got_file(result),
         "step": result.step,
         "commit_id": result.commit_id,
+        "num_files": 1,
+        "total_bytes": result.size,
+        "files": [_got_file(result)],
         "skipped": _skipped(result.skipped),
         "from_commit_records": result.from_commit_records,
     }
@@ -315,7 +415,8 @@ def get_cmd(
 @click.option(
     "--force",
     is_flag=True,
-    help="Local DEST: replace its contents. Store DEST: write over the keys it holds.",
+    help="Local DEST: replace its contents. Store DEST: write over the keys it holds. "
+    "Never inside or over a cloudckpt run.",
 )
 @store_options
 @dest_store_options
@@ -335,8 +436,8 @@ def export_cmd(
     that know nothing of cloudckpt (from_pretrained, aws s3 cp --recursive). Local: a
     verified, atomic restore (with fallback), modes kept. A store: each file verified, then
     uploaded whole (it appears complete or not at all); files appear one by one. A store
-    prefix that holds objects is refused unless --force, and a cloudckpt run always is
-    (use `cp`).
+    prefix that holds objects is refused unless --force; a DEST that is a cloudckpt run,
+    lies inside one or holds one always is (use `cp`).
     """
     from cloudckpt.catalog import export_checkpoint
 
@@ -387,26 +488,37 @@ def export_cmd(
     required=True,
     type=click.Path(exists=True, dir_okay=False, readable=True, path_type=Path),
 )
+@click.option(
+    "--algorithm",
+    type=click.Choice(["blake3-tree", "sha256-tree"]),
+    default=None,
+    help="The manifest's digest (`show` names it); default: what new checkpoints use, blake3-tree.",
+)
 @json_option
-def digest_cmd(files: tuple[Path, ...], as_json: bool) -> None:
-    """Print each FILE's sha256-tree digest: the value a manifest records (`show`).
+def digest_cmd(files: tuple[Path, ...], algorithm: str | None, as_json: bool) -> None:
+    """Print each FILE's digest: the value a manifest records (`show`).
 
     Output as sha256sum's: the digest, two spaces, the path. docs/cli.md shows how to
-    compute the same value with sha256sum or a few lines of Python.
+    compute the same value with a few lines of Python (or sha256sum, for sha256-tree).
     """
     from cloudckpt.catalog import file_digest
-    from cloudckpt.digest import ALGORITHM, CHUNK_SIZE
+    from cloudckpt.digest import CHUNK_SIZE, check
 
+    algorithm = check(algorithm)
     rows = []
     for path in files:
         try:
             rows.append(
-                {"path": str(path), "size": path.stat().st_size, "digest": file_digest(path)}
+                {
+                    "path": str(path),
+                    "size": path.stat().st_size,
+                    "digest": file_digest(path, algorithm),
+                }
             )
         except OSError as exc:
             raise ConfigurationError(f"cannot read {path}: {exc.strerror}") from None
     if as_json:
-        emit_json({"algorithm": ALGORITHM, "chunk_size": CHUNK_SIZE, "files": rows})
+        emit_json({"algorithm": algorithm, "chunk_size": CHUNK_SIZE, "files": rows})
         return
     for row in rows:
         click.echo(f"{row['digest']}  {row['path']}")
@@ -415,22 +527,32 @@ def digest_cmd(files: tuple[Path, ...], as_json: bool) -> None:
 # ---------------------------------------------------------------------------- diff
 
 
+def _step_or_commit(value: str) -> int | str:
+    """A diff argument: a step (digits), or a commit id (as `ls --json` shows it)."""
+    text = value.strip()
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
 @cli.command("diff")
 @click.argument("url", type=RUN_URL)
-@click.argument("step_a", type=int)
-@click.argument("step_b", type=int)
+@click.argument("step_a", metavar="STEP_A")
+@click.argument("step_b", metavar="STEP_B")
 @click.option("--all", "all_", is_flag=True, help="List unchanged files too.")
 @store_options
 @json_option
 def diff_cmd(
-    url: RunURL, step_a: int, step_b: int, all_: bool, store_args: StoreArgs, as_json: bool
+    url: RunURL, step_a: str, step_b: str, all_: bool, store_args: StoreArgs, as_json: bool
 ) -> None:
     """Compare two retained checkpoints of a run: files added, removed, modified, and the
-    chunks (and bytes) only one of them holds. Reads the two manifests only."""
+    chunks (and bytes) only one of them holds. Reads the two manifests only.
+
+    STEP_A and STEP_B are steps, or commit ids (`ls --json`'s `commit_id`): where a run
+    retains a step more than once, a step names the newest of them.
+    """
     from cloudckpt.catalog import diff_checkpoints
 
     with store_args.open(url, writable=False) as store:
-        diff = diff_checkpoints(store, step_a, step_b)
+        diff = diff_checkpoints(store, _step_or_commit(step_a), _step_or_commit(step_b))
     doc = _diff_doc(diff)
     if as_json:
         emit_json(doc)

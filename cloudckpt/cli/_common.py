@@ -40,6 +40,7 @@ from cloudckpt.errors import (
     PreconditionFailedError,
     StoreConflictError,
     TransientStoreError,
+    UnknownFormatError,
     UnsafePathError,
 )
 from cloudckpt.retention import parse_duration
@@ -59,10 +60,12 @@ NEEDS_REPAIR = 6  # checkpoints exist but LATEST is missing or unreadable
 DEST_NOT_EMPTY = 7  # restore destination holds files (use --force)
 ACCESS = 8  # no credentials, or not allowed
 UNAVAILABLE = 9  # the store is unreachable or the outcome is unknown: retry later
+NEWER_FORMAT = 10  # a newer cloudckpt wrote something this version does not know: upgrade
 INTERRUPTED = 130  # SIGINT / SIGTERM
 
 #: Most specific first: the first class an error is an instance of decides its code.
 EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (UnknownFormatError, NEWER_FORMAT),
     (DestinationNotEmptyError, DEST_NOT_EMPTY),
     (NeedsRepairError, NEEDS_REPAIR),
     (CheckpointNotFoundError, NOT_FOUND),
@@ -99,6 +102,10 @@ EXIT_CODE_TABLE = (
     (DEST_NOT_EMPTY, "restore destination is not empty (use --force), or cannot be one"),
     (ACCESS, "credentials missing or rejected, or permission denied"),
     (UNAVAILABLE, "store unreachable, or a write's outcome unknown: retry later"),
+    (
+        NEWER_FORMAT,
+        "a newer cloudckpt wrote this run (a format or setting this one does not know): upgrade",
+    ),
     (INTERRUPTED, "interrupted (SIGINT/SIGTERM); nothing half-done is left visible"),
 )
 
@@ -291,7 +298,6 @@ def progress_bar(description: str, total: int | None) -> Iterator[Callable[[int]
         Progress,
         TextColumn,
         TimeRemainingColumn,
-        TransferSpeedColumn,
     )
 
     console = Console(stderr=True)
@@ -302,13 +308,29 @@ def progress_bar(description: str, total: int | None) -> Iterator[Callable[[int]
         TextColumn("{task.description}"),
         BarColumn(),
         DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
+        _rate_column(),
         TimeRemainingColumn(),
         console=console,
         transient=True,
     ) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)
+
+
+def _rate_column() -> Any:
+    """The progress bar's rate in the sizes' units: ``612.3 MiB/s`` beside ``12.0/38.2
+    MiB`` (rich's own speed column says ``MB/s``, in units of 10^6 bytes)."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class RateColumn(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            speed = task.finished_speed or task.speed
+            if speed is None:
+                return Text("?", style="progress.data.speed")
+            return Text(human_bytes(speed) + "/s", style="progress.data.speed")
+
+    return RateColumn()
 
 
 # --- durations and key=value options -----------------------------------------------------
@@ -466,8 +488,8 @@ def store_options(f: Callable) -> Callable:
 
 
 def _report(exc: BaseException, code: int) -> None:
-    if isinstance(exc, CloudCkptError):
-        message, hint = exc.message, exc.hint
+    if isinstance(exc, CloudCkptError):  # the hint in the CLI's words where they differ
+        message, hint = exc.message, exc.cli_hint or exc.hint
     else:
         message, hint = f"{type(exc).__name__}: {exc}", ""
     if json_mode():
@@ -530,12 +552,30 @@ def setup_logging(verbose: int) -> None:
     meta[_VERBOSE_KEY] = verbose
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logger = logging.getLogger("cloudckpt")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("cloudckpt: %(levelname)s: %(message)s"))
+    handler = _CliLogHandler()
     meta[_LOGGING_KEY] = (handler, logger.level, logger.propagate)
     logger.addHandler(handler)
     logger.setLevel(level)
     logger.propagate = False
+
+
+class _CliLogHandler(logging.Handler):
+    """The library's logs in the CLI's own style, so that each event is one line of one
+    kind: a warning as ``warning: ...`` (what ``warn`` prints), an error as ``error: ...``,
+    -v's info and debug as ``cloudckpt: info: ...``. The CLI does not repeat what the
+    library logs (a skipped damaged checkpoint, a failed ``watch`` upload)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = logging.Formatter("%(message)s").format(record)
+            if record.levelno >= logging.ERROR:
+                click.echo(click.style("error: ", fg="red") + message, err=True)
+            elif record.levelno >= logging.WARNING:
+                warn(message)
+            else:
+                click.echo(f"cloudckpt: {record.levelname.lower()}: {message}", err=True)
+        except Exception:  # a log line must never end the command
+            self.handleError(record)
 
 
 def teardown_logging(meta: dict[str, Any]) -> None:

@@ -4,19 +4,35 @@
 from __future__ import annotations
 
 import functools
+import math
+import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import click
 
 from cloudckpt.errors import ConfigurationError
+from cloudckpt.retention import INHERIT, RetentionOptions
 
 
 def retention_options(f: Callable) -> Callable:
-    """Add ``--keep-best``, ``--best-metric``, ``--best-mode`` and ``--keep-period`` to a
-    command; it receives the ``CheckpointManager`` options they set as ``retention`` (a
-    dict; empty: keep the run's settings)."""
+    """Add ``--keep-last``, ``--keep-every``, ``--keep-best``, ``--best-metric``,
+    ``--best-mode`` and ``--keep-period`` to a command; it receives what they set as
+    ``retention`` (a ``RetentionOptions``; no flag: the run's settings stay)."""
 
+    @click.option(
+        "--keep-last",
+        type=int,
+        metavar="N",
+        help="Keep the newest N checkpoints. Default: the run's setting.",
+    )
+    @click.option(
+        "--keep-every",
+        type=int,
+        metavar="K",
+        help="Also keep every K-th step. Default: the run's setting.",
+    )
     @click.option(
         "--keep-best",
         type=click.IntRange(min=0),
@@ -44,73 +60,77 @@ def retention_options(f: Callable) -> Callable:
         "stops keeping by time. Default: the run's setting.",
     )
     @functools.wraps(f)
-    def wrapper(
-        *args: Any,
-        keep_best: int | None,
-        best_metric: str | None,
-        best_mode: str | None,
-        keep_periods: tuple[str, ...],
-        **kwargs: Any,
-    ) -> Any:
-        return f(
-            *args,
-            retention=retention_settings(keep_best, best_metric, best_mode, keep_periods),
-            **kwargs,
-        )
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        flags = {name: kwargs.pop(name) for name in _FLAGS}
+        return f(*args, retention=retention_settings(**flags), **kwargs)
 
     return wrapper
 
 
+#: The flags' names by the option each sets.
+_FLAGS = {
+    "keep_last": "--keep-last",
+    "keep_every": "--keep-every",
+    "keep_best": "--keep-best",
+    "best_metric": "--best-metric",
+    "best_mode": "--best-mode",
+    "keep_periods": "--keep-period",
+}
+
+
 def retention_settings(
+    keep_last: int | None,
+    keep_every: int | None,
     keep_best: int | None,
     best_metric: str | None,
     best_mode: str | None,
     keep_periods: tuple[str, ...],
-) -> dict[str, Any]:
-    """The ``CheckpointManager`` options the flags give (unset flags: none, so the run's
-    settings stay). Raises click.BadParameter for a combination that cannot work."""
-    options: dict[str, Any] = {}
+) -> RetentionOptions:
+    """The retention the flags set (``RetentionOptions.parse``: an unset flag leaves the
+    run's setting). Raises click.BadParameter for a value or combination that cannot work,
+    naming the retention flags given."""
+    given = {
+        "keep_last": keep_last,
+        "keep_every": keep_every,
+        "keep_best": keep_best,
+        "best_metric": best_metric,
+        "best_mode": best_mode,
+        "keep_periods": keep_periods or None,
+    }
+    options = {name: INHERIT if value is None else value for name, value in given.items()}
     if keep_best == 0:
-        options["keep_best"] = None
-    elif keep_best is not None:
-        if not best_metric:
-            raise click.BadParameter(
-                "--keep-best needs --best-metric (which metric ranks the checkpoints)",
-                param_hint="--keep-best",
-            )
-        options.update(keep_best=keep_best, best_metric=best_metric, best_mode=best_mode or "min")
-    elif best_metric or best_mode:
+        options["keep_best"] = None  # stop keeping by metric
+    if _says_none(keep_periods):
+        options["keep_periods"] = None  # stop keeping by time
+    try:
+        return RetentionOptions.parse(**options)
+    except ConfigurationError as exc:  # in the CLI's words
+        hint = exc.cli_hint or exc.hint
+        message = _in_cli_words(exc.message.removeprefix("keep_periods: "))
         raise click.BadParameter(
-            "--best-metric and --best-mode go with --keep-best K", param_hint="--best-metric"
+            f"{message}. {hint}" if hint else message,
+            param_hint=[_FLAGS[name] for name, value in given.items() if value is not None],
+        ) from None
+
+
+def _in_cli_words(message: str) -> str:
+    """A retention message in the flags' names ("keep_best=2 needs a metric" reads
+    "--keep-best 2 needs a metric"): the CLI answers in CLI syntax (issue 32 item 9)."""
+    for name, flag in _FLAGS.items():
+        message = re.sub(rf"\b{name}=", f"{flag} ", message)
+        message = re.sub(rf"\b{name}\b", flag, message)
+    return message
+
+
+def _says_none(keep_periods: tuple[str, ...]) -> bool:
+    """Whether ``--keep-period none`` was given. Raises click.BadParameter (with others)."""
+    if not any(p.strip().lower() == "none" for p in keep_periods):
+        return False
+    if len(keep_periods) > 1:
+        raise click.BadParameter(
+            "'none' cannot be combined with periods", param_hint="--keep-period"
         )
-    if keep_periods:
-        if any(p.strip().lower() == "none" for p in keep_periods):
-            if len(keep_periods) > 1:
-                raise click.BadParameter(
-                    "'none' cannot be combined with periods", param_hint="--keep-period"
-                )
-            options["keep_periods"] = None
-        else:
-            from cloudckpt.retention import periods
-
-            try:
-                options["keep_periods"] = periods(keep_periods)
-            except ConfigurationError as exc:
-                raise click.BadParameter(str(exc), param_hint="--keep-period") from None
-    return options
-
-
-def with_keep(
-    retention: dict[str, Any], keep_last: int | None, keep_every: int | None
-) -> dict[str, Any]:
-    """``retention`` (``retention_settings``) plus ``--keep-last`` and ``--keep-every``
-    where given: the run settings a writing command sets (unset: the run's stay)."""
-    settings = dict(retention)
-    if keep_last is not None:
-        settings["keep_last"] = keep_last
-    if keep_every is not None:
-        settings["keep_every"] = keep_every
-    return settings
+    return True
 
 
 def parse_metrics(items: tuple[str, ...]) -> dict[str, float]:
@@ -129,6 +149,12 @@ def parse_metrics(items: tuple[str, ...]) -> dict[str, float]:
                 f"the value of {name!r} is not a number ({raw!r}); put other values in --metadata",
                 param_hint="--metric",
             ) from None
+        if math.isinf(value) and raw.strip().lstrip("+-").lower() not in ("inf", "infinity"):
+            raise click.BadParameter(  # a finite number float() could not hold (1e400)
+                f"the value of {name!r} is too large for a float (beyond "
+                f"±{sys.float_info.max:.3g}); write inf if it is unbounded",
+                param_hint="--metric",
+            )
         out[name] = value
     return out
 

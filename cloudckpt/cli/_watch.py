@@ -29,11 +29,13 @@ from cloudckpt.cli._common import (
     warn,
 )
 from cloudckpt.cli._main import cli
-from cloudckpt.cli._retention import retention_options, with_keep
+from cloudckpt.cli._retention import retention_options
 from cloudckpt.errors import ConfigurationError
 
 if TYPE_CHECKING:
+    from cloudckpt.retention import RetentionOptions
     from cloudckpt.stores import RunURL, Store
+    from cloudckpt.watch import Watcher
 
 #: Seconds past the final upload budget after which the exit watchdog ends a watcher that
 #: is stuck (in a hung filesystem call, say); the budget itself is enforced by the watcher.
@@ -66,16 +68,15 @@ def _describe(event: dict[str, Any]) -> str | None:
         return f"{event['directory']} does not exist yet: waiting for the trainer to create it"
     if kind == "appeared":
         return f"{event['directory']} exists now: watching it"
-    if kind == "failed":
-        retry = "; will retry" if event["will_retry"] else "; giving up on it"
-        return f"upload of {event['source']} failed: {event['error']}{retry}"
     if kind == "fenced":
         return f"stopping: {event['message']}"
     if kind == "flushing" and (event["pending"] or event["budget_seconds"] is not None):
         budget = event["budget_seconds"]
         within = "" if budget is None else f" (within {budget:.0f}s)"
         return f"final upload: taking every complete checkpoint{within}"
-    return None  # started/stopped are printed by the command; incomplete/not_uploaded are warnings
+    # started/stopped are printed by the command; incomplete/not_uploaded are the library's
+    # warnings, failed its error (in the CLI's style: ``setup_logging``), not said twice.
+    return None
 
 
 # watch_cmd runs past 60 lines only by its options (one parameter each) and its --help
@@ -128,14 +129,10 @@ def _describe(event: dict[str, Any]) -> str | None:
     help="Local staging directory (on DIRECTORY's filesystem for hard-link snapshots). "
     "Default: a temporary one.",
 )
-@click.option("--keep-last", type=int, help="Retention (default: the run's current setting).")
-@click.option("--keep-every", type=int, help="Also keep every K-th step (default: the run's).")
 @retention_options
 @chunking_option
 @store_options
 @json_lines_option
-# Long by its click options (one parameter each) and its --help text (the docstring); the
-# body is the watcher's set-up, its two-stage signal handling and the hand-off to _conclude.
 def watch_cmd(
     directory: Path,
     url: RunURL,
@@ -147,9 +144,7 @@ def watch_cmd(
     accept_quiet_dirs: bool,
     once: bool,
     staging_dir: Path | None,
-    keep_last: int | None,
-    keep_every: int | None,
-    retention: dict[str, Any],
+    retention: RetentionOptions,
     chunking: str,
     store_args: StoreArgs,
     as_json: bool,
@@ -171,8 +166,6 @@ def watch_cmd(
     (nothing half-committed). The watcher claims the run on its first upload, fencing any
     other writer of the run.
     """
-    from cloudckpt.watch import Watcher
-
     if once and not directory.is_dir():
         raise ConfigurationError(
             f"{directory} does not exist", hint="--once uploads what is there now; without "
@@ -184,35 +177,66 @@ def watch_cmd(
     own_staging = None
     if staging_dir is None:  # ours, so that an abandoned upload can be cleaned up
         own_staging = Path(tempfile.mkdtemp(prefix="cloudckpt-watch-"))
-    options: dict[str, Any] = {
-        "staging_dir": staging_dir or own_staging,
-        "chunking": chunking,
-        **with_keep(retention, keep_last, keep_every),
-    }
+    watcher = _new_watcher(
+        directory,
+        store,
+        own_staging,
+        settle=settle,
+        quiet_period=quiet_period,
+        markers=marker,
+        accept_quiet_dirs=accept_quiet_dirs,
+        final_upload_timeout=final_upload_timeout,
+        staging_dir=staging_dir or own_staging,
+        chunking=chunking,
+        **retention.given(),  # unset: the run's stay
+    )
+    _run_until_stopped(watcher, store, own_staging, directory, poll, once)
+    _conclude(watcher, store, own_staging)
+
+
+def _new_watcher(
+    directory: Path, store: Store, own_staging: Path | None, **options: Any
+) -> Watcher:
+    """A ``Watcher`` of ``directory`` saving through ``store`` (``options``: its keyword
+    arguments and the manager's), printing its events.
+
+    Raises: what ``Watcher`` raises (ConfigurationError, NeedsRepairError, NotARunError,
+    StoreError), after removing ``own_staging`` and closing ``store``.
+    """
+    from cloudckpt.watch import Watcher
+
     try:
-        watcher = Watcher(
-            directory,
-            store,
-            settle=settle,
-            quiet_period=quiet_period,
-            markers=marker,
-            accept_quiet_dirs=accept_quiet_dirs,
-            final_upload_timeout=final_upload_timeout,
-            on_event=_print_event,
-            **options,
-        )
+        return Watcher(directory, store, on_event=_print_event, **options)
     except BaseException:
         _remove(own_staging)
         store.close()
         raise
 
+
+def _run_until_stopped(
+    watcher: Watcher,
+    store: Store,
+    own_staging: Path | None,
+    directory: Path,
+    poll: float,
+    once: bool,
+) -> None:
+    """Run ``watcher`` until it stops, under two-stage signal handling: the first SIGTERM or
+    Ctrl-C starts the final upload (the exit watchdog armed past its budget), a second one
+    ends the process at once, naming what was not committed.
+
+    Raises: what ``watcher.run`` raises, after removing ``own_staging`` and closing
+    ``store`` if no upload is still running.
+    """
+    budget = watcher.final_upload_timeout
+
     def finish_then_exit(sig: signal.Signals) -> None:
         info(
-            f"{sig.name}: uploading what is complete (up to {final_upload_timeout:g}s), then "
+            f"{sig.name}: uploading what is complete (up to {budget:g}s), then "
             "exiting (again to abort)"
         )
         watcher.stop()
-        arm_exit_watchdog(final_upload_timeout + WATCHDOG_MARGIN)
+        arm_exit_watchdog(budget + WATCHDOG_MARGIN)
 
     def exit_now(sig: signal.Signals) -> None:
         left = watcher.outstanding()
@@ -221,7 +245,7 @@ def watch_cmd(
         _exit(128 + sig.value, own_staging, left)
 
     with two_stage_interrupts(finish_then_exit, exit_now):
-        _announce(watcher, directory, poll, settle, final_upload_timeout)
+        _announce(watcher, directory, poll, watcher.settle, budget)
         try:
             watcher.run(poll, once=once)
         except BaseException:  # an unexpected error: still leave no staging behind
@@ -229,7 +253,6 @@ def watch_cmd(
                 _remove(own_staging)
                 store.close()
             raise
-    _conclude(watcher, store, own_staging)
 
 
 def _print_event(event: dict[str, Any]) -> None:

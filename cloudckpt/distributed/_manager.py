@@ -1,8 +1,9 @@
 """``DistributedCheckpointManager``: a ``CheckpointManager`` on every rank, one commit.
 
-The manager keeps the single-host manager's queue (saves are staged locally and handed to
-its background thread) and replaces what each queued save does: ``_save`` takes part in the
-multi-rank save (``_save.save``) instead of the single-host pipeline. Restores are
+The manager is built from the single-host manager's parts (``cloudckpt.manager.ManagerBase``:
+saves are staged locally and handed to the save queue's background thread) in the
+collective mode (``SaveMode``), with its own pipeline: ``RankSave`` takes part in the
+multi-rank save (``_save.save``) instead of one host's. Restores are
 ``_restore.NodeReader``'s; every collective goes through ``_comm.Comm``.
 """
 
@@ -12,15 +13,13 @@ import dataclasses
 import datetime as dt
 import logging
 import os
-import shutil
-import threading
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from cloudckpt.attempts import CommitInfo
+from cloudckpt.attempts import AttemptWriter, CommitInfo
 from cloudckpt.distributed import _save
+from cloudckpt.distributed._chunks import RankChunks
 from cloudckpt.distributed._comm import Comm, RankError, Ranks, node_key, torch_dist
 from cloudckpt.distributed._restore import (
     DistributedRestoreResult,
@@ -28,11 +27,14 @@ from cloudckpt.distributed._restore import (
     Select,
     rank_dir,
 )
-from cloudckpt.errors import CloudCkptError, CollectiveError, ConfigurationError
-from cloudckpt.gc import collect_garbage
-from cloudckpt.manager import CheckpointManager, QueuedSave, SaveHandle
-from cloudckpt.staging import COMMITTED, DURABLE, STAGED
+from cloudckpt.errors import CollectiveError, ConfigurationError
+from cloudckpt.localsave import after_commit, fail_attempt
+from cloudckpt.manager import ManagerBase, SaveMode
+from cloudckpt.reader import check_patterns, selected
+from cloudckpt.savequeue import QueuedSave, SaveHandle
+from cloudckpt.staging import COMMITTED, DCP, DURABLE, remove_own
 from cloudckpt.stores import Store
+from cloudckpt.transfer import ProgressCallback
 
 log = logging.getLogger("cloudckpt.distributed")
 
@@ -40,12 +42,27 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT = 600.0
 
 
-class DistributedCheckpointManager(CheckpointManager):
+def _rank_pipeline(manager: ManagerBase) -> RankSave:
+    """The pipeline of a rank's saves (``SaveMode``); ranks keep no local copies."""
+    assert isinstance(manager, DistributedCheckpointManager)
+    return RankSave(
+        manager._comm,
+        manager.attempts,
+        RankChunks(manager.store),
+        manager.progress,
+        manager._stored_path,
+    )
+
+
+class DistributedCheckpointManager(ManagerBase):
     """A ``CheckpointManager`` for every rank of a ``torch.distributed`` job: all ranks
     upload into one attempt, the coordinator (rank 0) alone claims and commits.
 
     Args:
         url, **kwargs: as ``CheckpointManager`` (``backpressure`` must stay ``"block"``).
+            ``chunking`` (not ``"off"``, the default ``"tensor"``): each rank stores its
+            files as chunks and uploads only those the checkpoint the save builds on lacks
+            (``_chunks``; docs/integrations/distributed.md, "Incremental saves").
         process_group: the ranks that checkpoint together (default: the whole world). The
             manager builds its own gloo group over the same ranks; it never uses this one.
             Without an initialized process group the manager runs as a single rank.
@@ -66,6 +83,8 @@ class DistributedCheckpointManager(CheckpointManager):
         ConfigurationError: bad arguments, or ranks that disagree about the URL or layout.
         CollectiveError: a rank did not join the construction in time.
     """
+
+    save_mode = SaveMode(_rank_pipeline, collective=True)
 
     def __init__(
         self,
@@ -94,10 +113,10 @@ class DistributedCheckpointManager(CheckpointManager):
         self.is_coordinator = rank == 0
         self.process_group = group
         self._comm = Comm(dist, group, rank, world, self.timeout)
-        self._gc_thread: threading.Thread | None = None
-        self._abandoned: dict[SaveHandle, BaseException] = {}
         if staging_dir is not None:
             staging_dir = Path(staging_dir).expanduser() / rank_dir(global_rank)
+        if not self.is_coordinator:
+            kwargs["auto_gc"] = False  # one GC per job is plenty
         failure: BaseException | None = None
         try:
             super().__init__(url, staging_dir=staging_dir, **kwargs)
@@ -108,13 +127,8 @@ class DistributedCheckpointManager(CheckpointManager):
         self.node_leader = self._ranks.node_leader
         self.is_node_leader = self._ranks.is_node_leader
         self.num_nodes = len(self._ranks.nodes)
-        if not self.is_coordinator:
-            self._auto_gc = False  # one GC per job is plenty
-        for attempt in self._leftovers:  # no recovery across ranks: see the package doc
-            log.info("abandoning step %d left in staging (%s)", attempt.step, attempt.state)
-            attempt.remove()
-        self._leftovers = []
-        shutil.rmtree(self.staging.root / "dcp", ignore_errors=True)  # a crashed DCP writer's
+        self.recovery.abandon_all()  # no recovery across ranks: see the package doc
+        remove_own(self.staging.root, DCP)  # a crashed DCP writer's
 
     def _agree(self, failure: BaseException | None, node_id: str | None) -> Ranks:
         """Every rank: learn whether every rank started, with the same URL and layout, and
@@ -145,7 +159,7 @@ class DistributedCheckpointManager(CheckpointManager):
     def _abort_init(self, failure: BaseException | None) -> None:
         self._comm.close(wait=False)
         if failure is None:
-            self._shutdown()
+            self.close()
 
     # ---------------------------------------------------------------- public API
 
@@ -162,8 +176,9 @@ class DistributedCheckpointManager(CheckpointManager):
         ``metadata`` and ``metrics`` are recorded. ``handle.result()`` returns the same ``CommitInfo`` on
         every rank, or raises the same error (``RankFailedError``, ``FencedError``,
         ``CollectiveError``...). Unlike ``CheckpointManager.save()``, it does not raise an
-        earlier save's failure (see ``_raise_earlier_failure``): ``wait()`` and ``close()``
-        do, on every rank.
+        earlier save's failure (a save that failed is done on each rank at a slightly different
+        moment: some ranks would raise, the others enter its collectives and time out):
+        ``wait()`` and ``close()`` do, on every rank.
         """
         self._comm.check_usable()
         return super().save(step, metadata, metrics=metrics)
@@ -174,6 +189,7 @@ class DistributedCheckpointManager(CheckpointManager):
         *,
         step: int | None = None,
         overwrite: bool = False,
+        link_local: bool = False,
         select: Select | None = None,
     ) -> DistributedRestoreResult | None:
         """Every rank: rank 0 claims the run (fencing older writers) and picks the newest
@@ -183,6 +199,8 @@ class DistributedCheckpointManager(CheckpointManager):
 
         ``select(path, rank)``: whether ``rank`` needs the checkpoint file ``path`` (a pure
         function; evaluated by each node's downloading rank for every rank of the node).
+        ``link_local`` is accepted and has no effect: multi-rank managers keep no local
+        copies.
 
         Raises: as ``CheckpointManager.resume`` (on every rank), ``CollectiveError``.
         """
@@ -197,16 +215,26 @@ class DistributedCheckpointManager(CheckpointManager):
         *,
         step: int | None = None,
         overwrite: bool = False,
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
+        link_local: bool = False,
         select: Select | None = None,
     ) -> DistributedRestoreResult:
-        """As ``resume()`` without claiming the run (read-only).
+        """As ``resume()`` without claiming the run (read-only). ``include`` /
+        ``exclude``: glob patterns over the checkpoint's paths (``rank-00000/model.pt``
+        with per-rank directories), as ``CheckpointManager.restore`` takes them: only the
+        files they select are read (and those ``select`` gives each rank). ``link_local``:
+        no effect (as for ``resume``).
 
         Raises: CheckpointNotFoundError, CorruptionError, DestinationNotEmptyError,
-        StagingError, StoreError (on every rank), CollectiveError.
+        StagingError, StoreError (on every rank), CollectiveError; ConfigurationError (a
+        bad pattern).
         """
         into = Path(into).expanduser().absolute()
+        inc, exc = check_patterns(include, "include"), check_patterns(exclude, "exclude")
+        keep = (lambda path: selected(path, inc, exc)) if inc or exc else None
         result = self._collectively(
-            lambda: self._reader().restore(into, step, overwrite, select, None)
+            lambda: self._reader().restore(into, step, overwrite, select, None, keep)
         )
         assert result is not None
         return result
@@ -230,7 +258,7 @@ class DistributedCheckpointManager(CheckpointManager):
         done; a collective failure breaks the manager."""
         self.check_open()
         self._comm.check_usable()
-        self._wait_idle()
+        self.queue.wait_idle()
         return self._comm.guard(fn)
 
     def _reader(self) -> NodeReader:
@@ -238,98 +266,74 @@ class DistributedCheckpointManager(CheckpointManager):
             self._comm, self._ranks, self.store, self.engine, self.progress, self.per_rank_dirs
         )
 
-    def _raise_earlier_failure(self) -> None:
-        """Not here: a save that failed is done on each rank at a slightly different
-        moment, so the next ``save()`` would raise on some ranks and enter the collectives
-        on others, which would then time out. ``wait()`` and ``close()`` (every rank waits
-        for the same saves) and each handle report it."""
-
-    def _check_not_fenced(self) -> None:
-        """Not here: a fenced coordinator refusing to enter a save would leave the other
-        ranks waiting in its collectives. The coordinator's ``attempts.begin()`` raises
-        the ``FencedError`` inside the save, and every rank raises it."""
-
-    def _shutdown(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
+        """As ``CheckpointManager.close``; then the collectives' helper thread ends too."""
         try:
-            if self._gc_thread is not None:
-                self._gc_thread.join()
-            super()._shutdown()
+            super().close(timeout)
         finally:
             self._comm.close(wait=True)
 
-    def gc_if_due(self) -> None:
-        """Auto-GC on its own thread: run on the worker, a long collection would hold the
-        coordinator back from the next save's collectives while the others time out."""
-        if not self._auto_gc or time.monotonic() - self._last_gc < self._gc_interval:
-            return
-        if self._gc_thread is not None and self._gc_thread.is_alive():
-            return
-        self._last_gc = time.monotonic()
+    def _stored_path(self, rel: str) -> str:
+        return f"{rank_dir(self.rank)}/{rel}" if self.per_rank_dirs else rel
 
-        def collect() -> None:
-            try:
-                collect_garbage(self.store)
-            except CloudCkptError as exc:
-                log.warning("background garbage collection failed: %s", exc)
 
-        self._gc_thread = threading.Thread(target=collect, name="cloudckpt-gc", daemon=True)
-        self._gc_thread.start()
+class RankSave:
+    """This rank's part of each save (the queue's pipeline; see the package docstring):
+    every rank runs it for the same saves in the same order. ``stored_path`` maps a
+    staged file's path to its path in the checkpoint."""
 
-    def _hand_over(self, handle: SaveHandle) -> None:
-        try:
-            handle._staged_attempt().set_state(STAGED, sync=False)
-        except Exception as exc:  # still take part in the save, reporting the failure
-            self._abandoned[handle] = exc
-        self._enqueue(handle)
+    def __init__(
+        self,
+        comm: Comm,
+        attempts: AttemptWriter,
+        rank_chunks: RankChunks,
+        progress: ProgressCallback | None,
+        stored_path: Callable[[str], str],
+    ) -> None:
+        self.comm = comm
+        self.attempts = attempts
+        self.rank_chunks = rank_chunks
+        self.progress = progress
+        self.stored_path = stored_path
 
-    def _abandon(self, handle: SaveHandle, exc: BaseException) -> None:
-        """The block raised on this rank. The other ranks are saving the same step: take
-        part in its collectives anyway, reporting the failure, so that every rank fails
-        the save at once instead of waiting for this one until the timeout."""
-        if handle._attempt is None:
-            super()._abandon(handle, exc)
-            return
-        handle._reported = not handle._background  # ``exc`` reaches the block's caller
-        self._abandoned[handle] = CloudCkptError(
-            f"its save() block raised {type(exc).__name__}: {exc}"
-        )
-        self._enqueue(handle)
-
-    # ---------------------------------------------------------------- internals: save
-
-    def _save(self, job: QueuedSave) -> CommitInfo:
-        """This rank's part of one save (worker thread); see the package docstring."""
+    def __call__(self, job: QueuedSave) -> CommitInfo:
+        """Take part in the save of ``job`` (the queue's worker). Raises the save's
+        failure, the same on every rank (RankFailedError, FencedError, CollectiveError)."""
         attempt = job.attempt
         try:
-            if self._comm.broken is not None:
-                self._abandoned.pop(job.handle, None)
-                raise self._comm.broken
-            info = self._comm.guard(lambda: self._save_collectively(job))
+            self.comm.check_usable()
+            info = self.comm.guard(lambda: self._save_collectively(job))
         except Exception:
-            self._fail(attempt)
+            fail_attempt(attempt)
             raise
-        attempt.set_state(COMMITTED)
+        # Committed: a journal write failing now (a full disk) must not fail the save (I6).
+        warnings: list[str] = []
+        after_commit(
+            info.step, "record it in the journal", lambda: attempt.set_state(COMMITTED), warnings
+        )
         attempt.remove()
-        return info
+        return dataclasses.replace(info, warnings=(*info.warnings, *warnings))
 
     def _save_collectively(self, job: QueuedSave) -> CommitInfo:
         """Make this rank's staged files durable and take part in the save with them (or
-        with the error that kept them from it)."""
+        with the error that kept them from it: ``job.error``)."""
         attempt, handle = job.attempt, job.handle
         files: list[tuple[str, Path]] = []
-        local_exc: BaseException | None = self._abandoned.pop(handle, None)
+        local_exc = job.error
         try:
             if local_exc is not None:
                 raise local_exc
             attempt.fsync_files()
             attempt.set_state(DURABLE)
-            files = [(self._stored_path(rel), path) for rel, path in attempt.list_files()]
+            files = [(self.stored_path(rel), path) for rel, path in attempt.list_files()]
         except Exception as exc:
             local_exc = exc
-        return _save.save(self._comm, self.attempts, handle, files, local_exc, self.progress)
+        return _save.save(
+            self.comm, self.attempts, self.rank_chunks, handle, files, local_exc, self.progress
+        )
 
-    def _stored_path(self, rel: str) -> str:
-        return f"{rank_dir(self.rank)}/{rel}" if self.per_rank_dirs else rel
+    def close(self) -> None:
+        """Nothing runs after a save returned."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from cloudckpt import chunks, protocol
 from cloudckpt.distributed._comm import Comm, RankError, Ranks
 from cloudckpt.distributed._save import WORLD_SIZE_KEY
 from cloudckpt.errors import ConfigurationError
@@ -36,8 +35,8 @@ from cloudckpt.reader import (
 )
 from cloudckpt.restore import (
     RestoreResult,
-    apply_modes,
     check_space,
+    download_into,
     out_of_space,
     place,
     prepare_destination,
@@ -129,9 +128,12 @@ class NodeReader:
         overwrite: bool,
         select: Select | None,
         claim: Callable[[], Latest] | None,
+        keep: Callable[[str], bool] | None = None,
     ) -> DistributedRestoreResult | None:
         """The newest intact checkpoint (or ``step``) into the node-local ``into``; None
-        for a new run (``claim`` given: rank 0 claims first, ``resume``).
+        for a new run (``claim`` given: rank 0 claims first, ``resume``). ``keep(path)``:
+        only the files it keeps are read at all (``include``/``exclude`` patterns), for
+        the ranks ``select`` (or the default) says need them.
 
         Raises on every rank: as ``restore.restore``, CollectiveError.
         """
@@ -142,7 +144,8 @@ class NodeReader:
 
         def try_one(record: CheckpointRecord) -> int | Damaged | None:
             saved_world = _saved_world(record)
-            wants = select or self._default_select(saved_world)
+            base = select or self._default_select(saved_world)
+            wants = base if keep is None else (lambda p, r: keep(p) and base(p, r))
             reason = self._fetch(record, dest, wants, what)
             return saved_world if reason is None else Damaged(reason)
 
@@ -263,17 +266,9 @@ class NodeReader:
         need = sum(e.size for e in entries)
         check_space(record.step, need, tmp.parent)
         try:
-            tmp.mkdir()
-            chunks.download(
-                self.engine,
-                self.store,
-                record.ckpt + protocol.FILES_DIR,
-                entries,
-                tmp,
-                manifest.chunk_size,
-                self.progress,
+            download_into(
+                self.store, self.engine, record, entries, tmp, manifest.chunk_size, self.progress
             )
-            apply_modes(tmp, entries)  # after every file verified
         except OSError as exc:
             full = out_of_space(exc, record.step, need, tmp.parent)
             if full is None:

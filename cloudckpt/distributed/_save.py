@@ -7,10 +7,16 @@ three rounds of collectives (the package docstring tells them from the user's si
    coordinator checks them, opens the attempt (``AttemptWriter.begin``) and broadcasts
    its ``Decision``: ``Opened`` (the prefix) or why not;
 2. every rank uploads into the prefix while the ranks exchange heartbeats
-   (``Comm.run_phase``): a rank that fails stops the others' uploads early;
-3. every rank sends its files' entries; the coordinator alone writes the manifest and
-   commits (``AttemptWriter.finish``) and broadcasts the ``Committed`` outcome (or its
-   error), so every rank returns the same ``CommitInfo`` or raises the same error.
+   (``Comm.run_phase``): a rank that fails stops the others' uploads early. Unless
+   chunking is off, each rank uploads chunks, naming those of the checkpoint the save
+   builds on (``Opened.base``) instead (``_chunks.RankChunks``);
+3. every rank sends its files' entries and the checkpoints whose chunks it named; the
+   coordinator alone lists what is reused, writes the manifest and commits
+   (``AttemptWriter.finish``, the single-host checks) and broadcasts the ``Committed``
+   outcome (or its error), so every rank returns the same ``CommitInfo`` or raises the
+   same error. If reused chunks are missing, or their checkpoint left retention, the
+   outcome is ``Reupload`` and every rank runs the three rounds again, once, under a new
+   attempt, uploading those chunks (or everything) again.
 """
 
 from __future__ import annotations
@@ -22,11 +28,20 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from cloudckpt import chunks
 from cloudckpt.attempts import AttemptWriter, BegunAttempt, CommitInfo
+from cloudckpt.distributed._chunks import RankChunks, Reupload
 from cloudckpt.distributed._comm import Cancelled, Comm, RankError
-from cloudckpt.errors import CollectiveError, ConfigurationError, RankFailedError
-from cloudckpt.manager import SaveHandle
-from cloudckpt.protocol import FileEntry
+from cloudckpt.errors import (
+    ChunkSourceDroppedError,
+    CollectiveError,
+    ConfigurationError,
+    RankFailedError,
+    ReusedChunkMissingError,
+)
+from cloudckpt.manifests import FileEntry
+from cloudckpt.protocol import CheckpointRecord
+from cloudckpt.savequeue import SaveHandle
 from cloudckpt.transfer import ProgressCallback
 
 log = logging.getLogger("cloudckpt.distributed")
@@ -50,11 +65,13 @@ class RankPlan:
 
 @dataclasses.dataclass(frozen=True)
 class Opened:
-    """The coordinator opened the attempt every rank uploads into."""
+    """The coordinator opened the attempt every rank uploads into; ``base``: the committed
+    checkpoint the save builds on (its chunks may be named instead of uploaded)."""
 
     prefix: str
     epoch: int
     commit_id: str
+    base: CheckpointRecord | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,12 +118,22 @@ class Committed:
     total_bytes: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Uploaded:
+    """What a rank sends the coordinator after its upload: its files' entries, and the
+    committed checkpoints whose chunks they name (the commit requires them retained)."""
+
+    entries: tuple[FileEntry, ...]
+    sources: frozenset[str]
+
+
 # ------------------------------------------------------------------------------ the save
 
 
 def save(
     comm: Comm,
     attempts: AttemptWriter,
+    rank_chunks: RankChunks,
     handle: SaveHandle,
     files: Sequence[tuple[str, Path]],
     local_exc: BaseException | None,
@@ -114,10 +141,35 @@ def save(
 ) -> CommitInfo:
     """This rank's part of the save of ``handle``: its ``files`` (paths in the
     checkpoint), or ``local_exc`` if it failed to stage them (it still takes part, so that
-    every rank fails at once). Raises on every rank alike: RankFailedError,
-    ConfigurationError, the coordinator's error (FencedError, StoreError...),
+    every rank fails at once). ``rank_chunks``: this rank's chunk index. Raises on every
+    rank alike: RankFailedError, ConfigurationError, the coordinator's error (FencedError,
+    ReusedChunkMissingError and ChunkSourceDroppedError on the retry, StoreError...),
     CollectiveError."""
     step = handle.step
+    again: Reupload | None = None
+    for retry in (False, True):
+        decision, begun = _begin(comm, attempts, files, local_exc, step)
+        uploaded = _upload(comm, attempts, rank_chunks, decision, again, files, progress, step)
+        outcome = _commit(comm, attempts, begun, uploaded, handle, step, may_retry=not retry)
+        if isinstance(outcome, Reupload):
+            if comm.is_coordinator:
+                log.error("step %d: %s; every rank uploads them again", step, outcome.reason)
+            again = outcome
+            continue
+        rank_chunks.committed(decision.commit_id, uploaded.entries)
+        return _info(comm, handle, decision, outcome)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _begin(
+    comm: Comm,
+    attempts: AttemptWriter,
+    files: Sequence[tuple[str, Path]],
+    local_exc: BaseException | None,
+    step: int,
+) -> tuple[Opened, BegunAttempt | None]:
+    """Round 1: every rank sends its plan; the coordinator opens the attempt. Returns the
+    decision and (on the coordinator) the attempt. Raises as ``save``."""
     what = f"starting the save of step {step}"
     error = None if local_exc is None else RankError.of(local_exc, comm.rank)
     plans = comm.gather(RankPlan(step, tuple(p for p, _ in files), error), what)
@@ -130,10 +182,13 @@ def save(
     decision = comm.broadcast(decision, what)
     if not isinstance(decision, Opened):
         raise _refusal(decision, step, local_exc, begin_exc)
-    entries = _upload(comm, attempts, decision.prefix, files, progress, step)
-    committed = _commit(comm, attempts, begun, entries, handle, step)
+    return decision, begun
+
+
+def _info(comm: Comm, handle: SaveHandle, decision: Opened, committed: Committed) -> CommitInfo:
+    """Every rank's ``CommitInfo`` of the committed save."""
     info = CommitInfo(
-        step=step,
+        step=handle.step,
         commit_id=decision.commit_id,
         ckpt=decision.prefix,
         epoch=decision.epoch,
@@ -148,7 +203,7 @@ def save(
     if comm.is_coordinator:
         log.info(
             "committed step %d from %d ranks (%d files, %d bytes) in %.2fs",
-            step,
+            info.step,
             comm.world,
             info.num_files,
             info.total_bytes,
@@ -189,7 +244,9 @@ def _open(
         begun = attempts.begin(step)
     except Exception as exc:
         return CoordinatorFailed(RankError.of(exc, 0)), None, exc  # the coordinator is rank 0
-    return Opened(begun.prefix, begun.epoch, begun.commit_id), begun, None
+    latest = attempts.committer.latest  # claimed or last written by begin's commit lock
+    base = None if latest is None else latest.current
+    return Opened(begun.prefix, begun.epoch, begun.commit_id, base), begun, None
 
 
 def _refusal(
@@ -213,13 +270,17 @@ def _refusal(
 def _upload(
     comm: Comm,
     attempts: AttemptWriter,
-    prefix: str,
+    rank_chunks: RankChunks,
+    decision: Opened,
+    again: Reupload | None,
     files: Sequence[tuple[str, Path]],
     progress: ProgressCallback | None,
     step: int,
-) -> list[FileEntry]:
-    """Every rank uploads its files into ``prefix``; one rank's failure cancels the
-    others' uploads. Raises RankFailedError on every rank if any failed."""
+) -> Uploaded:
+    """Every rank uploads its files into the attempt ``decision`` opened: as chunks,
+    naming those of ``decision.base`` (less what ``again`` refused), or whole with
+    chunking off. One rank's failure cancels the others' uploads. Raises RankFailedError
+    on every rank if any failed."""
     cancel = threading.Event()
 
     def report(n: int) -> None:
@@ -228,9 +289,17 @@ def _upload(
         if cancel.is_set():
             raise Cancelled("another rank failed")
 
-    phase = comm.run_phase(
-        lambda: attempts.upload_files(prefix, files, report), f"uploading step {step}", cancel
-    )
+    def upload() -> Uploaded:
+        # Inside the phase: a rank that cannot read its index fails the save on every rank.
+        if attempts.chunking == "off":
+            return Uploaded(
+                tuple(attempts.upload_files(decision.prefix, files, report)), frozenset()
+            )
+        index = rank_chunks.index(decision.base, again)
+        entries, stats = attempts.upload_chunks(decision.prefix, files, index, report)
+        return Uploaded(tuple(entries), _reuse_sources(stats))
+
+    phase = comm.run_phase(upload, f"uploading step {step}", cancel)
     if phase.failures:
         real = {r: f for r, f in phase.failures.items() if f.cls != Cancelled.__name__}
         shown = real or phase.failures
@@ -243,31 +312,44 @@ def _upload(
     return phase.result
 
 
+def _reuse_sources(stats: chunks.UploadStats) -> frozenset[str]:
+    """The committed checkpoints whose chunks a rank's upload named: the coordinator's
+    commit requires every one of them still retained (``UploadStats.requires``)."""
+    return frozenset(stats.sources)
+
+
 def _commit(
     comm: Comm,
     attempts: AttemptWriter,
     begun: BegunAttempt | None,
-    entries: list[FileEntry],
+    uploaded: Uploaded,
     handle: SaveHandle,
     step: int,
-) -> Committed:
-    """Every rank reports its entries; the coordinator writes the manifest of all of
-    them and commits. Raises on every rank: the coordinator's error, or CollectiveError
-    (``outcome_unknown`` on the others if the coordinator went silent while committing)."""
+    *,
+    may_retry: bool,
+) -> Committed | Reupload:
+    """Every rank reports its upload; the coordinator checks and commits the manifest of
+    all of them (``finish``: every reused chunk listed, its sources retained). Returns
+    ``Reupload`` on every rank if ``may_retry`` and reused chunks were refused. Raises on
+    every rank: the coordinator's error, or CollectiveError (``outcome_unknown`` on the
+    others if the coordinator went silent while committing)."""
     what = f"committing step {step}"
-    reports = comm.gather(tuple(entries), what)
-    outcome: Committed | RankError | None = None
+    reports = comm.gather(uploaded, what)
+    outcome: Committed | Reupload | RankError | None = None
     commit_exc: BaseException | None = None
     if comm.is_coordinator:
         assert begun is not None and reports is not None
         try:
-            every = [e for report in reports for e in report]
-            metadata = {**handle.metadata, WORLD_SIZE_KEY: comm.world}
-            latest, manifest = attempts.finish(begun, every, metadata, metrics=handle.metrics)
-            outcome = Committed(latest.seq, len(manifest.files), manifest.total_bytes)
+            outcome = _finish(attempts, begun, reports, handle, comm.world)
+        except ReusedChunkMissingError as exc:
+            commit_exc, outcome = exc, Reupload(exc.message, exc.missing)
+        except ChunkSourceDroppedError as exc:
+            commit_exc, outcome = exc, Reupload(exc.message, None)
         except Exception as exc:
-            commit_exc = exc
-            outcome = RankError.of(exc, comm.rank)
+            commit_exc, outcome = exc, RankError.of(exc, comm.rank)
+        if isinstance(outcome, Reupload) and not may_retry:
+            assert commit_exc is not None
+            outcome = RankError.of(commit_exc, comm.rank)  # refused again: fail clearly
     try:
         outcome = comm.broadcast(outcome, what)
     except CollectiveError as exc:
@@ -285,6 +367,28 @@ def _commit(
         raise outcome.rebuild()
     assert outcome is not None
     return outcome
+
+
+def _finish(
+    attempts: AttemptWriter,
+    begun: BegunAttempt,
+    reports: Sequence[Uploaded],
+    handle: SaveHandle,
+    world: int,
+) -> Committed:
+    """Coordinator: the single-host commit of every rank's entries, requiring every
+    rank's chunk sources retained. Raises as ``AttemptWriter.finish``."""
+    every = [e for report in reports for e in report.entries]
+    sources = set().union(*(report.sources for report in reports))
+    metadata = {**handle.metadata, WORLD_SIZE_KEY: world}
+    latest, manifest = attempts.finish(
+        begun,
+        every,
+        metadata,
+        requires=chunks.UploadStats(sources=sources).requires,
+        metrics=handle.metrics,
+    )
+    return Committed(latest.seq, len(manifest.files), manifest.total_bytes)
 
 
 def find_collision(paths_by_rank: Sequence[Sequence[str]]) -> str | None:

@@ -4,6 +4,8 @@
   (reused host buffers, safetensors, no pickle for tensors and plain values).
 - ``cloudckpt.integrations.hf``: ``CheckpointCallback`` for the transformers ``Trainer`` and
   ``resume()`` for ``trainer.train(resume_from_checkpoint=...)``.
+- ``cloudckpt.integrations.deepspeed``: ``save_checkpoint`` / ``load_checkpoint`` for a
+  DeepSpeed engine, through a ``DistributedCheckpointManager``.
 - ``cloudckpt.integrations.lightning``: ``CloudCheckpointIO`` for ``Trainer(plugins=[...])``,
   ``PreemptionCallback``, ``RNGStateCallback`` and ``resume()`` for ``fit(ckpt_path=...)``.
 

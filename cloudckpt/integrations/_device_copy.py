@@ -233,10 +233,7 @@ def wait_for_writers(ops: CudaOps, devices: set[torch.device]) -> None:
         ops.synchronize(device)
 
 
-# Kept whole (complexity 20, 82 lines): one pass issues every copy in file order and marks
-# the watermark behind it; the open stream, the bytes not yet marked and the position are
-# shared by every kind of item, and the cleanup must see every stream and host copy issued.
-def copy_items(  # noqa: C901 - see the comment above
+def copy_items(
     items: Sequence[Item],
     watermark: Watermark,
     copiers: cf.Executor | None,
@@ -250,71 +247,114 @@ def copy_items(  # noqa: C901 - see the comment above
     whatever it raises, and on a failure the watermark fails with it.
 
     Raises what a copy raised (a CUDA error, a KeyboardInterrupt...)."""
-    marks: list[tuple[int, Callable[[], None]]] = []  # (data bytes covered, wait for them)
-    cpu_work: list[cf.Future] = []
-    streams: list[Any] = []
+    copies = _Copies(ops, copiers, piece)
     try:
-        dma = [it for it in items if it.kind == "dma"]
-        if dma and ops is None:
-            raise RuntimeError("a CUDA tensor to copy without CUDA")
-        if dma:
-            assert ops is not None
-            wait_for_writers(ops, {it.device for it in dma if it.device is not None})
-        pos = 0
-        stream: Any = None  # the stream with copies since its last event
-        unmarked = 0
-
-        def flush() -> None:
-            nonlocal stream, unmarked
-            if stream is not None:
-                assert ops is not None
-                marks.append((pos, functools.partial(ops.wait, ops.record(stream))))
-            stream, unmarked = None, 0
-
-        for it in items:
-            if it.kind == "dma":
-                assert it.src is not None and it.device is not None and ops is not None
-                s = ops.stream(it.device)
-                if stream is not None and s is not stream:
-                    flush()
-                if s not in streams:
-                    streams.append(s)
-                for d, src, n in pieces(it.dst, it.src, piece):
-                    if n:
-                        ops.copy(d, src, s)
-                    stream, unmarked, pos = s, unmarked + n, pos + n
-                    if unmarked >= piece:
-                        flush()
-                continue
-            flush()
-            pos += it.nbytes
-            if it.kind == "memcpy":
-                assert it.src is not None
-                futures = memcpy(it.dst, it.src, copiers)
-                cpu_work += futures
-                marks.append((pos, functools.partial(_results, futures)))
-            elif it.kind == "blocking":
-                assert it.src is not None
-                it.dst.copy_(it.src)
-                marks.append((pos, _nothing))
-            else:
-                marks.append((pos, _nothing))
-        flush()
-        for future in cpu_work:  # see the module docstring: before the watermark moves
-            future.result()
-        for i, (end, wait) in enumerate(marks):
-            wait()
-            if i == len(marks) - 1 and on_copied is not None:
-                on_copied()
-            watermark.advance(end)
-        if not marks and on_copied is not None:
-            on_copied()
-        watermark.advance(watermark.total)
+        _wait_for_dma_sources(items, ops)
+        copies.issue(items)
+        _advance_as_they_land(copies, watermark, on_copied)
     except BaseException as exc:
-        cf.wait(cpu_work)
-        for s in streams:
-            # A broken stream (a CUDA error) runs none of its copies either.
-            with contextlib.suppress(Exception):
-                ops.drain(s)  # type: ignore[union-attr]
+        copies.abandon()
         watermark.fail(exc)
         raise
+
+
+def _wait_for_dma_sources(items: Sequence[Item], ops: CudaOps | None) -> None:
+    """The stream rule (module docstring) for the devices ``items`` copy from. Raises
+    RuntimeError (a CUDA tensor without ``ops``), what the CUDA calls raise."""
+    dma = [it for it in items if it.kind == "dma"]
+    if dma and ops is None:
+        raise RuntimeError("a CUDA tensor to copy without CUDA")
+    if dma:
+        assert ops is not None
+        wait_for_writers(ops, {it.device for it in dma if it.device is not None})
+
+
+class _Copies:
+    """The copies one ``copy_items`` issues, in one pass in file order: ``marks`` (the data
+    bytes each covers, and how to wait for them), the CPU copies still running, and every
+    stream used: the cleanup must see every stream and host copy issued, whatever failed.
+    A stream's copies are marked by an event after every ``piece`` bytes, and when the next
+    item is copied another way (or from another device)."""
+
+    def __init__(self, ops: CudaOps | None, copiers: cf.Executor | None, piece: int) -> None:
+        self.ops, self.copiers, self.piece = ops, copiers, piece
+        self.marks: list[tuple[int, Callable[[], None]]] = []  # (data bytes covered, wait)
+        self.cpu_work: list[cf.Future] = []
+        self.streams: list[Any] = []
+        self._pos = 0
+        self._stream: Any = None  # the stream with copies since its last event
+        self._unmarked = 0
+
+    def issue(self, items: Sequence[Item]) -> None:
+        """Start every item's copy, in file order. Raises what a copy raised."""
+        for it in items:
+            if it.kind == "dma":
+                self._dma(it)
+            else:
+                self._host(it)
+        self._flush()
+
+    def abandon(self) -> None:
+        """Wait for every copy issued (none outlives ``copy_items``), errors ignored."""
+        cf.wait(self.cpu_work)
+        if self.ops is None:
+            return  # (no stream was used)
+        for s in self.streams:
+            # A broken stream (a CUDA error) runs none of its copies either.
+            with contextlib.suppress(Exception):
+                self.ops.drain(s)
+
+    def _flush(self) -> None:
+        """An event after the open stream's unmarked copies, and a mark waiting for it."""
+        if self._stream is not None:
+            assert self.ops is not None
+            event = self.ops.record(self._stream)
+            self.marks.append((self._pos, functools.partial(self.ops.wait, event)))
+        self._stream, self._unmarked = None, 0
+
+    def _dma(self, it: Item) -> None:
+        assert it.src is not None and it.device is not None and self.ops is not None
+        s = self.ops.stream(it.device)
+        if self._stream is not None and s is not self._stream:
+            self._flush()
+        if s not in self.streams:
+            self.streams.append(s)
+        for d, src, n in pieces(it.dst, it.src, self.piece):
+            if n:
+                self.ops.copy(d, src, s)
+            self._stream, self._unmarked, self._pos = s, self._unmarked + n, self._pos + n
+            if self._unmarked >= self.piece:
+                self._flush()
+
+    def _host(self, it: Item) -> None:
+        self._flush()
+        self._pos += it.nbytes
+        if it.kind == "memcpy":
+            assert it.src is not None
+            futures = memcpy(it.dst, it.src, self.copiers)
+            self.cpu_work += futures
+            self.marks.append((self._pos, functools.partial(_results, futures)))
+        elif it.kind == "blocking":
+            assert it.src is not None
+            it.dst.copy_(it.src)
+            self.marks.append((self._pos, _nothing))
+        else:
+            self.marks.append((self._pos, _nothing))
+
+
+def _advance_as_they_land(
+    copies: _Copies, watermark: Watermark, on_copied: Callable[[], None] | None
+) -> None:
+    """Wait for ``copies``' marks in order, advancing ``watermark`` after each;
+    ``on_copied`` just before the last. Raises what a copy raised."""
+    for future in copies.cpu_work:  # see the module docstring: before the watermark moves
+        future.result()
+    marks = copies.marks
+    for i, (end, wait) in enumerate(marks):
+        wait()
+        if i == len(marks) - 1 and on_copied is not None:
+            on_copied()
+        watermark.advance(end)
+    if not marks and on_copied is not None:
+        on_copied()
+    watermark.advance(watermark.total)

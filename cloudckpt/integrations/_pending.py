@@ -9,9 +9,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from cloudckpt.attempts import CommitInfo
 from cloudckpt.errors import CloudCkptError
-from cloudckpt.manager import CheckpointManager, CommitInfo, SaveHandle
+from cloudckpt.manager import CheckpointManager
 from cloudckpt.preemption import PreemptionNotice
+from cloudckpt.savequeue import SaveHandle
 
 log = logging.getLogger("cloudckpt")
 
@@ -22,7 +24,7 @@ class SaveTracker(Protocol):
     """An integration's bookkeeping of its saves (HF's callback, Lightning's plugin)."""
 
     last_commit: CommitInfo | None
-    _handles: list[SaveHandle]
+    pending_saves: list[SaveHandle]
 
 
 def collect_finished(tracker: SaveTracker, logger: logging.Logger) -> None:
@@ -33,7 +35,7 @@ def collect_finished(tracker: SaveTracker, logger: logging.Logger) -> None:
 
     Raises: the failed save's exception."""
     pending = []
-    for handle in tracker._handles:
+    for handle in tracker.pending_saves:
         if not handle.done():
             pending.append(handle)
             continue
@@ -41,7 +43,7 @@ def collect_finished(tracker: SaveTracker, logger: logging.Logger) -> None:
         if exc is None:
             tracker.last_commit = handle.result()
             continue
-        tracker._handles = pending
+        tracker.pending_saves = pending
         committed = tracker.last_commit.step if tracker.last_commit is not None else None
         logger.error(
             "the save of step %d failed; stopping training (newest committed "
@@ -51,7 +53,7 @@ def collect_finished(tracker: SaveTracker, logger: logging.Logger) -> None:
             exc,
         )
         raise exc
-    tracker._handles = pending
+    tracker.pending_saves = pending
 
 
 def emergency_timeout(

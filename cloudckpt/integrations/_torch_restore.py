@@ -10,7 +10,11 @@ tensor reaches the caller:
 2. ``state.json`` (and ``objects.pt``, if any), verified; the safetensors header, with one
    ranged GET (or a local read) of the file's first 64 KiB. The header says where each
    tensor's bytes lie; it is checked for sanity here and, once the file has verified,
-   against the verified bytes.
+   against the verified bytes. That first read is a guess and judges nothing: a damaged
+   local copy is not a damaged checkpoint, a garbled response is not a damaged object. If
+   it is not a sane header, or not the header the verified file holds, the header is read
+   again from the store, verified against the manifest (``fetch``: its chunks against
+   their SHA-256, or the whole file against its digest), and only that read decides.
 3. The tensors are allocated as the header describes (on the CPU: the tensors returned;
    for a GPU: the device tensors), and the file is read in parallel: each range lands
    straight in the memory of the tensor it belongs to (a range that spans several small
@@ -35,6 +39,7 @@ import bisect
 import dataclasses
 import itertools
 import json
+import logging
 import struct
 import threading
 import time
@@ -43,11 +48,12 @@ from typing import Any, Protocol
 
 import torch
 
-from cloudckpt import fetch, protocol, reader
+from cloudckpt import attempt_layout, fetch, reader
 from cloudckpt.errors import CloudCkptError, CorruptionError, ObjectNotFoundError, UnsafePathError
 from cloudckpt.integrations._host_memory import host_buffer
 from cloudckpt.localcopy import LocalCopies, LocalCopy
-from cloudckpt.protocol import CheckpointRecord, FileEntry, Manifest
+from cloudckpt.manifests import FileEntry, Manifest
+from cloudckpt.protocol import CheckpointRecord
 from cloudckpt.reader import SkippedCheckpoint
 from cloudckpt.retry import call_with_retries
 from cloudckpt.stores import Store
@@ -55,6 +61,8 @@ from cloudckpt.transfer import TransferEngine
 
 HEAD_PROBE = 64 * 1024  # bytes of the safetensors file read first, for its header
 MAX_HEADER = 100 * 1024 * 1024
+
+log = logging.getLogger("cloudckpt.restore")
 
 
 def pinned_staging(nbytes: int) -> torch.Tensor:
@@ -238,6 +246,29 @@ def _slot(name: str, info: Any, base: int, size: int, dtypes: Mapping[str, torch
     return _Slot(name, base + start, base + end, shape, dtype)
 
 
+class _HeaderMoved(Exception):
+    """The header first read is not the one the verified file holds: read it again."""
+
+
+def _header_bytes(
+    read: Callable[[int], bytes], size: int, dtypes: Mapping[str, torch.dtype]
+) -> bytes:
+    """The first bytes of a safetensors file of ``size`` bytes, through its header, by
+    ``read(n)`` (the first ``n`` bytes): 64 KiB, then more if the header is longer.
+    Raises CorruptionError (not a sane header, or shorter than it says), as ``read``."""
+    want = min(size, HEAD_PROBE)
+    while True:
+        data = read(want)
+        try:
+            parse_header(data, size, dtypes)
+        except ValueError as more:
+            if want >= more.args[0] or len(data) < want:
+                raise CorruptionError("tensors.safetensors is shorter than its header") from None
+            want = more.args[0]
+            continue
+        return data
+
+
 # --------------------------------------------------------------------------- the sink
 
 
@@ -385,11 +416,16 @@ class _Loader:
     def try_one(self, record: CheckpointRecord) -> Any:
         """The state of ``record``, or ``reader.Damaged``."""
         try:
-            return self._load(record)
+            try:
+                return self._load(record, verified_head=False)
+            except _HeaderMoved:
+                # The first read of the header was not the verified file's header (a
+                # damaged local copy, a garbled response): load again from a verified one.
+                return self._load(record, verified_head=True)
         except (CorruptionError, UnsafePathError) as exc:
             return reader.Damaged.of(exc)
 
-    def _load(self, record: CheckpointRecord) -> Any:
+    def _load(self, record: CheckpointRecord, *, verified_head: bool) -> Any:
         report = self.report
         t0 = time.perf_counter()
         copy = self.local.find(record) if self.local is not None else None
@@ -399,14 +435,17 @@ class _Loader:
         files = _files_of(manifest, self.names)
         if copy is None:
             reader.check_objects(self.store, record, manifest)
-        prefix = record.ckpt + protocol.FILES_DIR
+        prefix = record.ckpt + attempt_layout.FILES_DIR
         stats, small_stats = fetch.ReadStats(), fetch.ReadStats()
         small = self._small_files(prefix, manifest, files, copy, small_stats)
         doc = self._doc(small[0], record.step)
         slots: list[_Slot] = []
         head = b""
         if files.tensors is not None:
-            head = self._head(prefix, files.tensors, copy, small_stats)
+            if verified_head:
+                head = self._verified_head(prefix, files.tensors, manifest, small_stats)
+            else:
+                head = self._head(prefix, files.tensors, copy, manifest, small_stats)
             base, slots = parse_header(head, files.tensors.size, self.dtypes)
             head = head[:base]
         missing = set(doc.get("tensors", {})) - {s.name for s in slots}
@@ -420,6 +459,10 @@ class _Loader:
         self._read_tensors(files.tensors, copy, prefix, sink, manifest.chunk_size, stats)
         done = time.perf_counter()
         if bytes(header) != head:
+            if not verified_head:
+                for st in (small_stats, stats):
+                    _count(report, st)
+                raise _HeaderMoved
             raise CorruptionError("the header of tensors.safetensors changed while it was read")
         first = stats.first_request or t1
         last = max(stats.last_landed or first, first)
@@ -492,23 +535,58 @@ class _Loader:
         return doc if isinstance(doc, dict) else {}
 
     def _head(
-        self, prefix: str, entry: FileEntry, copy: LocalCopy | None, stats: fetch.ReadStats
+        self,
+        prefix: str,
+        entry: FileEntry,
+        copy: LocalCopy | None,
+        manifest: Manifest,
+        stats: fetch.ReadStats,
     ) -> bytes:
-        """The first bytes of the safetensors file, through its header (unverified: the
-        whole file is checked later, and the header against them)."""
-        want = min(entry.size, HEAD_PROBE)
-        while True:
-            data = self._read_head(prefix, entry, copy, want, stats)
-            try:
-                parse_header(data, entry.size, self.dtypes)
-            except ValueError as more:
-                if want >= more.args[0] or len(data) < want:
-                    raise CorruptionError(
-                        "tensors.safetensors is shorter than its header"
-                    ) from None
-                want = more.args[0]
-                continue
-            return data
+        """The first bytes of the safetensors file, through its header: one quick read
+        (the local copy's, or one ranged GET), unverified (the whole file is checked later,
+        and the header against it). If that read gives no sane header it judges nothing:
+        the header is read again, verified (``_verified_head``), and that read decides.
+        Raises CorruptionError (the verified header is not sane), StoreError."""
+        try:
+            return _header_bytes(
+                lambda n: self._read_head(prefix, entry, copy, n, stats), entry.size, self.dtypes
+            )
+        except CorruptionError as exc:
+            where = "the local copy" if copy is not None else "the store"
+            log.warning(
+                "the header of %s read from %s is not sane (%s); reading it again, verified",
+                entry.path,
+                where,
+                exc.message,
+            )
+            return self._verified_head(prefix, entry, manifest, stats)
+
+    def _verified_head(
+        self, prefix: str, entry: FileEntry, manifest: Manifest, stats: fetch.ReadStats
+    ) -> bytes:
+        """The header of the safetensors file read from the store and verified against the
+        manifest (``fetch``: the chunks it lies in against their SHA-256 and the file's
+        digest from the chunk list; a file stored whole, or whose digest leaves are cut into
+        several chunks, is read whole to check its digest). Raises CorruptionError (damage:
+        a missing or damaged object, or a verified header that is not sane), StoreError."""
+
+        def read(n: int) -> bytes:
+            buf = bytearray(n)
+            sink = TensorSink(None)
+            sink.add_job([(0, n, memoryview(buf))])
+            job = fetch.FileJob(entry, ranges=((0, n),))
+            fetch.read_files(
+                self.engine,
+                self.store,
+                prefix,
+                [job],
+                sink,
+                leaf_size=manifest.chunk_size,
+                stats=stats,
+            )
+            return bytes(buf)
+
+        return _header_bytes(read, entry.size, self.dtypes)
 
     def _read_head(
         self, prefix: str, entry: FileEntry, copy: LocalCopy | None, n: int, stats: fetch.ReadStats

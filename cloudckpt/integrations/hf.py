@@ -75,6 +75,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from cloudckpt.attempts import CommitInfo
 from cloudckpt.errors import (
     CheckpointNotFoundError,
     CloudCkptError,
@@ -87,9 +88,10 @@ from cloudckpt.integrations._pending import (
     finish_pending,
     wait_for_emergency,
 )
-from cloudckpt.manager import CheckpointManager, CommitInfo, SaveHandle
+from cloudckpt.manager import CheckpointManager
 from cloudckpt.preemption import PreemptionWatcher
-from cloudckpt.retention import logged_eval_metrics
+from cloudckpt.retention import INHERIT, RetentionOptions, RetentionPolicy, logged_eval_metrics
+from cloudckpt.savequeue import SaveHandle
 from cloudckpt.stores import Store
 
 try:
@@ -379,49 +381,43 @@ def _eval_name(name: str) -> str:
     return name if name.startswith("eval_") else f"eval_{name}"
 
 
-def _best_kwargs(
-    keep_best: int | None, best_metric: str | None, best_mode: str | None
-) -> dict[str, Any]:
-    if keep_best is None:
-        return {"keep_best": None}
-    assert best_metric is not None
-    return {"keep_best": keep_best, "best_metric": best_metric, "best_mode": best_mode or "min"}
-
-
 def _trainer_best(
     args: TrainingArguments,
     keep_best: int | str | None,
     best_metric: str | None,
     best_mode: str | None,
-) -> dict[str, Any]:
-    """The keep-best options a callback configured with (keep_best, best_metric,
-    best_mode) commits with under ``args``; {} to leave the run's (or the constructor's).
+    run: RetentionPolicy,
+) -> RetentionOptions | None:
+    """The keep-best rule a callback configured with (keep_best, best_metric, best_mode)
+    commits with under ``args``; None to leave the run's (or the constructor's).
+    ``keep_best="auto"`` asks for the best one at least: never fewer than the run keeps by
+    the same metric (``run``: its rules, the run's own once claimed by resume()).
 
     Raises: ConfigurationError (keep_best given, but no metric to rank by).
     """
     trainer_metric = args.metric_for_best_model and _eval_name(args.metric_for_best_model)
     if keep_best is None or (keep_best != "auto" and best_metric is not None):
-        return {}  # given whole to the constructor
-    if keep_best == "auto":
+        return None  # given whole to the constructor
+    auto = keep_best == "auto"
+    if auto:
         if not trainer_metric and best_metric is None:
-            return {}
+            return None
         keep_best = 1
-    metric = best_metric or trainer_metric
-    if not metric:
-        raise ConfigurationError(
-            f"keep_best={keep_best} needs a metric: neither best_metric nor the "
-            "TrainingArguments' metric_for_best_model is set",
-            hint='Pass best_metric="eval_loss" (and best_mode), or set metric_for_best_model',
-        )
+    metric = best_metric or trainer_metric or None
     mode = best_mode or ("max" if args.greater_is_better and metric == trainer_metric else "min")
-    return {"keep_best": keep_best, "best_metric": metric, "best_mode": mode}
-
-
-def _at_least_the_runs(best: Mapping[str, Any], run: Any) -> int:
-    """``keep_best="auto"`` asks for the best one at least: never fewer than the run keeps
-    by the same metric (``run``: its settings, the run's own once claimed by resume())."""
-    same = (run.best_metric, run.best_mode) == (best["best_metric"], best["best_mode"])
-    return max(best["keep_best"], run.keep_best or 0) if same else int(best["keep_best"])
+    if auto and (run.best_metric, run.best_mode) == (metric, mode):
+        keep_best = max(1, run.keep_best or 0)
+    try:
+        return RetentionOptions.parse(keep_best=keep_best, best_metric=metric, best_mode=mode)
+    except ConfigurationError as exc:
+        if metric is not None:
+            raise
+        # The rule is retention's; the words are the Trainer user's: where a metric comes from.
+        raise ConfigurationError(
+            f"{exc.message}: neither best_metric nor the TrainingArguments' "
+            "metric_for_best_model is set",
+            hint='Pass best_metric="eval_loss" (and best_mode), or set metric_for_best_model',
+        ) from None
 
 
 def _best_metadata(args: TrainingArguments, state: TrainerState) -> dict[str, Any]:
@@ -489,10 +485,15 @@ class CheckpointCallback(TrainerCallback):
         self.url = url
         self.storage_options = storage_options
         self.staging_dir = staging_dir
-        self.manager_kwargs = {"keep_last": keep_last, "keep_every": keep_every, **manager_kwargs}
+        rules = {"keep_periods": manager_kwargs.pop("keep_periods", INHERIT)}
         if keep_best != "auto" and (keep_best is None or best_metric is not None):
             # Known now: the claim records it (resume() claims before training starts).
-            self.manager_kwargs.update(_best_kwargs(keep_best, best_metric, best_mode))
+            rules.update(
+                keep_best=keep_best, best_metric=best_metric, best_mode=best_mode or INHERIT
+            )
+        #: The retention this callback sets (the rest of it at train begin: ``"auto"``).
+        self.retention = RetentionOptions.parse(keep_last=keep_last, keep_every=keep_every, **rules)
+        self.manager_kwargs = manager_kwargs
         self._best = (keep_best, best_metric, best_mode)
         self.emergency_timeout = emergency_timeout
         self.metadata = dict(metadata or {})
@@ -503,7 +504,8 @@ class CheckpointCallback(TrainerCallback):
         self._want_watcher = bool(preemption)
         self._started_watcher = False
         self._mgr: CheckpointManager | None = None
-        self._handles: list[SaveHandle] = []
+        #: Saves handed to the manager and not yet seen finished (newest last).
+        self.pending_saves: list[SaveHandle] = []
         self._emergency_step: int | None = None
         self.last_commit: CommitInfo | None = None
 
@@ -553,11 +555,9 @@ class CheckpointCallback(TrainerCallback):
                 self._started_watcher = True
         if state.is_world_process_zero:
             mgr = self._manager(args.output_dir or DEFAULT_OUTPUT_DIR)
-            best = _trainer_best(args, *self._best)
-            if best and self._best[0] == "auto":
-                best["keep_best"] = _at_least_the_runs(best, mgr.settings)
-            if best:
-                mgr.set_retention(**best)
+            best = _trainer_best(args, *self._best, run=mgr.settings.retention)
+            if best is not None:
+                mgr.set_retention(**best.given())
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -621,7 +621,7 @@ class CheckpointCallback(TrainerCallback):
         handle = self._manager(args.output_dir or DEFAULT_OUTPUT_DIR).save_dir(
             step, ckpt_dir, metadata, metrics=metrics
         )
-        self._handles.append(handle)
+        self.pending_saves.append(handle)
         if emergency:
             self._wait_emergency(handle)
 
@@ -653,6 +653,7 @@ class CheckpointCallback(TrainerCallback):
                 storage_options=self.storage_options,
                 staging_dir=staging,
                 **self.manager_kwargs,
+                **self.retention.given(),
             )
         return self._mgr
 
@@ -670,7 +671,7 @@ class CheckpointCallback(TrainerCallback):
     def _finish(self, timeout: float | None) -> None:
         """Wait for pending saves and close the manager; raise the earliest failure."""
         mgr, self._mgr = self._mgr, None
-        handles, self._handles = self._handles, []
+        handles, self.pending_saves = self.pending_saves, []
         if mgr is not None:
             finish_pending(mgr, handles, timeout, self._record_commit)
 

@@ -77,10 +77,11 @@ from typing import Any, Literal, cast
 
 import torch
 
+from cloudckpt.attempts import CommitInfo
 from cloudckpt.errors import (
-    CheckpointNotFoundError,
     CloudCkptError,
     ConfigurationError,
+    step_not_retained,
 )
 from cloudckpt.integrations._pending import DEFAULT_EMERGENCY_TIMEOUT as DEFAULT_EMERGENCY_TIMEOUT
 from cloudckpt.integrations._pending import (
@@ -89,9 +90,10 @@ from cloudckpt.integrations._pending import (
     finish_pending,
     wait_for_emergency,
 )
-from cloudckpt.manager import CheckpointManager, CommitInfo, SaveHandle
+from cloudckpt.manager import CheckpointManager
 from cloudckpt.preemption import PreemptionWatcher
-from cloudckpt.protocol import INHERIT
+from cloudckpt.retention import INHERIT, RetentionOptions
+from cloudckpt.savequeue import SaveHandle
 from cloudckpt.stores import Store
 
 try:
@@ -211,17 +213,20 @@ class CloudCheckpointIO(CheckpointIO):
         self.storage_options = storage_options
         self.staging_dir = staging_dir
         self.keep_local = keep_local
-        self.manager_kwargs = {
-            "keep_last": keep_last,
-            "keep_every": keep_every,
-            "keep_best": keep_best,
-            "best_metric": best_metric,
-            "best_mode": best_mode,
-            **manager_kwargs,
-        }
+        #: The retention this plugin sets (``keep_periods`` among ``manager_kwargs`` too).
+        self.retention = RetentionOptions.parse(
+            keep_last=keep_last,
+            keep_every=keep_every,
+            keep_best=keep_best,
+            best_metric=best_metric,
+            best_mode=best_mode,
+            keep_periods=manager_kwargs.pop("keep_periods", INHERIT),
+        )
+        self.manager_kwargs = manager_kwargs
         self._mgr: CheckpointManager | None = None
         self._reader: CheckpointManager | None = None
-        self._handles: list[SaveHandle] = []
+        #: Saves handed to the manager and not yet seen finished (newest last).
+        self.pending_saves: list[SaveHandle] = []
         self._teardown_timeout: float | None = None
         self.last_commit: CommitInfo | None = None
 
@@ -262,7 +267,7 @@ class CloudCheckpointIO(CheckpointIO):
             torch.save(checkpoint, staged)
             if self.keep_local and _is_local(path):
                 _link_or_copy(staged, _local(path))
-        self._handles.append(handle)
+        self.pending_saves.append(handle)
 
     def load_checkpoint(
         self,
@@ -314,6 +319,11 @@ class CloudCheckpointIO(CheckpointIO):
                 local.unlink()
             log.debug("removed local checkpoint %s", local)
 
+    def limit_teardown(self, seconds: float | None) -> None:
+        """Make the next ``teardown`` wait at most ``seconds`` for pending commits (a
+        preemption notice's deadline; None: as long as they take)."""
+        self._teardown_timeout = seconds
+
     def teardown(self) -> None:
         """Wait for pending commits (until a preemption deadline, if one was set), then
         release the manager. Raises the earliest failed save's exception."""
@@ -341,13 +351,13 @@ class CloudCheckpointIO(CheckpointIO):
         """
         dirpath = _local(dirpath)
         if _global_rank() != 0:
-            chosen = [c for c in self._reader_manager().list() if step is None or c.step == step]
+            reader = self._reader_manager()
+            retained = reader.list()
+            chosen = [c for c in retained if step is None or c.step == step]
             if not chosen:
                 if step is None:
                     return None
-                raise CheckpointNotFoundError(
-                    f"no retained checkpoint of step {step} in {self.url}"
-                )
+                raise step_not_retained(reader.url, step, (c.step for c in retained))
             return str(dirpath / str(chosen[0].metadata.get("filename", "checkpoint.ckpt")))
         mgr = self._manager(dirpath)
         dirpath.mkdir(parents=True, exist_ok=True)
@@ -376,9 +386,9 @@ class CloudCheckpointIO(CheckpointIO):
     def wait(self, timeout: float | None = None) -> CommitInfo | None:
         """Wait for the newest save to commit; return its ``CommitInfo`` (None if there
         was no save). Raises TimeoutError, the save's error, or an older save's."""
-        if not self._handles:
+        if not self.pending_saves:
             return self.last_commit
-        info = self._handles[-1].result(timeout=timeout)
+        info = self.pending_saves[-1].result(timeout=timeout)
         self.last_commit = info
         self._collect()
         return info
@@ -395,6 +405,7 @@ class CloudCheckpointIO(CheckpointIO):
                 storage_options=self.storage_options,
                 staging_dir=staging,
                 **self.manager_kwargs,
+                **self.retention.given(),
             )
         return self._mgr
 
@@ -412,7 +423,7 @@ class CloudCheckpointIO(CheckpointIO):
 
     def _finish(self, timeout: float | None) -> None:
         mgr, self._mgr = self._mgr, None
-        handles, self._handles = self._handles, []
+        handles, self.pending_saves = self.pending_saves, []
         if mgr is not None:
             finish_pending(mgr, handles, timeout, self._record_commit)
 
@@ -551,7 +562,7 @@ class PreemptionCallback(Callback):
             if info is not None:
                 self.last_commit = info
             # teardown must not wait past the deadline either
-            io._teardown_timeout = emergency_timeout(self.watcher.notice, self.emergency_timeout)
+            io.limit_teardown(emergency_timeout(self.watcher.notice, self.emergency_timeout))
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self.watcher is not None and self._started:

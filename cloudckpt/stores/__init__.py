@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import inspect
 import os
 import re
 from collections.abc import Mapping
@@ -92,6 +93,13 @@ def split_url(url: str) -> tuple[str, str, str]:
             raise ConfigurationError(
                 f"invalid file URL {redact_url(url)!r}: host {host!r} is not local",
                 hint="Use file:///absolute/path (three slashes)",
+            )
+        if parts.query or parts.fragment:  # else silently dropped: another directory
+            raise ConfigurationError(
+                f"invalid file URL {redact_url(url)!r}: query strings and fragments are not "
+                "supported",
+                hint="Pass a directory whose name holds '?' or '#' as a plain path, without "
+                "file://",
             )
         return "file", "", os.path.abspath(parts.path or "/")
     if scheme in ("s3", "s3a", "gs", "gcs", "memory", *_AZURE_SCHEMES) and not parts.netloc:
@@ -201,6 +209,16 @@ _BACKEND_EXTRAS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
+# The package (as the index names it) that brings each module: "azure" is no package.
+_DISTRIBUTIONS = {
+    "gcsfs": "gcsfs",
+    "google.auth": "google-auth",
+    "aiohttp": "aiohttp",
+    "azure.storage.blob": "azure-storage-blob",
+    "azure.core": "azure-core",
+}
+
+
 def _require_backend(run: RunURL) -> None:
     """Raise ``MissingDependencyError`` naming the extra if the library of ``run``'s
     scheme is absent."""
@@ -212,9 +230,11 @@ def _require_backend(run: RunURL) -> None:
         except ModuleNotFoundError:  # a parent package is missing
             found = False
         if not found:
+            package = _DISTRIBUTIONS.get(module, module)
+            imported = "" if package == module else f" (to import {module})"
             raise MissingDependencyError(
                 f"cannot open {run.redacted}: the {scheme}:// backend needs the "
-                f"'{module.split('.')[0]}' package, which is not installed",
+                f"'{package}' package{imported}, which is not installed",
                 extra=extra,
             )
 
@@ -251,10 +271,12 @@ def open_store(
     if scheme == "memory":
         from cloudckpt.stores.memory import MemoryStore
 
+        _refuse_unknown_options(run, options, MemoryStore)
         return MemoryStore(netloc, prefix, **options)
     if scheme == "file":
         from cloudckpt.stores.local import LocalStore
 
+        _refuse_unknown_options(run, options, LocalStore)
         return LocalStore(prefix, **options)
     if scheme in ("s3", "s3a"):
         from cloudckpt.stores.s3 import S3Store
@@ -274,6 +296,26 @@ def open_store(
     if writable and not unsafe_single_writer:
         _refuse_writing(run)
     return FsspecStore(run.text, options, unsafe_single_writer=unsafe_single_writer)
+
+
+def _refuse_unknown_options(run: RunURL, options: Mapping[str, Any], cls: type) -> None:
+    """Raise ``ConfigurationError`` naming the storage options of ``options`` that the
+    store class ``cls`` does not take (its keyword-only parameters) and those it does. The
+    values are never shown: they may be secrets."""
+    accepted = [
+        name
+        for name, p in inspect.signature(cls).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    unknown = sorted(str(k) for k in options if k not in accepted)
+    if unknown:
+        raise ConfigurationError(
+            f"{run.scheme}:// takes no storage option{'s' * (len(unknown) > 1)} "
+            + ", ".join(repr(k) for k in unknown)
+            + f" (it accepts: {', '.join(accepted) or 'none'})",
+            hint=f"Drop {'it' if len(unknown) == 1 else 'them'}: credentials, endpoints and "
+            "the like are options of the s3://, gs:// and az:// stores",
+        )
 
 
 def _refuse_writing(run: RunURL) -> None:

@@ -37,6 +37,9 @@ environment: ``AZURE_STORAGE_CONNECTION_STRING``, ``AZURE_STORAGE_ACCOUNT_KEY``,
 ``AZURE_STORAGE_SAS_TOKEN``; then ``DefaultAzureCredential`` if ``azure-identity`` is
 installed (imported lazily; it asks for a token on the first request). Nothing found raises
 ``CredentialsError`` saying what to set.
+
+``cloudckpt.stores._azure_client`` sets up the SDK client and its credentials;
+``cloudckpt.stores._azure_errors`` maps the SDK's failures into ``cloudckpt.errors``.
 """
 
 from __future__ import annotations
@@ -47,37 +50,28 @@ import datetime as dt
 import email.utils
 import hashlib
 import logging
-import os
 import re
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
-import requests
-import requests.adapters
-from azure.core.exceptions import (
-    AzureError,
-    ClientAuthenticationError,
-    HttpResponseError,
-    ServiceRequestError,
-    ServiceResponseError,
-)
-from azure.core.pipeline.transport import RequestsTransport
-from azure.storage.blob import BlobBlock, BlobServiceClient
+from azure.core.exceptions import AzureError, HttpResponseError
+from azure.storage.blob import BlobBlock
 
 from cloudckpt.errors import (
-    BucketNotFoundError,
     ChecksumMismatchError,
     ConfigurationError,
-    CredentialsError,
     ObjectNotFoundError,
-    OutcomeUnknownError,
-    PermissionDeniedError,
     PreconditionFailedError,
-    StoreConflictError,
     StoreError,
-    TransientStoreError,
 )
+from cloudckpt.stores._azure_client import (
+    check_options,
+    hide_sas_signatures_in_http_logs,
+    make_client,
+    parse_azure_netloc,
+)
+from cloudckpt.stores._azure_errors import error_code, raise_azure_error
 from cloudckpt.stores.base import (
     CREATE,
     INTERNAL_PREFIX,
@@ -101,90 +95,6 @@ _UPLOADS = INTERNAL_PREFIX + "uploads/"
 _MARKER = "target"
 _KEY_META = "cloudckpt_key"  # base64url of the destination key (metadata is ASCII only)
 _UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
-_CONTAINER = re.compile(r"\$root|[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9]")
-_ACCOUNT = re.compile(r"[a-z0-9]{3,24}")
-_AUTH_CODES = frozenset(
-    {"AuthenticationFailed", "InvalidAuthenticationInfo", "NoAuthenticationInformation"}
-)
-_CHECKSUM_CODES = frozenset({"Md5Mismatch", "Crc64Mismatch", "InvalidMd5"})
-_MAX_SINGLE_PUT = 256 * 1024 * 1024  # one Put Blob (Azure allows 5000 MiB)
-_POOL = 32  # connections per store: the transfer engine uploads parts in parallel
-
-#: Storage options this backend understands (adlfs's names where adlfs has them).
-OPTIONS = frozenset(
-    {
-        "account_name",
-        "account_key",
-        "connection_string",
-        "sas_token",
-        "credential",
-        "account_url",
-        "endpoint_url",
-        "account_host",
-        "anon",
-        "connection_timeout",
-        "read_timeout",
-    }
-)
-
-_WHAT_TO_SET = (
-    "Set AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME with "
-    "AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_TOKEN, or pass storage_options "
-    "(connection_string, or account_name with account_key / sas_token / credential); or "
-    "pip install azure-identity to use DefaultAzureCredential (managed identity, az login, "
-    "AZURE_CLIENT_ID/AZURE_TENANT_ID/AZURE_CLIENT_SECRET)"
-)
-
-
-def parse_azure_netloc(scheme: str, netloc: str) -> tuple[str, str | None]:
-    """``container`` or ``container@account.dfs.core.windows.net`` → (container, account)."""
-    container, at, host = netloc.partition("@")
-    account = None
-    if at:
-        account = host.split(".", 1)[0].lower()
-        if "." not in host or not _ACCOUNT.fullmatch(account):
-            raise ConfigurationError(
-                f"invalid {scheme}:// URL: {host!r} is not an Azure storage account host",
-                hint=f"Write it as {scheme}://CONTAINER@ACCOUNT.dfs.core.windows.net/prefix "
-                f"or {scheme}://CONTAINER/prefix",
-            )
-    if not _CONTAINER.fullmatch(container):
-        raise ConfigurationError(
-            f"invalid Azure container name {container!r} in a {scheme}:// URL",
-            hint="Container names are 3-63 lowercase letters, digits and single hyphens, "
-            f"starting and ending with a letter or digit: {scheme}://CONTAINER/prefix",
-        )
-    return container, account
-
-
-_SAS_SIGNATURE = re.compile(r"([?&]sig=)[^&\s\"']+")
-
-
-class _RedactSasSignatures(logging.Filter):
-    """Masks ``sig=`` in log records: a SAS token travels in the request URL, and urllib3
-    logs every URL at DEBUG level (azure-core's own logging policy redacts it; urllib3's
-    does not), so a user who turns on debug logging would otherwise log a live credential."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if "sig=" in message:
-            record.msg, record.args = _SAS_SIGNATURE.sub(r"\1REDACTED", message), None
-        return True
-
-
-_REDACTOR = _RedactSasSignatures()
-
-
-def _hide_sas_signatures_in_http_logs() -> None:
-    """Install the redacting filter on urllib3's request logger (once per process)."""
-    urllib3_log = logging.getLogger("urllib3.connectionpool")
-    if _REDACTOR not in urllib3_log.filters:
-        urllib3_log.addFilter(_REDACTOR)
-
-
-def _parse_connection_string(value: str) -> dict[str, str]:
-    parts = (p.split("=", 1) for p in value.split(";") if "=" in p)
-    return {k.strip().lower(): v.strip() for k, v in parts}
 
 
 def _md5_b64(data: bytes | memoryview) -> str:
@@ -226,207 +136,30 @@ class AzureStore(Store):
         self.capabilities = Capabilities(
             min_part_size=min_part_size, max_part_size=4000 * 1024 * 1024, max_parts=50_000
         )
-        unknown = set(storage_options) - OPTIONS
-        if unknown:
-            raise ConfigurationError(
-                f"unknown Azure storage option(s) {', '.join(sorted(map(repr, unknown)))} "
-                f"for {self.url}",
-                hint=f"Accepted options: account_name, {', '.join(sorted(OPTIONS))}",
-            )
-        _hide_sas_signatures_in_http_logs()
-        self._service = self._make_client(url_account, account_name, storage_options)
+        check_options(storage_options, self.url)
+        hide_sas_signatures_in_http_logs()
+        self._service = make_client(self.url, url_account, account_name, storage_options)
         self._container = self._service.get_container_client(container)
         self._closed = False
-
-    # --- credentials ----------------------------------------------------------------
-
-    def _make_client(
-        self, url_account: str | None, account_name: str | None, opts: Mapping[str, Any]
-    ) -> BlobServiceClient:
-        """The SDK client: from a connection string (options, else the environment, when no
-        other credential is given), else from an account URL and a credential. Raises
-        ConfigurationError (inconsistent options) or CredentialsError (none found)."""
-        kwargs = _client_kwargs(opts)
-        account = account_name or url_account
-        if account_name and url_account and account_name.lower() != url_account:
-            raise ConfigurationError(
-                f"{self.url}: the URL names account {url_account!r}, account_name {account_name!r}"
-            )
-        conn = opts.get("connection_string")
-        has_credential = any(
-            opts.get(k) for k in ("account_key", "sas_token", "credential", "anon")
-        )
-        if not conn and not has_credential:
-            conn = os.environ.get("AZURE_STORAGE_CONNECTION_STRING") or None
-        if conn:
-            return self._client_from_connection_string(conn, account, opts, kwargs)
-        account = account or os.environ.get("AZURE_STORAGE_ACCOUNT_NAME") or None
-        account_url = self._account_url(account, opts)
-        credential = self._credential(account, opts)
-        try:
-            return BlobServiceClient(account_url, credential=credential, **kwargs)
-        except ValueError as exc:
-            raise ConfigurationError(f"{self.url}: invalid Azure account URL ({exc})") from None
-
-    def _client_from_connection_string(
-        self, conn: str, account: str | None, opts: Mapping[str, Any], kwargs: dict[str, Any]
-    ) -> BlobServiceClient:
-        """A client from a connection string; an explicit ``account_url`` (or
-        ``endpoint_url``) option wins over the string's endpoint."""
-        parsed = _parse_connection_string(conn)
-        named = parsed.get("accountname", "").lower()
-        if account and named and named != account.lower():
-            raise ConfigurationError(
-                f"{self.url}: the connection string is for account {named!r}, the URL "
-                f"or options name {account!r}"
-            )
-        override = opts.get("account_url") or opts.get("endpoint_url")
-        if override:  # an explicit endpoint wins over the connection string's
-            credential: Any = parsed.get("sharedaccesssignature")
-            if parsed.get("accountkey"):
-                credential = {"account_name": named, "account_key": parsed["accountkey"]}
-            try:
-                return BlobServiceClient(override, credential=credential, **kwargs)
-            except ValueError as exc:
-                raise ConfigurationError(f"{self.url}: invalid Azure account URL ({exc})") from None
-        try:
-            return BlobServiceClient.from_connection_string(conn, **kwargs)
-        except ValueError as exc:  # malformed; the message quotes no secrets
-            raise ConfigurationError(
-                f"{self.url}: invalid Azure connection string ({exc})"
-            ) from None
-
-    def _account_url(self, account: str | None, opts: Mapping[str, Any]) -> str:
-        """The blob endpoint: ``account_url``/``endpoint_url``, else ``account_host``, else
-        the account's public endpoint. Raises CredentialsError without any of them."""
-        account_url = opts.get("account_url") or opts.get("endpoint_url")
-        if account_url:
-            return account_url
-        if opts.get("account_host"):
-            return f"https://{opts['account_host']}"
-        if account:
-            return f"https://{account}.blob.core.windows.net"
-        raise CredentialsError(
-            f"no Azure storage account or credentials for {self.url}", hint=_WHAT_TO_SET
-        )
-
-    def _credential(self, account: str | None, opts: Mapping[str, Any]) -> Any:
-        """The credential, first found of: ``credential``; an account key (option, else
-        environment); a SAS token (likewise); none for ``anon``; else DefaultAzureCredential.
-        Raises CredentialsError (an account key without an account name; nothing found)."""
-        env = os.environ
-        if opts.get("credential") is not None:
-            return opts["credential"]
-        if opts.get("account_key") or (
-            not opts.get("sas_token")
-            and not opts.get("anon")
-            and env.get("AZURE_STORAGE_ACCOUNT_KEY")
-        ):
-            key = opts.get("account_key") or env["AZURE_STORAGE_ACCOUNT_KEY"]
-            if not account:
-                raise CredentialsError(
-                    f"an account key for {self.url} needs the account name",
-                    hint="Set AZURE_STORAGE_ACCOUNT_NAME or storage_options['account_name']",
-                )
-            return {"account_name": account, "account_key": key}
-        if opts.get("sas_token") or (not opts.get("anon") and env.get("AZURE_STORAGE_SAS_TOKEN")):
-            return str(opts.get("sas_token") or env["AZURE_STORAGE_SAS_TOKEN"]).lstrip("?")
-        if opts.get("anon"):
-            return None
-        return self._default_credential()
-
-    def _default_credential(self) -> Any:
-        try:
-            from azure.identity import DefaultAzureCredential
-        except ImportError:
-            raise CredentialsError(
-                f"no Azure credentials found for {self.url}", hint=_WHAT_TO_SET
-            ) from None
-        # Creating it contacts nothing; the first request asks for a token.
-        return DefaultAzureCredential()
 
     # --- error mapping --------------------------------------------------------------
 
     def _raise(
         self, exc: AzureError, key: str | None, *, write: bool, update: bool = False
     ) -> NoReturn:
-        """Map an Azure SDK failure into the ``cloudckpt.errors`` tree. ``write`` marks calls
-        whose effect is not idempotent (a lost answer is then OutcomeUnknownError);
-        ``update``, a compare-and-swap (a missing object is then PreconditionFailedError)."""
-        where = f"{self.url}{key or ''}"
-        if isinstance(exc, HttpResponseError) and exc.status_code is not None:
-            self._raise_http(exc.status_code, error_code(exc), where, key, write, update)
-        if isinstance(exc, ClientAuthenticationError):  # a credential could not get a token
-            raise CredentialsError(
-                f"{where}: cannot get Azure credentials ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0][:200] if str(exc) else ''})",
-                key=key,
-                hint=_WHAT_TO_SET,
-            ) from None
-        if isinstance(exc, ServiceRequestError):
-            if not write or _never_connected(exc):
-                raise TransientStoreError(
-                    f"{where}: cannot reach {self._endpoint()} ({type(exc).__name__})", key=key
-                ) from None
-            raise OutcomeUnknownError(
-                f"{where}: the connection failed during a write", key=key
-            ) from None
-        if isinstance(exc, ServiceResponseError):
-            if write:
-                raise OutcomeUnknownError(f"{where}: no answer to a write", key=key) from None
-            raise TransientStoreError(
-                f"{where}: no answer ({type(exc).__name__})", key=key
-            ) from None
-        raise StoreError(f"{where}: {type(exc).__name__}", key=key) from None
-
-    def _raise_http(
-        self, status: int, code: str, where: str, key: str | None, write: bool, update: bool
-    ) -> NoReturn:
-        """``_raise`` for an HTTP error answer: its status and Azure error code."""
-        text = f"{status} {code}".strip()
-        if status == 404:
-            if code == "ContainerNotFound":
-                raise BucketNotFoundError(
-                    f"Azure container {self._container_name!r} does not exist",
-                    key=key,
-                    hint="Check the container name in the URL, or create the container",
-                ) from None
-            if update:
-                raise PreconditionFailedError(f"{where} does not exist", key=key) from None
-            raise ObjectNotFoundError(f"{where} does not exist", key=key) from None
-        if status == 412:
-            raise PreconditionFailedError(
-                f"{where}: precondition failed ({text})", key=key
-            ) from None
-        if status == 409:
-            if code == "BlobAlreadyExists":
-                raise PreconditionFailedError(f"{where} already exists ({text})", key=key) from None
-            raise StoreConflictError(f"{where}: conflict ({text})", key=key) from None
-        if status == 400 and code in _CHECKSUM_CODES:
-            raise ChecksumMismatchError(
-                f"{where}: the store rejected the bytes ({text})", key=key
-            ) from None
-        if status == 401 or (status == 403 and code in _AUTH_CODES):
-            raise CredentialsError(
-                f"{where}: the store rejected the credentials ({text})",
-                key=key,
-                hint=_WHAT_TO_SET,
-            ) from None
-        if status == 403:
-            raise PermissionDeniedError(
-                f"{where}: permission denied ({text})",
-                key=key,
-                hint="Grant the identity Storage Blob Data Contributor (writers) or "
-                "Reader (restore) on the container (terraform/azure), or check the SAS "
-                "token's permissions and the account's network rules",
-            ) from None
-        if status == 429:
-            raise TransientStoreError(f"{where}: throttled ({text})", key=key) from None
-        if status == 408 or status >= 500:
-            if write:
-                raise OutcomeUnknownError(f"{where}: {text} on a write", key=key) from None
-            raise TransientStoreError(f"{where}: {text}", key=key) from None
-        raise StoreError(f"{where}: {text}", key=key) from None
+        """Map an Azure SDK failure into the ``cloudckpt.errors`` tree (``_azure_errors``).
+        ``write`` marks calls whose effect is not idempotent (a lost answer is then
+        OutcomeUnknownError); ``update``, a compare-and-swap (a missing object is then
+        PreconditionFailedError)."""
+        raise_azure_error(
+            exc,
+            url=self.url,
+            container=self._container_name,
+            endpoint=self._endpoint,
+            key=key,
+            write=write,
+            update=update,
+        )
 
     def _endpoint(self) -> str:
         return self._service.primary_endpoint.split("?", 1)[0]
@@ -736,43 +469,3 @@ class AzureStore(Store):
             self._service.close()
         except Exception:  # closing is best effort
             logger.debug("closing the Azure client failed", exc_info=True)
-
-
-def _client_kwargs(opts: Mapping[str, Any]) -> dict[str, Any]:
-    """The SDK client's options: no SDK retries (ours retry), the timeouts, the single-put
-    size, and a pooled requests session of its own."""
-    session = requests.Session()
-    adapter = requests.adapters.HTTPAdapter(pool_connections=_POOL, pool_maxsize=_POOL)
-    session.mount("http://", adapter)
-    session.mount("https://", adapter)
-    return {
-        "retry_total": 0,
-        "connection_timeout": opts.get("connection_timeout", 30),
-        "read_timeout": opts.get("read_timeout", 120),
-        "max_single_put_size": _MAX_SINGLE_PUT,
-        "transport": RequestsTransport(session=session, session_owner=True),
-    }
-
-
-def error_code(exc: BaseException) -> str:
-    """Azure's error code (``BlobNotFound``, ...) as a plain string ("" if none)."""
-    code = getattr(exc, "error_code", None)
-    return str(getattr(code, "value", code) or "")
-
-
-def _never_connected(exc: BaseException) -> bool:
-    """Whether a transport error happened before any byte of the request was sent."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        name = type(current).__name__
-        if name in ("NewConnectionError", "ConnectTimeoutError", "NameResolutionError"):
-            return True
-        text = str(current)
-        if "Failed to establish a new connection" in text or "ConnectTimeoutError(" in text:
-            return True
-        current = (
-            getattr(current, "inner_exception", None) or current.__cause__ or current.__context__
-        )
-    return False

@@ -163,11 +163,25 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def get(self, key: str) -> tuple[bytes, ObjectInfo]:
-        """The whole object and the version those bytes belong to."""
+        """The whole object and the version those bytes belong to (a response cut short
+        raises TransientStoreError)."""
 
     @abc.abstractmethod
     def get_range(self, key: str, start: int, length: int) -> bytes:
-        """``length`` bytes from offset ``start`` (fewer only at the end of the object)."""
+        """``length`` bytes from offset ``start`` (fewer only at the end of the object; a
+        response cut short raises TransientStoreError, see ``get_range_into``)."""
+
+    def get_range_into(self, key: str, start: int, buf: memoryview) -> int:
+        """Read ``len(buf)`` bytes from offset ``start`` into ``buf``; return how many the
+        store sent (fewer only at the end of the object: the store's answer said so). A
+        response cut short (the connection closed, cleanly or not, before the length the
+        answer announced) raises TransientStoreError, never a short count: a cut answer is
+        not a short object. Backends that can read from the socket straight into ``buf``
+        override this; this default copies ``get_range``'s bytes. Raises like ``get_range``."""
+        data = self.get_range(key, start, len(buf))
+        n = min(len(data), len(buf))
+        buf[:n] = memoryview(data)[:n]
+        return n
 
     @abc.abstractmethod
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = OVERWRITE) -> ObjectInfo:
@@ -192,6 +206,16 @@ class Store(abc.ABC):
             if sep and head:
                 found.add(head + "/")
         return sorted(found)
+
+    def stored_crc32c(self, key: str) -> str | None:
+        """The CRC32C (base64, as ``crc32c_b64``) of the whole object that the store
+        recorded when it was written, or None where the store keeps none (this default;
+        S3 returns one when the upload sent it). Lets a caller check an object's content
+        without reading it (``chunks.resumed_chunk_ok``).
+
+        Raises ObjectNotFoundError and the other StoreErrors of ``head``."""
+        self.head(key)
+        return None
 
     def exists(self, key: str) -> bool:
         """Whether ``key`` exists (a HEAD)."""

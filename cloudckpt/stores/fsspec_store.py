@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import http.client
 import logging
 import re
 import socket
@@ -94,6 +95,18 @@ def _no_connection(exc: BaseException) -> bool:
     return aiohttp is not None and isinstance(exc, aiohttp.ClientConnectionError)
 
 
+def _cut_short(exc: BaseException) -> bool:
+    """Whether ``exc`` means an answer ended before the length it announced (the
+    connection closed, cleanly or not, mid-body): a read to retry, never a short object."""
+    if isinstance(exc, http.client.IncompleteRead):
+        return True
+    aiohttp = sys.modules.get("aiohttp")  # imported if it raised this; never import it here
+    if aiohttp is not None and isinstance(exc, aiohttp.ClientPayloadError):
+        return True
+    requests = sys.modules.get("requests")
+    return requests is not None and isinstance(exc, requests.exceptions.ChunkedEncodingError)
+
+
 def _refused(exc: BaseException) -> bool:
     """Whether no connection was ever made (refused, DNS): a write cannot have landed."""
     aiohttp = sys.modules.get("aiohttp")
@@ -107,7 +120,7 @@ def _refused(exc: BaseException) -> bool:
 
 def _kind(exc: BaseException) -> str:
     """What a failed fsspec call means: "missing", "denied", "unreachable", "transient"
-    or "other".
+    (a 5xx, a throttle, an answer cut short) or "other".
 
     fsspec reports more than absence as ``FileNotFoundError``: HTTPFileSystem.info wraps
     *any* failure of its last request, a refused connection included, in one (the real
@@ -123,6 +136,8 @@ def _kind(exc: BaseException) -> str:
             return "transient"
         if status is not None:
             return "other"
+        if _cut_short(link):
+            return "transient"
         if _no_connection(link):
             return "unreachable"
     return "missing" if isinstance(exc, FileNotFoundError) else "other"

@@ -16,7 +16,9 @@ Versions are object generations, which change on every write. Multipart uploads 
 parallel composite uploads: parts are objects under ``.cloudckpt/uploads/<id>/``, composed
 (at most 32 sources per call, tree-wise) into the destination.
 
-No retries happen here: a read that fails raises ``TransientStoreError`` and a write whose
+``cloudckpt.stores._gcs_client`` sets up gcsfs and sends the requests;
+``cloudckpt.stores._gcs_errors`` maps failures into ``cloudckpt.errors``. No retries
+happen here: a read that fails raises ``TransientStoreError`` and a write whose
 outcome is unknown raises ``OutcomeUnknownError``; the caller decides.
 """
 
@@ -25,45 +27,40 @@ from __future__ import annotations
 import asyncio
 import builtins
 import datetime as dt
-import email.utils
 import functools
 import http.client
-import inspect
 import io
 import json
 import logging
-import os
 import re
-import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
-from urllib.parse import quote, urlencode, urlsplit
+from urllib.parse import quote, urlencode
 
-# gcsfs >= 2026 otherwise swaps in a filesystem that probes every bucket over gRPC with a
-# 60 s timeout, which hangs against emulators. Must be set before gcsfs is imported.
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-
-import aiohttp
 import fsspec.asyn
-import google.auth.exceptions
-from gcsfs.core import GCSFileSystem  # the plain HTTP filesystem, always
-from gcsfs.retry import HttpError, NonRetryableError
 
 from cloudckpt.errors import (
     BucketNotFoundError,
     ChecksumMismatchError,
     ConfigurationError,
-    CredentialsError,
     ObjectNotFoundError,
     OutcomeUnknownError,
-    PermissionDeniedError,
     PreconditionFailedError,
-    StoreConflictError,
     StoreError,
     TransientStoreError,
     redact_url,
 )
+from cloudckpt.stores._gcs_client import (
+    Response,
+    ThreadConnections,
+    goog_hashes,
+    make_filesystem,
+    parse_http_date,
+    parse_time,
+    send,
+)
+from cloudckpt.stores._gcs_errors import response_error, run
 from cloudckpt.stores.base import (
     CREATE,
     INTERNAL_PREFIX,
@@ -84,13 +81,6 @@ from cloudckpt.stores.base import (
 
 logger = logging.getLogger(__name__)
 
-#: What to do about missing or rejected Google credentials.
-_CREDENTIALS_HINT = (
-    "Run `gcloud auth application-default login`, set GOOGLE_APPLICATION_CREDENTIALS="
-    "/path/to/key.json, or run where a service account is attached (the metadata server); "
-    "for an emulator add -o token=anon (Python: storage_options={'token': 'anon'})"
-)
-
 _UPLOADS = INTERNAL_PREFIX + "uploads/"
 _MARKER = "target"  # .cloudckpt/uploads/<id>/target holds the destination key
 _KEY_META = "cloudckpt-key"
@@ -98,82 +88,30 @@ _MAX_COMPOSE_SOURCES = 32  # GCS limit per compose call
 _CONCURRENCY = 16  # parallel compose/delete calls inside one operation
 _UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
 _GENERATION = re.compile(r"[1-9][0-9]*")
-_RFC3339 = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)")
-# Without a total timeout large parts can take as long as they need; a silent server cannot.
-_DEFAULT_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=120)
-
-
-class _Response:
-    """Status, headers and body of one finished HTTP exchange."""
-
-    def __init__(self, status: int, headers: Any, body: bytes) -> None:
-        self.status, self.headers, self.body = status, headers, body
-
-    def json(self) -> dict[str, Any]:
-        return json.loads(self.body) if self.body else {}
-
-    def message(self) -> str:
-        """The server's error message (GCS JSON error body, or plain text), shortened."""
-        try:
-            return str(self.json()["error"]["message"])[:300]
-        except (ValueError, KeyError, TypeError):
-            return self.body.decode("utf-8", "replace").strip()[:300]
-
-
-def _parse_time(value: str | None) -> dt.datetime | None:
-    """RFC 3339 time from the JSON API (any number of fraction digits; 3.10-safe)."""
-    m = _RFC3339.fullmatch(value or "")
-    if m is None:
-        return None
-    frac = (m[2] or "0")[:6].ljust(6, "0")
-    return dt.datetime.fromisoformat(f"{m[1]}.{frac}{'+00:00' if m[3] == 'Z' else m[3]}")
-
-
-def _goog_hashes(headers: Any) -> dict[str, str]:
-    """``x-goog-hash: crc32c=...,md5=...`` (one or several headers) as a dict."""
-    pairs = (p.strip() for h in headers.getall("x-goog-hash", []) for p in h.split(","))
-    return dict(p.split("=", 1) for p in pairs if "=" in p)
-
-
-def _parse_http_date(value: str | None) -> dt.datetime | None:
-    try:
-        return email.utils.parsedate_to_datetime(value) if value else None
-    except (TypeError, ValueError):
-        return None
-
-
-# fsspec options every filesystem takes, and that gcsfs passes on to it.
-_FSSPEC_OPTIONS = frozenset(
-    {"use_listings_cache", "listings_expiry_time", "max_paths", "batch_size"}
-)
-
-
-@functools.cache
-def _accepted_options() -> frozenset[str]:
-    """Keyword arguments GCSFileSystem really uses (it accepts any, silently)."""
-    params = inspect.signature(GCSFileSystem.__init__).parameters
-    named = {
-        n
-        for n, p in params.items()
-        if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD
-    }
-    return frozenset(named - {"self", "asynchronous", "loop"}) | _FSSPEC_OPTIONS
 
 
 def _read_into(resp: http.client.HTTPResponse, buf: memoryview, skip: int) -> int:
     """Read a response body into ``buf`` after discarding ``skip`` bytes; the number of
-    body bytes that belong in ``buf`` (at most ``len(buf)``)."""
+    body bytes that belong in ``buf`` (at most ``len(buf)``).
+
+    Raises http.client.IncompleteRead when the body ends before the length its headers
+    announced: ``http.client`` reports a connection closed cleanly (FIN) mid-body as the
+    end of the body, and a cut answer must not pass for a short object."""
+    declared = resp.length  # None for a chunked body (http.client checks those itself)
+    expected = len(buf) if declared is None else min(len(buf), max(0, declared - skip))
     while skip > 0:
         skipped = len(resp.read(min(skip, 1 << 20)))
         if not skipped:
-            return 0
+            break
         skip -= skipped
     got = 0
-    while got < len(buf):
+    while got < len(buf) and not skip:
         n = resp.readinto(buf[got:])
         if not n:
             break
         got += n
+    if declared is not None and got < expected:
+        raise http.client.IncompleteRead(b"", expected - got)
     return got
 
 
@@ -203,68 +141,31 @@ class GCSStore(Store):
         self._root = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.url = f"gs://{bucket}/{self._root}"
         self.capabilities = Capabilities(min_part_size=min_part_size)
-        unknown = set(storage_options) - _accepted_options()
-        if unknown:
-            # GCSFileSystem swallows unknown keyword arguments; a typo must not go unnoticed.
-            raise ConfigurationError(
-                f"unknown GCS storage option(s) {', '.join(sorted(map(repr, unknown)))} "
-                f"for {self.url}",
-                hint=f"Accepted options: {', '.join(sorted(_accepted_options()))}",
-            )
-        try:
-            # A private instance: gcsfs shares instances (and their caches) by arguments.
-            self._fs = GCSFileSystem(skip_instance_cache=True, **storage_options)
-        except (TypeError, ValueError) as exc:  # gcsfs's own messages carry no secrets
-            raise ConfigurationError(f"invalid GCS storage options for {self.url}: {exc}") from None
-        except (google.auth.exceptions.GoogleAuthError, OSError) as exc:
-            # Auth library messages may quote credential files; name the type only.
-            raise CredentialsError(
-                f"cannot set up GCS credentials for {self.url} ({type(exc).__name__})",
-                hint=_CREDENTIALS_HINT,
-            ) from None
+        self._fs = make_filesystem(storage_options, self.url)
         self._endpoint = redact_url(self._fs._location)
         self._objects_url = f"{self._fs._location}/storage/v1/b/{quote(bucket, safe='')}/o"
         self._upload_url = f"{self._fs._location}/upload/storage/v1/b/{quote(bucket, safe='')}/o"
         # Real GCS composes like any other write; fake-gcs-server does not (probed once).
         self._compose_trusted: bool | None = True if self._fs.on_google else None
-        self._local = threading.local()  # get_range_into's connection per thread
+        self._connections = ThreadConnections(self._fs)  # for get_range_into
         self._closed = False
 
     # --- transport and error mapping ------------------------------------------------
 
     def _run(self, coro_fn: Any, *args: Any, write: bool, key: str | None = None) -> Any:
-        """Run ``coro_fn(*args)`` on gcsfs's loop; map transport failures to store errors."""
+        """Run ``coro_fn(*args)`` on gcsfs's loop; map transport failures to store errors
+        (``_gcs_errors.run``). Raises StoreError once the store is closed."""
         if self._closed:
             raise StoreError(f"{self.url}: the store is closed", key=key)
-        where = f"{self.url}{key or ''} (endpoint {self._endpoint})"
-        try:
-            return fsspec.asyn.sync(self._fs.loop, coro_fn, *args)
-        except aiohttp.ClientConnectorError as exc:
-            # The connection was never made, so nothing was sent: safe for writes too.
-            raise TransientStoreError(
-                f"cannot connect to the GCS endpoint {self._endpoint} for {self.url}{key or ''}: "
-                f"{exc.os_error.strerror or type(exc.os_error).__name__}",
-                key=key,
-            ) from None
-        except (HttpError, NonRetryableError) as exc:  # gcsfs failed to refresh credentials
-            raise CredentialsError(
-                f"{where}: {type(exc).__name__}", key=key, hint=_CREDENTIALS_HINT
-            ) from None
-        except google.auth.exceptions.TransportError:
-            raise TransientStoreError(
-                f"{where}: could not reach the credentials service", key=key
-            ) from None
-        except google.auth.exceptions.GoogleAuthError as exc:
-            raise CredentialsError(
-                f"{where}: {type(exc).__name__}", key=key, hint=_CREDENTIALS_HINT
-            ) from None
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            what = type(exc).__name__
-            if write:
-                raise OutcomeUnknownError(
-                    f"{where}: no answer to a write ({what})", key=key
-                ) from None
-            raise TransientStoreError(f"{where}: request failed ({what})", key=key) from None
+        return run(
+            self._fs.loop,
+            coro_fn,
+            *args,
+            url=self.url,
+            endpoint=self._endpoint,
+            write=write,
+            key=key,
+        )
 
     async def _send(
         self,
@@ -275,59 +176,18 @@ class GCSStore(Store):
         headers: dict[str, str] | None = None,
         data: io.BytesIO | None = None,
         json_body: Any = None,
-    ) -> _Response:
+    ) -> Response:
         """One request through gcsfs's session with its credentials; no retries."""
-        fs = self._fs
-        await fs._set_session()
-        query = {k: str(v) for k, v in fs._get_params(params or {}).items()}
-        async with fs.session.request(
-            method,
-            url,
-            params=query,
-            headers=fs._get_headers(headers),  # adds (and refreshes) the credentials
-            data=data,
-            json=json_body,
-            timeout=_DEFAULT_TIMEOUT
-            if fs.requests_timeout is None
-            else aiohttp.ClientTimeout(total=fs.requests_timeout),
-        ) as response:
-            body = await response.read()
-        logger.debug("%s %s -> %d", method, redact_url(url), response.status)
-        return _Response(response.status, response.headers, body)
+        return await send(
+            self._fs, method, url, params=params, headers=headers, data=data, json_body=json_body
+        )
 
-    async def _error(self, r: _Response, key: str | None, *, write: bool) -> StoreError:
+    async def _error(self, r: Response, key: str | None, *, write: bool) -> StoreError:
         """The cloudckpt error for a failed response (never contains credentials)."""
-        where = f"{self.url}{key or ''}"
-        msg = r.message()
-        status = r.status
-        if status == 404:
-            if await self._bucket_missing(r):
-                return BucketNotFoundError(f"GCS bucket {self._bucket!r} does not exist", key=key)
-            return ObjectNotFoundError(f"{where} does not exist", key=key)
-        if status == 412:
-            return PreconditionFailedError(f"{where}: precondition failed ({msg})", key=key)
-        if status == 400 and re.search(r"(?i)crc32c|md5", msg):
-            return ChecksumMismatchError(f"{where}: the store rejected the bytes: {msg}", key=key)
-        if status == 401:
-            return CredentialsError(
-                f"{where}: the store rejected the credentials ({msg})",
-                key=key,
-                hint=_CREDENTIALS_HINT,
-            )
-        if status == 403:
-            return PermissionDeniedError(f"{where}: permission denied ({msg})", key=key)
-        if status == 409:
-            return StoreConflictError(f"{where}: conflicting concurrent request ({msg})", key=key)
-        if status == 429:
-            # Rate limiting rejects the request before it is applied: safe to retry.
-            return TransientStoreError(f"{where}: rate limited (HTTP 429)", key=key)
-        if status == 408 or status >= 500:
-            if write:
-                return OutcomeUnknownError(f"{where}: HTTP {status} on a write ({msg})", key=key)
-            return TransientStoreError(f"{where}: HTTP {status} ({msg})", key=key)
-        return StoreError(f"{where}: HTTP {status} ({msg})", key=key)
+        missing = r.status == 404 and await self._bucket_missing(r)
+        return response_error(r, self.url, self._bucket, key, write=write, bucket_missing=missing)
 
-    async def _bucket_missing(self, r: _Response) -> bool:
+    async def _bucket_missing(self, r: Response) -> bool:
         """Whether a 404 means "no bucket" (real GCS says so; the emulator needs a probe)."""
         msg = r.message()
         if msg.startswith("No such object"):
@@ -348,7 +208,7 @@ class GCSStore(Store):
 
     def _info(self, key: str, obj: dict[str, Any]) -> ObjectInfo:
         return ObjectInfo(
-            key, int(obj.get("size", 0)), str(obj["generation"]), _parse_time(obj.get("updated"))
+            key, int(obj.get("size", 0)), str(obj["generation"]), parse_time(obj.get("updated"))
         )
 
     def _upload_prefix(self, upload_id: str) -> str:
@@ -479,7 +339,7 @@ class GCSStore(Store):
             generation = r.headers.get("x-goog-generation")
             if not generation:
                 raise StoreError(f"{self.url}{key}: the store sent no x-goog-generation header")
-            hashes = _goog_hashes(r.headers)
+            hashes = goog_hashes(r.headers)
             encoding = r.headers.get("x-goog-stored-content-encoding", "identity")
             if "crc32c" in hashes and encoding == "identity":
                 actual = crc32c_b64(r.body)
@@ -489,7 +349,7 @@ class GCSStore(Store):
                         f"says {hashes['crc32c']} (damaged in transit)",
                         key=key,
                     )
-            modified = _parse_http_date(r.headers.get("Last-Modified"))
+            modified = parse_http_date(r.headers.get("Last-Modified"))
             return r.body, ObjectInfo(key, len(r.body), generation, modified)
 
         return self._run(go, write=False, key=key)
@@ -538,7 +398,7 @@ class GCSStore(Store):
         target = f"{self._object_url(name)}?{query}"
         where = f"{self.url}{key}"
         try:
-            resp = self._request(target, headers)
+            resp = self._connections.get(target, headers)
             if resp.status in (200, 206):
                 skip = start if resp.status == 200 else 0  # the Range header was ignored
                 got = _read_into(resp, buf, skip)
@@ -547,47 +407,14 @@ class GCSStore(Store):
                 return got
             body = resp.read()
         except (OSError, http.client.HTTPException) as exc:
-            self._drop_connection()
+            self._connections.drop()
             raise TransientStoreError(
                 f"{where}: request failed ({type(exc).__name__})", key=key
             ) from None
         if resp.status == 416:
             return 0
-        r = _Response(resp.status, resp.headers, body)
+        r = Response(resp.status, resp.headers, body)
         raise self._run(functools.partial(self._error, write=False), r, key, write=False, key=key)
-
-    def _request(self, target: str, headers: dict[str, str]) -> http.client.HTTPResponse:
-        """GET on this thread's kept-alive connection; once more on a fresh connection
-        when the server had closed the idle one (nothing was answered: a safe retry)."""
-        reused = getattr(self._local, "conn", None) is not None
-        try:
-            conn = self._connection()
-            conn.request("GET", target, headers=headers)
-            return conn.getresponse()
-        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
-            self._drop_connection()
-            if not reused:
-                raise
-        conn = self._connection()
-        conn.request("GET", target, headers=headers)
-        return conn.getresponse()
-
-    def _connection(self) -> http.client.HTTPConnection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            url = urlsplit(self._fs._location)
-            cls = (
-                http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
-            )
-            timeout = self._fs.requests_timeout or _DEFAULT_TIMEOUT.sock_read
-            conn = self._local.conn = cls(url.hostname, url.port, timeout=timeout)
-        return conn
-
-    def _drop_connection(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        self._local.conn = None
-        if conn is not None:
-            conn.close()
 
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = OVERWRITE) -> ObjectInfo:
         """One multipart upload; CREATE sends ``ifGenerationMatch=0``, ``Update(v)`` sends
@@ -870,7 +697,7 @@ class GCSStore(Store):
         for obj in items:
             upload_id, _, leaf = obj["name"][len(base) :].partition("/")
             state = uploads.setdefault(upload_id, {"key": None, "initiated": None})
-            created = _parse_time(obj.get("timeCreated"))
+            created = parse_time(obj.get("timeCreated"))
             if leaf == _MARKER:
                 state["key"] = (obj.get("metadata") or {}).get(_KEY_META, "")
                 state["initiated"] = created
@@ -898,12 +725,12 @@ class GCSStore(Store):
             )
             if r.status != 200:
                 raise await self._error(r, None, write=False)
-            date = _parse_http_date(r.headers.get("Date"))
+            date = parse_http_date(r.headers.get("Date"))
             if date is not None:
                 return date.astimezone(dt.timezone.utc)
             name = f"{self._root}{INTERNAL_PREFIX}clock"
             obj = await self._upload(name, b"", crc32c_b64(b""), {}, name)
-            written = _parse_time(obj.get("updated"))
+            written = parse_time(obj.get("updated"))
             if written is None:
                 raise StoreError(f"{self.url}: the store reports no time")
             return written

@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from cloudckpt.stores.azure import error_code
+from cloudckpt.stores._azure_errors import error_code
 from cloudckpt.testing import races
 from cloudckpt.testing.s3_probe import Finding, ProbeReport, RaceFigures
 

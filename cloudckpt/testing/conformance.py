@@ -30,10 +30,12 @@ __all__ = [
     "check_chunked_checkpoint_roundtrip",
     "check_clock",
     "check_create_refuses_existing",
+    "check_cut_responses",
     "check_listing",
     "check_multipart_roundtrip",
     "check_racing_creates",
     "check_racing_creates_processes",
+    "check_ranged_reads_into",
     "check_read_write_basics",
     "check_stale_version_fails",
     "check_update_missing_fails",
@@ -46,6 +48,7 @@ from cloudckpt.errors import (
     ObjectNotFoundError,
     PreconditionFailedError,
     StoreConflictError,
+    TransientStoreError,
 )
 from cloudckpt.stores import (
     CREATE,
@@ -233,6 +236,61 @@ def check_read_write_basics(opener: StoreOpener) -> None:
         assert not store.exists(key)
 
 
+def check_ranged_reads_into(opener: StoreOpener) -> None:
+    """``get_range_into`` (part of every store, the restore path's read) fills the buffer,
+    answers fewer bytes only at the end of the object, none past it, and raises
+    ObjectNotFoundError for a missing key."""
+    key = _key("into")
+    body = bytes(range(256)) * 40
+    with opener() as store:
+        store.put(key, body)
+        buf = bytearray(1000)
+        assert store.get_range_into(key, 123, memoryview(buf)) == 1000
+        assert bytes(buf) == body[123:1123]
+        buf = bytearray(100)
+        assert store.get_range_into(key, len(body) - 30, memoryview(buf)) == 30
+        assert bytes(buf[:30]) == body[-30:]
+        assert store.get_range_into(key, len(body), memoryview(bytearray(10))) == 0
+        try:
+            store.get_range_into(key + "-nope", 0, memoryview(bytearray(10)))
+        except ObjectNotFoundError:
+            pass
+        else:
+            raise AssertionError("get_range_into of a missing key did not raise")
+
+
+def check_cut_responses(
+    opener: StoreOpener, cut: Callable[[bool], Any], key: str, body: bytes
+) -> None:
+    """A response cut short is a TransientStoreError for ``get``, ``get_range`` and
+    ``get_range_into``, never fewer bytes: ``key`` holds ``body`` in the store ``opener``
+    opens, and ``cut(True)`` makes every answer to a read of it end early (through a proxy,
+    say), ``cut(False)`` stops that. After the cuts the same store reads it whole."""
+    with opener() as store:
+        start, length = len(body) // 4, len(body) // 2
+        reads: dict[str, Callable[[], Any]] = {
+            "get": lambda: store.get(key)[0],
+            "get_range": lambda: store.get_range(key, start, length),
+            "get_range_into": lambda: store.get_range_into(
+                key, start, memoryview(bytearray(length))
+            ),
+        }
+        cut(True)
+        for name, read in reads.items():
+            try:
+                got = read()
+            except TransientStoreError:
+                continue
+            size = got if isinstance(got, int) else len(got)
+            raise AssertionError(f"{name} of a cut response returned {size} bytes, no error")
+        cut(False)
+        assert store.get(key)[0] == body
+        assert store.get_range(key, start, length) == body[start : start + length]
+        buf = bytearray(length)
+        assert store.get_range_into(key, start, memoryview(buf)) == length
+        assert bytes(buf) == body[start : start + length]
+
+
 def check_listing(opener: StoreOpener) -> None:
     """Listing sees completed writes at once, in key order, filtered by prefix."""
     base = _key("list")
@@ -382,7 +440,8 @@ def check_chunked_checkpoint_roundtrip(opener: StoreOpener) -> None:
 
     from cloudckpt.committer import read_latest
     from cloudckpt.manager import CheckpointManager
-    from cloudckpt.restore import fetch_manifest, restore
+    from cloudckpt.reader import fetch_manifest
+    from cloudckpt.restore import restore
     from cloudckpt.transfer import TransferEngine
 
     shared = os.urandom(9 * MiB + 4321)  # two chunks: a whole 8 MiB leaf and a tail
@@ -419,6 +478,7 @@ def check_chunked_checkpoint_roundtrip(opener: StoreOpener) -> None:
 
 ALL_CHECKS = (
     check_read_write_basics,
+    check_ranged_reads_into,
     check_listing,
     check_create_refuses_existing,
     check_stale_version_fails,

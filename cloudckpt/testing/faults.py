@@ -29,6 +29,8 @@ Faults (what real networks and stores do):
 - ``Conflict``: S3's 409 ConditionalRequestConflict (nothing applied).
 - ``Latency(seconds)``: the call sleeps first.
 - ``Truncate(keep)``: the store keeps only the first ``keep`` bytes, and says nothing.
+- ``ShortRead(keep)``: a ranged read returns only its first ``keep`` bytes (default half),
+  and says nothing (a cut response the transport missed).
 - ``Callback(before, after)``: run code of yours just before or after the call (to
   interleave another writer's action at an exact point).
 - ``Crash(after)``: the calling process dies (``SimulatedCrash``) before the request is
@@ -174,6 +176,22 @@ class Truncate(Fault):
 
 
 @dataclasses.dataclass
+class ShortRead(Fault):
+    """A ranged read (``get_range`` or ``get_range_into``) comes back with fewer bytes
+    than the store sent, and no error: a response cut short that the transport did not
+    notice. ``keep``: at most this many bytes (None: half of what was sent)."""
+
+    keep: int | None = None
+    name = "short_read"
+
+    def run(self, call, op, key, store):
+        if op != "get_range":
+            raise ValueError(f"ShortRead applies to ranged reads (get_range), not {op}")
+        data = call()
+        return data[: len(data) // 2 if self.keep is None else self.keep]
+
+
+@dataclasses.dataclass
 class Callback(Fault):
     """Run ``before()`` just before the call and ``after(result)`` just after it (the
     call itself is unchanged). Use it to make another writer act at an exact point."""
@@ -212,7 +230,8 @@ class Rule:
     ``modes`` restricts puts to some write modes (e.g. ``{"update"}``); ``skip`` lets the
     first N matching calls through. ``fired`` counts the faults injected.
 
-    Operations: get, get_range, head, list, list_multipart (reads); put, delete,
+    Operations: get, get_range (also ``get_range_into``: the same ranged GET), head, list,
+    list_multipart (reads); put, delete,
     create_multipart, upload_part, complete_multipart, abort_multipart (writes). For
     multipart calls ``key`` is the object's key; for list calls it is the prefix.
     """
@@ -305,6 +324,24 @@ class FaultInjectingStore(ForwardingStore):
     def get_range(self, key: str, start: int, length: int) -> bytes:
         return self._call("get_range", key, lambda: self.inner.get_range(key, start, length))
 
+    def get_range_into(self, key: str, start: int, buf: memoryview) -> int:
+        """The same operation as ``get_range`` (a ranged GET), so its rules reach the
+        zero-copy path. A fault sees the bytes that arrived (a view of ``buf``); what it
+        returns instead is copied into ``buf``, its length the answer."""
+        sent: list[Any] = [None, 0]
+
+        def call() -> memoryview:
+            n = self.inner.get_range_into(key, start, buf)
+            sent[:] = [buf[: min(n, len(buf))], n]
+            return sent[0]
+
+        out = self._call("get_range", key, call)
+        if out is sent[0]:
+            return int(sent[1])
+        n = min(len(out), len(buf))
+        buf[:n] = memoryview(out)[:n]
+        return len(out)
+
     def list(self, prefix: str = ""):
         return iter(self._call("list", prefix, lambda: list(self.inner.list(prefix))))
 
@@ -395,6 +432,7 @@ __all__ = [
     "Latency",
     "LoseResponse",
     "Rule",
+    "ShortRead",
     "Truncate",
     "delete_latest",
     "flip_bit",

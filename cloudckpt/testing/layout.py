@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from cloudckpt import protocol
+from cloudckpt import attempt_layout
 from cloudckpt.protocol import CheckpointRecord
-from cloudckpt.restore import fetch_manifest
+from cloudckpt.reader import fetch_manifest
 from cloudckpt.stores import Store
 
 
@@ -13,7 +13,7 @@ def data_key(store: Store, record: CheckpointRecord, path: str, byte: int = 0) -
     file itself (plain layout) or the chunk holding that byte (chunked layout)."""
     entry = next(f for f in fetch_manifest(store, record).files if f.path == path)
     if entry.chunks is None:
-        return record.ckpt + protocol.FILES_DIR + path
+        return record.ckpt + attempt_layout.FILES_DIR + path
     offset = 0
     for chunk in entry.chunks:
         if offset <= byte < offset + chunk.size:
@@ -26,7 +26,7 @@ def data_bit(store: Store, record: CheckpointRecord, path: str, bit: int) -> tup
     """(key, bit within that object) of bit ``bit`` of file ``path``."""
     entry = next(f for f in fetch_manifest(store, record).files if f.path == path)
     if entry.chunks is None:
-        return record.ckpt + protocol.FILES_DIR + path, bit
+        return record.ckpt + attempt_layout.FILES_DIR + path, bit
     offset = 0
     for chunk in entry.chunks:
         if offset * 8 <= bit < (offset + chunk.size) * 8:

@@ -23,7 +23,9 @@ Faults (``ProxyRule.fault``):
 ``reset_after``     forward the request, then reset the connection instead of answering
                     (applied, answer lost)
 ``cut_response``    forward, then send the answer's headers and only half its body, then
-                    close (a truncated download)
+                    reset the connection (RST: a truncated download)
+``cut_fin``         the same, but close the connection cleanly (FIN): the client sees the
+                    body end early with no error from the socket
 ``stall``           hold the request for ``stall_seconds`` (the client times out), then
                     forward it anyway: a late duplicate of a request the client retried
                     (a request still held when the proxy stops is dropped)
@@ -50,7 +52,7 @@ from urllib.parse import urlsplit
 
 __all__ = ["FAULTS", "FaultProxy", "ProxyRule"]
 
-FAULTS = ("503", "500_after", "reset_before", "reset_after", "cut_response", "stall")
+FAULTS = ("503", "500_after", "reset_before", "reset_after", "cut_response", "cut_fin", "stall")
 
 
 @dataclasses.dataclass
@@ -336,9 +338,13 @@ class FaultProxy:
                     _reset(client)
                     return
                 response = r_start + b"".join(r_raw) + b"\r\n"
-                if fault == "cut_response" and len(r_body) > 1:
+                if fault in ("cut_response", "cut_fin") and len(r_body) > 1:
                     client.sendall(response + r_body[: len(r_body) // 2])
-                    _reset(client)
+                    if fault == "cut_response":
+                        _reset(client)
+                    else:
+                        with contextlib.suppress(OSError):
+                            client.shutdown(socket.SHUT_RDWR)
                     return
                 client.sendall(response + r_body)
         except (_Closed, OSError, ValueError, IndexError):

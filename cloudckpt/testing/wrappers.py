@@ -43,6 +43,10 @@ class ForwardingStore(Store):
     def get_range(self, key: str, start: int, length: int) -> bytes:
         return self.inner.get_range(key, start, length)
 
+    def get_range_into(self, key: str, start: int, buf: memoryview) -> int:
+        # Forwarded, not inherited: the inner store's zero-copy path must stay in use.
+        return self.inner.get_range_into(key, start, buf)
+
     def put(self, key: str, data: bytes | memoryview, *, mode: PutMode = OVERWRITE) -> ObjectInfo:
         return self.inner.put(key, data, mode=mode)
 

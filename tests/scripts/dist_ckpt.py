@@ -11,7 +11,8 @@ Scenarios (each rank appends JSON lines to ``DIR/events-<rank>.jsonl``):
 - ``main`` (2 ranks): a fresh run; a multi-rank ``save`` (step 1, per-rank files), a DCP
   ``save`` (step 2) and ``async_save`` (step 3) of DTensors sharded over both ranks, a save
   where rank 1's upload fails (step 4), a DCP save where it fails (step 5), a save whose
-  block raises on rank 1 (step 6), colliding user paths on another run; then, as a new job, ``resume`` of step 1 (one download for the
+  block raises on rank 1 (step 6), colliding user paths on another run, incremental saves
+  on a third run (``scenario_chunks``); then, as a new job, ``resume`` of step 1 (one download for the
   node), a read-only restore as if each rank were its own node, and DCP loads of steps 2
   and 3 resharded onto another placement.
 - ``load1`` (1 process): DCP load of step 3 into plain tensors, and a restore of step 1.
@@ -86,14 +87,21 @@ def manager(url: str, work: Path, name: str, **kwargs) -> DistributedCheckpointM
 
 
 def inject_upload_failure(mgr) -> callable:
-    """Make this rank's next uploads fail (multi-rank saves and DCP writers both upload
-    through ``mgr.attempts.upload_files``); returns the undo."""
+    """Make this rank's next uploads fail (multi-rank saves upload through
+    ``mgr.attempts.upload_chunks``, or ``upload_files`` with chunking off, as DCP writers
+    do); returns the undo."""
 
     def failing(*args, **kwargs):
         raise StoreError("injected upload failure on rank 1")
 
     mgr.attempts.upload_files = failing
-    return lambda: delattr(mgr.attempts, "upload_files")
+    mgr.attempts.upload_chunks = failing
+
+    def undo() -> None:
+        delattr(mgr.attempts, "upload_files")
+        delattr(mgr.attempts, "upload_chunks")
+
+    return undo
 
 
 # ------------------------------------------------------------------------------ main
@@ -204,6 +212,7 @@ def scenario_main(url: str, work: Path, ev: Events) -> None:
         ev("save-failed", step="collide", **error_fields(exc))
     other.close()
     mgr.close()
+    scenario_chunks(url + "-chunks", work, ev)
 
     # A new job resumes: rank 0 claims, the node downloads step 1 once.
     downloaded[0] = 0
@@ -247,6 +256,51 @@ def scenario_main(url: str, work: Path, ev: Events) -> None:
             files_written=sorted(set(map(str, work.rglob("*.distcp"))) - set(before)),
         )
     mgr.close()
+
+
+def scenario_chunks(url: str, work: Path, ev: Events) -> None:
+    """Incremental multi-rank saves (issue 30 item 1), on a run of their own: steps 1 and 2
+    where each rank's frozen files are unchanged; then rank 0 deletes a chunk of rank 1's
+    that step 2 reused, and step 3 must upload it again. Each step restored and compared
+    after its save (steps 1 and 2 name the chunk deleted before step 3)."""
+    frozen = {f"frozen-{i}.bin": os.urandom(150_000 + 1000 * RANK + i) for i in range(3)}
+    mgr = manager(url, work, "chunks", timeout=30, keep_last=5)
+    for step in (1, 2, 3):
+        if step == 3:
+            dist.barrier()  # step 2 is committed and restored on every rank
+            if RANK == 0:
+                ev("chunk-deleted", key=_delete_reused_chunk(url))
+            dist.barrier()
+        files = {**frozen, "changing.bin": f"step {step} of rank {RANK} ".encode() * 50}
+        handle = mgr.save(step)
+        with handle as d:
+            for name, data in files.items():
+                (d / name).write_bytes(data)
+        info = handle.result(timeout=60)
+        ev("chunks-saved", step=step, ckpt=info.ckpt, commit_id=info.commit_id)
+        res = mgr.restore(work / f"restore-chunks-{step}", step=step)
+        got = {p.name: p.read_bytes() for p in res.rank_path.iterdir()}
+        ev("chunks-restored", step=step, exact=got == files)
+    mgr.close()
+
+
+def _delete_reused_chunk(url: str) -> str:
+    """Delete the chunk of rank 1's frozen-0.bin that the current checkpoint (step 2)
+    names from step 1's attempt; returns its key."""
+    from cloudckpt.committer import read_latest
+    from cloudckpt.reader import fetch_manifest
+    from cloudckpt.stores import open_store
+
+    store = open_store(url, OPTIONS)
+    current = read_latest(store).latest.current
+    entry = next(
+        f for f in fetch_manifest(store, current).files if f.path == "rank-00001/frozen-0.bin"
+    )
+    (chunk,) = entry.chunks
+    assert chunk.owner != current.ckpt  # reused, not uploaded by step 2
+    store.delete(chunk.key)
+    store.close()
+    return chunk.key
 
 
 def _dcp_load(mgr: Any, mesh: Any, step: int, w_placement: Any) -> tuple[Any, dict]:

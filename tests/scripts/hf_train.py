@@ -80,7 +80,14 @@ def train(
 
     class Recorder(TrainerCallback):
         def on_train_begin(self, targs, state, control, **kw):
-            emit(event="train_begin", global_step=state.global_step)
+            # Which process this rank is: a test signals exactly it (a scan of /proc for
+            # LOCAL_RANK=1 also matches any child it forked, which shares its environment).
+            emit(
+                event="train_begin",
+                global_step=state.global_step,
+                pid=os.getpid(),
+                rank=int(os.environ.get("RANK", "0")),
+            )
 
         def on_log(self, targs, state, control, logs=None, **kw):
             if logs and "loss" in logs:

@@ -13,7 +13,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from cloudckpt import CheckpointManager, CommitConflictError, FencedError, digest, protocol
+from cloudckpt import (
+    CheckpointManager,
+    CommitConflictError,
+    FencedError,
+    attempt_layout,
+    canonical,
+    digest,
+    manifests,
+    protocol,
+)
 from cloudckpt.committer import Committer
 from cloudckpt.errors import PreconditionFailedError, StoreConflictError
 from cloudckpt.stores import Update, open_store
@@ -54,23 +63,23 @@ def raw_cas(url: str, options: dict, version: str, body: bytes, at: float) -> st
 
 def upload_attempt(store, step: int, epoch: int, writer_id: str) -> protocol.CheckpointRecord:
     now = dt.datetime.now(dt.timezone.utc)
-    attempt = protocol.new_attempt_id(now)
-    prefix = protocol.ckpt_prefix(step, epoch, attempt)
+    attempt = attempt_layout.new_attempt_id(now)
+    prefix = attempt_layout.ckpt_prefix(step, epoch, attempt)
     data = f"{writer_id}:{step}".encode()
-    store.put(prefix + protocol.ATTEMPT_NAME, b"{}")
-    store.put(prefix + protocol.FILES_DIR + "f", data)
-    manifest = protocol.Manifest(
+    store.put(prefix + attempt_layout.ATTEMPT_NAME, b"{}")
+    store.put(prefix + attempt_layout.FILES_DIR + "f", data)
+    manifest = manifests.Manifest(
         ckpt=prefix,
         step=step,
         epoch=epoch,
         commit_id=attempt,
         writer_id=writer_id,
-        created_at=protocol.iso(now),
-        files=(protocol.FileEntry("f", len(data), digest.tree_digest(data)),),
+        created_at=canonical.iso(now),
+        files=(manifests.FileEntry("f", len(data), digest.tree_digest(data)),),
         metadata={"writer": writer_id},
     )
     body = manifest.to_bytes()
-    store.put(prefix + protocol.MANIFEST_NAME, body)
+    store.put(prefix + attempt_layout.MANIFEST_NAME, body)
     return manifest.record(body, now)
 
 

@@ -21,7 +21,9 @@ After EVERY tick the world is checked against the invariants of docs/design.md Â
 A final phase removes the faults, restarts a writer (exercising crash recovery and the
 staging journal), runs GC until it converges, restores every retained checkpoint, and then
 damages the store on purpose (a bit flip in LATEST, a commit record, a manifest, a data
-file; LATEST deleted) and checks that every damage is detected.
+file; LATEST deleted) and checks that every damage is detected. Last, a newer cloudckpt
+commits a LATEST in a format this version does not know (``actors/newer``): restore, GC,
+repair, a writer and a pin must each refuse it and change nothing.
 
 Determinism. Actors are threads, but never concurrent: a baton passes between the
 scheduler and exactly one actor, and an actor hands it back at every store call (and at
@@ -44,12 +46,15 @@ Where things live (one module per role):
 - ``profile``: what a seed decides up front (settings, fault rates, weights, content);
 - ``world``: ``Simulation``, one seed's world: the scheduler and the baton, virtual time
   and host suspend, the run (actors under faults, then the final phase);
-- ``actor``: ``Actor``, one simulated process (a thread that runs while it holds the baton);
-- ``plumbing``: ``Port`` (an actor's store connection: every call a scheduling point and a
-  chance to crash), ``Recorder`` (shows the checker every applied write), inline transfers;
+- ``actor``: ``Actor``, one simulated process (a thread that runs while it holds the baton),
+  its ``Port`` (its store connection: every call a scheduling point and a chance to
+  crash), and ``World``, what the actors need of the world;
+- ``plumbing``: ``Recorder`` (shows the checker every applied write), inline transfers;
 - ``checker``: ``Checker``, the invariants;
+- ``roles``: what the checker and the recorder need of the world and of an actor
+  (``Protocol`` s, so that nothing the world builds imports the world back);
 - ``actors/``: one module per actor program: ``writer``, ``collector``, ``restorer``,
-  ``pinner``, and the final phase's ``finisher`` and ``damage``;
+  ``pinner``, and the final phase's ``finisher``, ``damage`` and ``newer``;
 - ``result``: ``SimResult`` and the replay command;
 - ``runner``: ``run_seed``, ``run_seeds``, ``summarize``; ``cli``: ``main`` (``__main__``).
 """

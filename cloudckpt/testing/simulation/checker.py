@@ -11,22 +11,18 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime as dt
-import hashlib
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
-from cloudckpt import digest, protocol
+from cloudckpt import attempt_layout, canonical, digest, manifests, protocol
 from cloudckpt.errors import CloudCkptError, StoreError
 from cloudckpt.protocol import CheckpointRecord, Latest, Tombstone
 from cloudckpt.restore import RestoreResult
 from cloudckpt.stores.base import MultipartUpload, PutMode
 from cloudckpt.testing.simulation.plumbing import prefix_of
 from cloudckpt.testing.simulation.result import InvariantViolation
-
-if TYPE_CHECKING:
-    from cloudckpt.testing.simulation.actor import Actor
-    from cloudckpt.testing.simulation.world import Simulation
+from cloudckpt.testing.simulation.roles import CheckedWorld, Process
 
 
 def _ids(records: Iterable[CheckpointRecord]) -> set[str]:
@@ -47,7 +43,7 @@ def _finite(value: object) -> float | None:
 def _epoch(iso_time: str) -> float | None:
     """Seconds since the Unix epoch of a record's ``committed_at``, or None."""
     try:
-        return protocol.parse_iso(iso_time).timestamp()
+        return canonical.parse_iso(iso_time).timestamp()
     except ValueError:
         return None
 
@@ -64,7 +60,7 @@ class Checker:
     """The invariants of docs/design.md §9, checked on every LATEST write, every deletion, and
     after every scheduler tick. Raises ``InvariantViolation``."""
 
-    def __init__(self, sim: Simulation) -> None:
+    def __init__(self, sim: CheckedWorld) -> None:
         self.sim = sim
         self.raw = sim.memory
         self.chain: list[Latest] = []  # every LATEST body ever applied, in order
@@ -78,9 +74,12 @@ class Checker:
         self.gc_owned: set[str] = set()
         self.verified: set[str] = set()  # referenced prefixes verified complete
         self.chunk_users: dict[str, set[str]] = collections.defaultdict(set)  # owner -> ckpts
-        self._manifests: dict[str, protocol.Manifest | None] = {}  # commit_id -> parsed
+        self._manifests: dict[str, manifests.Manifest | None] = {}  # commit_id -> parsed
         self.op_writes: collections.Counter = collections.Counter()  # (actor, op) -> LATEST writes
         self._latest_version = ""
+        # I11: the seq of a LATEST a newer cloudckpt wrote (``actors/newer``), while it is
+        # there: this version must not write LATEST or delete anything until it is gone.
+        self.newer_seq: int | None = None
 
     def fail(self, message: str) -> NoReturn:
         """Record a violation (where it is detected, so no handler can hide it) and stop."""
@@ -94,15 +93,18 @@ class Checker:
     # -- hooks from the recorder --
 
     def touched(self, prefix: str, now: dt.datetime) -> None:
-        self.first_write.setdefault(prefix, now)
+        # The oldest write's store time, as GC dates an attempt: with the store's clock
+        # stepping back (``Simulation.clock_stepped_back``) a later write can be older.
+        first = self.first_write.get(prefix)
+        self.first_write[prefix] = now if first is None else min(first, now)
         self.verified.discard(prefix)
         self.verified -= self.chunk_users.get(prefix, set())
 
-    def manifest_of(self, rec: CheckpointRecord) -> protocol.Manifest | None:
+    def manifest_of(self, rec: CheckpointRecord) -> manifests.Manifest | None:
         """The parsed manifest of a record (immutable, so cached), None if unreadable."""
         if rec.commit_id not in self._manifests:
             try:
-                parsed = protocol.parse_manifest(self.raw.get(rec.manifest_key)[0], rec)
+                parsed = manifests.parse_manifest(self.raw.get(rec.manifest_key)[0], rec)
             except CloudCkptError:
                 return None  # not cached: I2 reports it where it matters
             self._manifests[rec.commit_id] = parsed
@@ -119,10 +121,15 @@ class Checker:
                     named[chunk.key] = rec
         return named
 
-    def latest_written(self, body: bytes, mode: PutMode | None, actor: Actor | None) -> None:
+    def latest_written(self, body: bytes, mode: PutMode | None, actor: Process | None) -> None:
         """I1, I3, I4, I5: every applied LATEST is the next link of one chain, and a legal
         transition from the one before it."""
         who = actor.name if actor else "?"
+        if self.newer_seq is not None:
+            self.fail(
+                f"I11: {who} wrote LATEST over the one a newer version wrote (seq "
+                f"{self.newer_seq}): the run was rolled back"
+            )
         try:
             new = protocol.parse_latest(body)
         except CloudCkptError as exc:
@@ -160,7 +167,7 @@ class Checker:
         object, GC's own measure) is GC's from now on."""
         referenced = swept.referenced_prefixes()
         born: dict[str, dt.datetime] = {}
-        for obj in self.raw.list(protocol.CKPT_PREFIX):
+        for obj in self.raw.list(attempt_layout.CKPT_PREFIX):
             prefix = prefix_of(obj.key)
             if prefix is None or prefix in referenced or obj.last_modified is None:
                 continue
@@ -168,7 +175,7 @@ class Checker:
         grace = swept.settings.gc_grace_s
         self.gc_owned.update(p for p, t in born.items() if (now - t).total_seconds() > grace)
 
-    def _transition(self, prev: Latest, new: Latest, actor: Actor | None) -> None:
+    def _transition(self, prev: Latest, new: Latest, actor: Process | None) -> None:
         """I3-I7 on one applied LATEST write: a legal step from ``prev`` to ``new``."""
         who = actor.name if actor else "?"
         self._writer_change(prev, new, actor, who)
@@ -180,7 +187,7 @@ class Checker:
         if not pinned <= new_ret:
             self.fail(f"I3: pins {sorted(pinned - new_ret)} are not retained")
 
-    def _writer_change(self, prev: Latest, new: Latest, actor: Actor | None, who: str) -> None:
+    def _writer_change(self, prev: Latest, new: Latest, actor: Process | None, who: str) -> None:
         """I4: the writer changes only by a claim, which bumps the epoch by one and keeps
         the retained checkpoints as they were."""
         if new.op == "claim":
@@ -196,7 +203,7 @@ class Checker:
                 f"I4: a {new.op} by {who} changed the writer from {prev.writer} to {new.writer}"
             )
 
-    def _current_change(self, prev: Latest, new: Latest, actor: Actor | None, who: str) -> None:
+    def _current_change(self, prev: Latest, new: Latest, actor: Process | None, who: str) -> None:
         """I4-I7: only the writer that owns the epoch commits, each attempt once, never one
         GC touched or one reported failed; nothing but a commit changes the current one."""
         op, current = new.op, new.current
@@ -278,7 +285,7 @@ class Checker:
             self.fail(
                 f"I3: {who} committed step {rec.step} with committed_at {rec.committed_at}, "
                 f"not the store's time (attempt begun {born}, LATEST written "
-                f"{protocol.iso(self.raw.now())})"
+                f"{canonical.iso(self.raw.now())})"
             )
 
     def _retained_change(self, prev: Latest, new: Latest, who: str) -> None:
@@ -363,10 +370,11 @@ class Checker:
             elif n.state != t.state and (op != "gc-mark" or n.state != "deleting"):
                 self.fail(f"I7: tombstone {cid} went {t.state} -> {n.state} by a {op}")
 
-    def before_delete(self, key: str, actor: Actor | None) -> None:
+    def before_delete(self, key: str, actor: Process | None) -> None:
         """I6, I7: GC deletes only unreferenced objects older than grace; manifest first."""
         who = actor.name if actor else "?"
         latest = self.latest
+        self._nothing_deleted_under_newer(who, key)
         if key == protocol.LATEST_KEY:
             self.fail(f"I7: {who} deleted LATEST")
         now = self.raw.now()
@@ -406,7 +414,7 @@ class Checker:
             dropped = state.dropped_at
             if dropped is None or (now - dropped).total_seconds() <= grace:
                 self.fail(f"I7: {who} deleted {key} of a checkpoint dropped < grace ago")
-            manifest = prefix + protocol.MANIFEST_NAME
+            manifest = prefix + attempt_layout.MANIFEST_NAME
             if key != manifest and self.raw.exists(manifest):
                 self.fail(f"I7: {who} deleted {key} before the manifest of {prefix}")
         else:
@@ -414,7 +422,7 @@ class Checker:
             if born is not None and (now - born).total_seconds() <= grace:
                 self.fail(f"I7: {who} deleted {key} of an attempt younger than grace")
 
-    def before_abort(self, upload: MultipartUpload, actor: Actor | None) -> None:
+    def before_abort(self, upload: MultipartUpload, actor: Process | None) -> None:
         if actor is None or actor.name not in ("gc", "final"):
             return  # a writer abandoning its own upload
         state = self.raw.bucket.uploads.get(upload.upload_id)
@@ -468,7 +476,7 @@ class Checker:
         except StoreError:
             self.fail(f"{what}: the manifest is missing")
         try:
-            manifest = protocol.parse_manifest(data, rec)
+            manifest = manifests.parse_manifest(data, rec)
         except CloudCkptError as exc:
             self.fail(f"{what}: the manifest does not verify: {exc}")
         for entry in manifest.files:
@@ -480,16 +488,19 @@ class Checker:
                         parts.append(self.raw.get(chunk.key)[0])
                     except StoreError:
                         self.fail(f"{what}: chunk {chunk.key} of {entry.path} is missing")
-                    if hashlib.sha256(parts[-1]).hexdigest() != chunk.sha256:
+                    if digest.hexleaf(parts[-1], chunk.algorithm) != chunk.sha256:
                         self.fail(f"{what}: chunk {chunk.key} does not match its name")
                 body = b"".join(parts)
             else:
-                key = rec.ckpt + protocol.FILES_DIR + entry.path
+                key = rec.ckpt + attempt_layout.FILES_DIR + entry.path
                 try:
                     body, _ = self.raw.get(key)
                 except StoreError:
                     self.fail(f"{what}: {entry.path} is missing")
-            if len(body) != entry.size or digest.tree_digest(body) != entry.digest:
+            if (
+                len(body) != entry.size
+                or digest.tree_digest(body, algorithm=entry.algorithm) != entry.digest
+            ):
                 self.fail(f"{what}: {entry.path} does not match its size and digest")
 
     # -- outcomes reported to actors --
@@ -514,6 +525,19 @@ class Checker:
                         "but it is committed"
                     )
         self.failed_keys.add(key)
+
+    def _nothing_deleted_under_newer(self, who: str, key: str) -> None:
+        """I11: nothing is deleted from a run while LATEST is a newer version's."""
+        if self.newer_seq is not None:
+            self.fail(f"I11: {who} deleted {key} from a run a newer version wrote")
+
+    def restored_past_newer(self, res: RestoreResult, who: str) -> NoReturn:
+        """I11: a restore that returned anything while LATEST is a newer version's went
+        past it (to an older step)."""
+        self.fail(
+            f"I11: {who} returned step {res.step} ({res.commit_id}) past a LATEST a newer "
+            f"version wrote (seq {self.newer_seq})"
+        )
 
     def ack_floor(self) -> int:
         """The newest LATEST seq at which an acknowledged save became current."""

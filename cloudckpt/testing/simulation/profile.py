@@ -15,6 +15,7 @@ from cloudckpt.testing.faults import (
     Latency,
     LoseResponse,
     Rule,
+    ShortRead,
     Truncate,
 )
 
@@ -54,11 +55,26 @@ class Profile:
     # changes with every claim); B may also leave them unset (inheriting the run's).
     best: tuple[tuple[str, str], tuple[str, str] | None] = (("loss", "min"), ("loss", "min"))
     keep_periods: tuple[tuple[int, int], ...] = ()
+    # Ranged reads of data (files, chunks) that come back short with no error (a response
+    # cut short that the transport missed): readers must read again, never judge the
+    # object truncated on one answer. Drawn by ``draw_short_reads`` (a generator of its own).
+    p_short_read: float = 0.0
 
     @classmethod
-    def draw(cls, rng: random.Random, retention_rng: random.Random | None = None) -> Profile:
+    def draw(
+        cls,
+        rng: random.Random,
+        retention_rng: random.Random | None = None,
+        reads_rng: random.Random | None = None,
+    ) -> Profile:
         profile = cls._draw(rng)
-        return profile.draw_retention(retention_rng) if retention_rng is not None else profile
+        if retention_rng is not None:
+            profile = profile.draw_retention(retention_rng)
+        return profile.draw_short_reads(reads_rng) if reads_rng is not None else profile
+
+    def draw_short_reads(self, rng: random.Random) -> Profile:
+        """The rate of short ranged reads of data (none in half the seeds)."""
+        return dataclasses.replace(self, p_short_read=rng.choice([0, 0, 0.02, 0.05, 0.15]))
 
     def draw_retention(self, rng: random.Random) -> Profile:
         """The retention rules by metric and by time: keep-best of 1-3 by "loss" (min) or
@@ -161,6 +177,13 @@ class Profile:
                 key=lambda k: "/files/" in k or "/chunks/" in k,
                 times=None,
                 probability=self.p_truncate,
+            ),
+            Rule(
+                ShortRead(),
+                ops={"get_range"},
+                key=lambda k: "/files/" in k or "/chunks/" in k,
+                times=None,
+                probability=self.p_short_read,
             ),
         ]
         return [r for r in rules if r.probability > 0]

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import SupportsIndex
 
-from cloudckpt import failpoints, protocol
+from cloudckpt import attempt_layout, failpoints, protocol
 from cloudckpt.stores.base import Store
 from cloudckpt.stores.memory import ManualClock, MemoryStore, drop_memory_bucket
 from cloudckpt.testing.simulation.actor import Actor, baton
@@ -47,12 +47,19 @@ class Simulation:
         self.seed = seed
         self.steps = steps
         self.rng = random.Random(seed)
-        self.profile = Profile.draw(self.rng, random.Random(f"{seed}/retention"))
+        self.profile = Profile.draw(
+            self.rng, random.Random(f"{seed}/retention"), random.Random(f"{seed}/short-reads")
+        )
         self.sched_rng = random.Random(f"{seed}/scheduler")
         self.crash_rng = random.Random(f"{seed}/crash")
         self.id_rng = random.Random(f"{seed}/ids")
         self.suspend_rng = random.Random(f"{seed}/suspend")
         self.chunking_rng = random.Random(f"{seed}/chunking")
+        # The store's clock stepping back for a write into an attempt (a frontend whose
+        # clock is behind, or a step back corrected at once), from a generator of its own
+        # so that every other draw of a seed stays as it was.
+        self.clockback_rng = random.Random(f"{seed}/clockback")
+        self.p_clock_back = self.clockback_rng.choice([0.0, 0.01, 0.03, 0.1])
         self.result = SimResult(seed, steps)
         self.bucket = f"sim-{seed}-{os.getpid()}-{id(self):x}"
         self.clock = ManualClock(_T0)
@@ -191,7 +198,7 @@ class Simulation:
         whose checkpoint may be collected under it)."""
         rate = self.profile.p_suspend
         op, _, key = actor.next_call.partition(" ")
-        writing = op == "put" and key.endswith((protocol.LATEST_KEY, protocol.MANIFEST_NAME))
+        writing = op == "put" and key.endswith((protocol.LATEST_KEY, attempt_layout.MANIFEST_NAME))
         reading = op in ("get", "get_range", "list") and ("/chunks/" in key or "/files/" in key)
         return min(1.0, 20 * rate) if writing or reading else rate
 
@@ -217,6 +224,31 @@ class Simulation:
         self.result.counters["host_suspends"] += 1
         self._trace.update(f"suspend {actor.name} {seconds:.1f}\n".encode())
 
+    @contextlib.contextmanager
+    def clock_stepped_back(self, key: str) -> Iterator[None]:
+        """Now and then (``p_clock_back``, faults on), the store's clock steps back for
+        one write of an object into an attempt (``ATTEMPT.json``, a file, a chunk, a
+        manifest): by more than the commit's margin (up to half the grace period), so the
+        object is dated earlier than a birth its writer read before it. GC dates the
+        attempt by that object (issue 28 item 4)."""
+        back = 0.0
+        if (
+            self.faults_on
+            and key.startswith(attempt_layout.CKPT_PREFIX)
+            and self.clockback_rng.random() < self.p_clock_back
+        ):
+            grace = self.profile.grace
+            margin = min(600.0, max(0.1 * grace, 2.0))
+            back = self.clockback_rng.uniform(1.2 * margin, 0.5 * grace)
+            self.clock.advance(-back)
+            self.result.counters["store_clock_steps_back"] += 1
+            self._trace.update(f"clock back {back:.1f} {key}\n".encode())
+        try:
+            yield
+        finally:
+            if back:
+                self.clock.advance(back)
+
     def _sleep(self, seconds: float | SupportsIndex) -> None:  # (time.sleep's signature)
         self.clock.advance(max(0.0, float(seconds)))
         actor = self.current
@@ -231,11 +263,11 @@ class Simulation:
 
     @contextlib.contextmanager
     def _virtual_world(self) -> Iterator[None]:
-        saved = (time.sleep, time.monotonic, protocol.new_attempt_id, protocol.new_writer_id)
+        saved = (time.sleep, time.monotonic, attempt_layout.new_attempt_id, protocol.new_writer_id)
         random_state = random.getstate()
         time.sleep = self._sleep
         time.monotonic = self.monotonic
-        protocol.new_attempt_id = self._attempt_id
+        attempt_layout.new_attempt_id = self._attempt_id
         protocol.new_writer_id = lambda: f"sim-{self.id_rng.getrandbits(32):08x}"
         random.seed(self.seed)
         for point in failpoints.POINTS:
@@ -244,7 +276,9 @@ class Simulation:
             yield
         finally:
             failpoints.disarm()
-            time.sleep, time.monotonic, protocol.new_attempt_id, protocol.new_writer_id = saved
+            time.sleep, time.monotonic, attempt_layout.new_attempt_id, protocol.new_writer_id = (
+                saved
+            )
             random.setstate(random_state)
 
     # -- for the actors --

@@ -9,4 +9,6 @@ through ``actor.new_incarnation()`` (a fault-injecting ``Port``), and reports ou
 - ``pinner``: ``admin.pin`` / ``admin.unpin``.
 - ``finisher``: the final phase without faults (recovery, GC and restores converge).
 - ``damage``: the damage the final phase injects (bit flips, forgeries, LATEST deleted).
+- ``newer``: a newer cloudckpt commits a LATEST in a format this version does not know;
+  every program of this version must refuse it and change nothing (final phase).
 """

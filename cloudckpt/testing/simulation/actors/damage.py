@@ -12,18 +12,18 @@ import hashlib
 import random
 from typing import TYPE_CHECKING
 
-from cloudckpt import digest, protocol
+from cloudckpt import attempt_layout, digest, manifests, protocol
 from cloudckpt.errors import CloudCkptError, CorruptionError, NeedsRepairError
 from cloudckpt.gc import collect_garbage
 from cloudckpt.protocol import CheckpointRecord
-from cloudckpt.restore import fetch_manifest, restore
+from cloudckpt.reader import fetch_manifest
+from cloudckpt.restore import restore
 from cloudckpt.stores.base import Store
 from cloudckpt.testing.faults import flip_bit
 from cloudckpt.transfer import TransferEngine
 
 if TYPE_CHECKING:
-    from cloudckpt.testing.simulation.actor import Actor
-    from cloudckpt.testing.simulation.world import Simulation
+    from cloudckpt.testing.simulation.actor import Actor, World
 
 
 def run(actor: Actor, port: Store, engine: TransferEngine) -> None:
@@ -33,7 +33,7 @@ def run(actor: Actor, port: Store, engine: TransferEngine) -> None:
     current = latest.current if latest else None
     if current is None:  # the finisher's save committed: there is one
         sim.checker.fail("I10: no current checkpoint to damage after the final save")
-    manifest = protocol.parse_manifest(sim.memory.get(current.manifest_key)[0], current)
+    manifest = manifests.parse_manifest(sim.memory.get(current.manifest_key)[0], current)
     _flip_bits(sim, actor.rng, port, engine, current, manifest)
     _forge(sim, actor.rng, port, engine, current, manifest)
     _forge_with_latest(sim, actor.rng, port, engine, current, manifest)
@@ -41,12 +41,12 @@ def run(actor: Actor, port: Store, engine: TransferEngine) -> None:
 
 
 def _flip_bits(
-    sim: Simulation,
+    sim: World,
     rng: random.Random,
     port: Store,
     engine: TransferEngine,
     current: CheckpointRecord,
-    manifest: protocol.Manifest,
+    manifest: manifests.Manifest,
 ) -> None:
     """One bit flipped in LATEST, the newest commit record, the current manifest and one
     current data file (or chunk): each is detected."""
@@ -60,7 +60,7 @@ def _flip_bits(
             targets.append(rng.choice(entry.chunks).key)
             sim.result.counters["chunk_flips"] += 1
         else:
-            targets.append(current.ckpt + protocol.FILES_DIR + entry.path)
+            targets.append(current.ckpt + attempt_layout.FILES_DIR + entry.path)
     for key in targets:
         original, _ = raw.get(key)
         bit = flip_bit(raw, key, seed=rng.getrandbits(32))
@@ -72,7 +72,7 @@ def _flip_bits(
         sim.result.counters["bit_flips_detected"] += 1
 
 
-def _delete_latest(sim: Simulation, port: Store, engine: TransferEngine) -> None:
+def _delete_latest(sim: World, port: Store, engine: TransferEngine) -> None:
     """LATEST deleted: readers fall back to the commit records, GC refuses."""
     c, raw = sim.checker, sim.memory
     original, _ = raw.get(protocol.LATEST_KEY)
@@ -92,12 +92,12 @@ def _delete_latest(sim: Simulation, port: Store, engine: TransferEngine) -> None
 
 
 def _forge(
-    sim: Simulation,
+    sim: World,
     rng: random.Random,
     port: Store,
     engine: TransferEngine,
     current: CheckpointRecord,
-    manifest: protocol.Manifest,
+    manifest: manifests.Manifest,
 ) -> None:
     """A consistent forgery (I9): one file of the current checkpoint rewritten and its
     manifest re-sealed to match, so only the digest LATEST recorded can tell. The
@@ -106,14 +106,17 @@ def _forge(
     entry = rng.choice(manifest.files)
     evil = b"forged " + rng.randbytes(rng.randint(1, 64))
     if entry.chunks is None:
-        key = current.ckpt + protocol.FILES_DIR + entry.path
-        forged = protocol.FileEntry(entry.path, len(evil), digest.tree_digest(evil))
+        key = current.ckpt + attempt_layout.FILES_DIR + entry.path
+        tree = digest.tree_digest(evil, algorithm=manifest.algorithm)
+        forged = manifests.FileEntry(entry.path, len(evil), tree, algorithm=manifest.algorithm)
     else:
-        sha = hashlib.sha256(evil).hexdigest()
-        key = f"{current.ckpt}{protocol.CHUNKS_DIR}{sha}"
-        ref = protocol.ChunkRef(current.ckpt, sha, len(evil))
-        tree = digest.tree_digest(evil, manifest.chunk_size)
-        forged = protocol.FileEntry(entry.path, len(evil), tree, (ref,))
+        sha = digest.hexleaf(evil, manifest.algorithm)
+        ref = manifests.ChunkRef(current.ckpt, sha, len(evil), manifest.algorithm)
+        key = ref.key
+        tree = digest.tree_digest(evil, manifest.chunk_size, manifest.algorithm)
+        forged = manifests.FileEntry(
+            entry.path, len(evil), tree, (ref,), algorithm=manifest.algorithm
+        )
     files = tuple(forged if e is entry else e for e in manifest.files)
     saved = {k: raw.get(k)[0] for k in (key, current.manifest_key) if raw.exists(k)}
     raw.put(key, evil)
@@ -136,12 +139,12 @@ def _forge(
 
 
 def _forge_with_latest(
-    sim: Simulation,
+    sim: World,
     rng: random.Random,
     port: Store,
     engine: TransferEngine,
     current: CheckpointRecord,
-    manifest: protocol.Manifest,
+    manifest: manifests.Manifest,
 ) -> None:
     """A forgery consistent up to LATEST (I9): one file's content replaced by other
     intact data (another chunk, or other bytes for a whole file), its size changed to
@@ -152,20 +155,34 @@ def _forge_with_latest(
     entry = rng.choice(manifest.files)
     saved: dict[str, bytes] = {protocol.LATEST_KEY: raw.get(protocol.LATEST_KEY)[0]}
     if entry.chunks is None:
-        key = current.ckpt + protocol.FILES_DIR + entry.path
+        key = current.ckpt + attempt_layout.FILES_DIR + entry.path
         other = raw.get(key)[0] + b"!"
         saved[key] = raw.get(key)[0]
         raw.put(key, other)
-        forged = protocol.FileEntry(entry.path, len(other), entry.digest)
+        forged = manifests.FileEntry(
+            entry.path, len(other), entry.digest, algorithm=manifest.algorithm
+        )
     else:
         mine = {ch.sha256 for ch in entry.chunks}  # other bytes, not another copy
-        others = [o for o in raw.list("ckpt/") if "/chunks/" in o.key and o.key[-64:] not in mine]
+        others = [
+            o
+            for o in raw.list("ckpt/")
+            if "/chunks/" in o.key
+            and o.key[-64:] not in mine
+            and (
+                attempt_layout.parse_chunk_name(o.key.split(attempt_layout.CHUNKS_DIR)[1]) or ("",)
+            )[0]
+            == manifest.algorithm
+        ]
         if not others:
             return
         pick = rng.choice(others)
-        owner, sha = pick.key.split(protocol.CHUNKS_DIR)
-        ref = protocol.ChunkRef(owner, sha, pick.size)
-        forged = protocol.FileEntry(entry.path, pick.size, entry.digest, (ref,))
+        owner, name = pick.key.split(attempt_layout.CHUNKS_DIR)
+        sha = name[-64:]
+        ref = manifests.ChunkRef(owner, sha, pick.size, manifest.algorithm)
+        forged = manifests.FileEntry(
+            entry.path, pick.size, entry.digest, (ref,), algorithm=manifest.algorithm
+        )
     files = tuple(forged if e is entry else e for e in manifest.files)
     body = dataclasses.replace(manifest, files=files).to_bytes()
     saved[current.manifest_key] = raw.get(current.manifest_key)[0]
@@ -194,7 +211,7 @@ def _forge_with_latest(
 
 
 def _detect(
-    sim: Simulation, key: str, current: CheckpointRecord, port: Store, engine: TransferEngine
+    sim: World, key: str, current: CheckpointRecord, port: Store, engine: TransferEngine
 ) -> bool:
     """Whether the damage to ``key`` is noticed by the reader that must notice it."""
     if key == protocol.LATEST_KEY or key.startswith(protocol.COMMITS_PREFIX):

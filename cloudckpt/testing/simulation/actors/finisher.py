@@ -1,7 +1,8 @@
 """The final phase (I9, I10), run alone once the faults are off: recovery converges (a
 writer restarts, often on a crashed writer's staging directory, resumes and saves), GC
-converges, every retained checkpoint restores to its exact bytes, and every damage
-``damage`` injects is detected."""
+converges, every retained checkpoint restores to its exact bytes, every damage ``damage``
+injects is detected, and a LATEST a newer version commits (``newer``) is refused by every
+program of this version, which changes nothing (I11)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,12 @@ from cloudckpt.gc import collect_garbage
 from cloudckpt.protocol import Latest
 from cloudckpt.restore import restore
 from cloudckpt.stores.base import Store
-from cloudckpt.testing.simulation.actors import damage, writer
+from cloudckpt.testing.simulation.actors import damage, newer, writer
 from cloudckpt.testing.simulation.plumbing import inline_engine, prefix_of, transfer_config
 from cloudckpt.transfer import TransferEngine
 
 if TYPE_CHECKING:
-    from cloudckpt.testing.simulation.actor import Actor
-    from cloudckpt.testing.simulation.world import Simulation
+    from cloudckpt.testing.simulation.actor import Actor, World
 
 
 def run(actor: Actor) -> None:
@@ -34,6 +34,8 @@ def run(actor: Actor) -> None:
     # Damage: every single bit flip is detected (I9); a missing LATEST falls back.
     sim.checks_on = False
     damage.run(actor, port, engine)
+    # A newer version takes over: nobody restores past it, rolls it back or collects (I11).
+    newer.run(actor, port, engine)
     sim.checks_on = True
 
 
@@ -61,7 +63,7 @@ def _restart_and_save(actor: Actor, port: Store) -> None:
     mgr.close()
 
 
-def _gc_converges(sim: Simulation, port: Store) -> Latest:
+def _gc_converges(sim: World, port: Store) -> Latest:
     """After enough time nothing unreferenced is left, and a further GC deletes nothing.
     Returns the LATEST that GC converged to."""
     c = sim.checker
@@ -88,7 +90,7 @@ def _gc_converges(sim: Simulation, port: Store) -> Latest:
 
 
 def _every_retained_restores(
-    sim: Simulation, latest: Latest, port: Store, engine: TransferEngine
+    sim: World, latest: Latest, port: Store, engine: TransferEngine
 ) -> None:
     """Every retained checkpoint of ``latest`` restores to its exact bytes."""
     for rec in latest.retained():

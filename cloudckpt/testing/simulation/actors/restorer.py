@@ -14,8 +14,7 @@ from cloudckpt.restore import restore
 from cloudckpt.testing.simulation.plumbing import inline_engine, transfer_config
 
 if TYPE_CHECKING:
-    from cloudckpt.testing.simulation.actor import Actor
-    from cloudckpt.testing.simulation.world import Simulation
+    from cloudckpt.testing.simulation.actor import Actor, World
 
 
 def run(actor: Actor) -> None:
@@ -59,6 +58,6 @@ def run(actor: Actor) -> None:
             sim.result.counters["restorer_crashes"] += 1
 
 
-def _check_untouched(sim: Simulation, into: Path) -> None:
+def _check_untouched(sim: World, into: Path) -> None:
     if into.exists() and any(into.iterdir()):
         sim.checker.fail(f"I8: a failed restore left files in {into}")

@@ -26,8 +26,7 @@ from cloudckpt.stores.base import Store
 from cloudckpt.testing.simulation.plumbing import inline_engine, transfer_config
 
 if TYPE_CHECKING:
-    from cloudckpt.testing.simulation.actor import Actor
-    from cloudckpt.testing.simulation.world import Simulation
+    from cloudckpt.testing.simulation.actor import Actor, World
 
 
 def run(actor: Actor) -> None:
@@ -52,7 +51,7 @@ def run(actor: Actor) -> None:
 
 
 def new_manager(
-    sim: Simulation, port: Store, staging: Path, writer: str = "A", **kw: Any
+    sim: World, port: Store, staging: Path, writer: str = "A", **kw: Any
 ) -> CheckpointManager:
     """A real ``CheckpointManager`` with the seed's settings (``writer``'s rules by metric
     and by time), saving in the calling thread."""
@@ -70,7 +69,7 @@ def new_manager(
         chunking=sim.chunking_rng.choice(("tensor", "tensor", "fixed", "off")),
         **kw,
     )
-    mgr._synchronous = True
+    mgr.queue.synchronous = True
     mgr.engine.close()
     mgr.engine = inline_engine(transfer_config())
     return mgr

@@ -1,0 +1,277 @@
+"""A run a newer cloudckpt wrote (issue 28, item 1): a format this version does not know is
+not damage. Readers, writers, GC, repair, verify, cp and export refuse it
+(``UnknownFormatError``, exit 10 naming the version that wrote it); none falls back past it
+to an older record, rolls it back, collects by it or writes over it (docs/design.md §3,
+format changes).
+
+The run is real (saved through ``CheckpointManager`` on the memory oracle, with its manual
+clock); "a newer version wrote steps 4 and 5" is made by relabelling the records of those
+commits to ``cloudckpt.latest/99`` (resealed, so they pass their self-check, as a newer
+writer's would), or a manifest to ``cloudckpt.manifest/99``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from cloudckpt import (
+    CheckpointManager,
+    UnknownFormatError,
+    attempt_layout,
+    canonical,
+    formats,
+    protocol,
+)
+from cloudckpt.cli import cli
+from cloudckpt.gc import collect_garbage
+from cloudckpt.integrations.torch import load_state
+from cloudckpt.repair import repair
+from cloudckpt.stores import OVERWRITE, open_store
+from cloudckpt.stores.memory import ManualClock
+from cloudckpt.testing.faults import flip_bit
+
+GRACE = 3600
+NEWER = "9.0.0"  # the version that "wrote" the relabelled records
+NEWER_LATEST = "cloudckpt.latest/99"
+
+
+def _save(mgr, step):
+    with mgr.save(step=step) as d:
+        (d / "weights").write_bytes(b"w%d" % step * 1000)
+    mgr.wait()
+
+
+def _reseal(body: dict, **changes) -> bytes:
+    """``body`` changed and sealed again, as the version that wrote it would have."""
+    return canonical.seal({**body, **changes})
+
+
+def _relabel(store, key, fmt=NEWER_LATEST, **changes) -> None:
+    body = json.loads(store.get(key)[0])
+    store.put(key, _reseal(body, format=fmt, written_by=NEWER, **changes), mode=OVERWRITE)
+
+
+def _snapshot(store) -> dict[str, bytes]:
+    return {o.key: store.get(o.key)[0] for o in store.list()}
+
+
+@dataclasses.dataclass
+class NewerRun:
+    store: object
+    clock: ManualClock
+    url: str
+
+
+@pytest.fixture
+def newer_run(memory_target, manager_factory):
+    """Steps 1-5 committed with keep_last=2 (steps 1-3 dropped: tombstones), every object
+    older than grace; then a newer cloudckpt "wrote" the commits of steps 4 and 5: LATEST
+    and their commit records are in format /99. The older records (current: step 3 and
+    before) still parse: what a fallback past the newer ones would restore."""
+    clock = ManualClock()
+    store = open_store(memory_target.url, {"clock": clock})
+    mgr = manager_factory(store, keep_last=2, gc_grace=GRACE, auto_gc=False)
+    for step in range(1, 6):
+        _save(mgr, step)
+    mgr.close()
+    for obj in store.list(protocol.COMMITS_PREFIX):
+        record = protocol.parse_latest(store.get(obj.key)[0])
+        if record.current is not None and record.current.step >= 4:
+            _relabel(store, obj.key)
+    _relabel(store, protocol.LATEST_KEY)
+    clock.advance(GRACE * 3)
+    return NewerRun(store, clock, memory_target.url)
+
+
+def _refused(exc_info) -> None:
+    exc = exc_info.value
+    assert exc.found == NEWER_LATEST and exc.written_by == NEWER
+    assert "cloudckpt.latest/2" in exc.known
+    assert f"written by cloudckpt {NEWER}" in str(exc) and "upgrade this host" in str(exc)
+
+
+# --------------------------------------------------------------------------- readers
+
+
+def test_restore_and_load_state_refuse_a_newer_latest_never_an_older_step(
+    newer_run, manager_factory, tmp_path
+):
+    before = _snapshot(newer_run.store)
+    with pytest.raises(UnknownFormatError) as exc_info:
+        manager_factory(newer_run.store).restore(tmp_path / "r")
+    _refused(exc_info)
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
+    with pytest.raises(UnknownFormatError):
+        load_state(newer_run.store, weights_only=False)
+    assert _snapshot(newer_run.store) == before
+
+
+def test_a_newer_commit_record_is_not_skipped_for_an_older_one(newer_run, tmp_path):
+    # LATEST gone: readers use the newest commit record, which is a newer version's.
+    newer_run.store.delete(protocol.LATEST_KEY)
+    result = CliRunner().invoke(cli, ["restore", newer_run.url, str(tmp_path / "r")])
+    assert result.exit_code == 10, result.output
+    assert f"cloudckpt {NEWER}" in result.output and "upgrade this host" in result.output
+    assert not (tmp_path / "r" / "weights").exists()
+
+
+def test_the_cli_exits_10_naming_the_version_and_changes_nothing(newer_run, tmp_path):
+    before = _snapshot(newer_run.store)
+    for args in (
+        ["restore", newer_run.url, str(tmp_path / "r")],
+        ["ls", newer_run.url],
+        ["verify", newer_run.url],
+        ["gc", newer_run.url],
+        ["repair", newer_run.url],
+        ["repair", newer_run.url, "--force"],
+        ["cp", newer_run.url, newer_run.url + "-copy"],
+        ["export", newer_run.url, str(tmp_path / "exported")],
+    ):
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 10, (args, result.output)
+        assert f"cloudckpt {NEWER}" in result.output, (args, result.output)
+        assert "upgrade this host" in result.output, (args, result.output)
+    assert _snapshot(newer_run.store) == before
+    assert not list(open_store(newer_run.url + "-copy").list())
+
+
+def test_a_setting_this_version_does_not_know_is_refused_by_readers(newer_run, tmp_path):
+    # A /2 LATEST whose settings name a rule this version lacks: not damage either.
+    store = newer_run.store
+    body = json.loads(store.get(protocol.LATEST_KEY)[0])
+    body["format"] = formats.LATEST_FORMAT
+    body["settings"]["keep_tagged"] = ["release"]
+    store.put(protocol.LATEST_KEY, _reseal(body, written_by=NEWER), mode=OVERWRITE)
+    result = CliRunner().invoke(cli, ["restore", newer_run.url, str(tmp_path / "r")])
+    assert result.exit_code == 10, result.output
+    assert "keep_tagged" in result.output and f"cloudckpt {NEWER}" in result.output
+
+
+# --------------------------------------------------------------------------- repair
+
+
+def test_repair_refuses_a_newer_latest_and_changes_nothing(newer_run):
+    before = _snapshot(newer_run.store)
+    for kwargs in ({}, {"force": True}, {"dry_run": True}):
+        with pytest.raises(UnknownFormatError) as exc_info:
+            repair(newer_run.store, **kwargs)
+        _refused(exc_info)
+    assert _snapshot(newer_run.store) == before
+
+
+def test_repair_refuses_while_any_commit_record_is_newer(newer_run):
+    # LATEST really is damaged now, but a newer version's records exist: rebuilding from
+    # the newest record this version reads would roll the run back past them.
+    flip_bit(newer_run.store, protocol.LATEST_KEY, seed=5)
+    before = _snapshot(newer_run.store)
+    with pytest.raises(UnknownFormatError) as exc_info:
+        repair(newer_run.store)
+    _refused(exc_info)
+    assert _snapshot(newer_run.store) == before
+
+
+# --------------------------------------------------------------------------- GC
+
+
+def test_gc_deletes_nothing_of_a_run_with_a_newer_latest(newer_run):
+    before = _snapshot(newer_run.store)
+    with pytest.raises(UnknownFormatError):
+        collect_garbage(newer_run.store)
+    assert _snapshot(newer_run.store) == before
+
+
+def _newer_manifest_under_a_known_latest(store) -> None:
+    """LATEST stays /2 and reads, but its current checkpoint's manifest is a newer
+    version's (the policy forbids writing this; a reader must still refuse it)."""
+    latest_body = None
+    for obj in sorted(store.list(protocol.COMMITS_PREFIX), key=lambda o: o.key, reverse=True):
+        body = json.loads(store.get(obj.key)[0])
+        if body["format"] != NEWER_LATEST:
+            latest_body = body
+            break
+    assert latest_body is not None
+    current = latest_body["current"]
+    key = current["ckpt"] + attempt_layout.MANIFEST_NAME
+    manifest = _reseal(json.loads(store.get(key)[0]), format="cloudckpt.manifest/99")
+    manifest = _reseal(json.loads(manifest), written_by=NEWER)
+    store.put(key, manifest, mode=OVERWRITE)
+    current.update(
+        manifest_sha256=hashlib.sha256(manifest).hexdigest(), manifest_size=len(manifest)
+    )
+    latest_body["seq"] += 100
+    latest_body["parent_seq"] = latest_body["seq"] - 1
+    store.put(protocol.LATEST_KEY, _reseal(latest_body), mode=OVERWRITE)
+
+
+def test_gc_deletes_nothing_by_a_newer_manifest(newer_run):
+    store = newer_run.store
+    _newer_manifest_under_a_known_latest(store)
+    latest = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
+    assert latest.tombstones  # steps GC would collect, if it went on
+    before = _snapshot(store)
+    with pytest.raises(UnknownFormatError) as exc_info:
+        collect_garbage(store)
+    assert exc_info.value.found == "cloudckpt.manifest/99"
+    # It stops at the first manifest it reads: after marking the expired tombstones
+    # ``deleting`` in the LATEST it reads (a format it knows), before deleting anything.
+    after = _snapshot(store)
+    assert set(before) <= set(after)
+    assert {k: v for k, v in after.items() if k in before and k != protocol.LATEST_KEY} == {
+        k: v for k, v in before.items() if k != protocol.LATEST_KEY
+    }
+    marked = protocol.parse_latest(after[protocol.LATEST_KEY])
+    assert marked.retained() == latest.retained()
+    assert [t.record for t in marked.tombstones] == [t.record for t in latest.tombstones]
+
+
+# --------------------------------------------------------------------------- writers
+
+
+def test_a_save_refuses_a_newer_latest_and_writes_nothing(newer_run, tmp_path):
+    before = _snapshot(newer_run.store)
+    mgr = CheckpointManager(newer_run.store, staging_dir=tmp_path / "s", auto_gc=False)
+    try:
+        with pytest.raises(UnknownFormatError) as exc_info:
+            mgr.resume(tmp_path / "r")
+        _refused(exc_info)
+        with pytest.raises(UnknownFormatError):
+            _save(mgr, 6)
+    finally:
+        with contextlib.suppress(UnknownFormatError):  # the failed save, again
+            mgr.close(timeout=60)
+    assert _snapshot(newer_run.store) == before
+
+
+def test_a_save_refuses_a_newer_manifest_under_its_latest(newer_run, tmp_path):
+    store = newer_run.store
+    _newer_manifest_under_a_known_latest(store)
+    before = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
+    mgr = CheckpointManager(store, staging_dir=tmp_path / "s", auto_gc=False, chunking="tensor")
+    try:
+        with pytest.raises(UnknownFormatError):
+            _save(mgr, 6)
+    finally:
+        with contextlib.suppress(UnknownFormatError):  # the failed save, again
+            mgr.close(timeout=60)
+    after = protocol.parse_latest(store.get(protocol.LATEST_KEY)[0])
+    assert after.current == before.current and 6 not in [r.step for r in after.retained()]
+
+
+def test_a_newer_staging_journal_is_refused_and_kept(memory_target, tmp_path):
+    staging = tmp_path / "s"
+    mgr = CheckpointManager(memory_target.url, staging_dir=staging, auto_gc=False)
+    mgr.close()
+    attempt = staging / "attempts" / "20300101T000000000Z-deadbeef"
+    (attempt / "files").mkdir(parents=True)
+    journal = {"format": "cloudckpt.journal/9", "written_by": NEWER, "id": attempt.name}
+    (attempt / "journal.json").write_text(json.dumps(journal))
+    with pytest.raises(UnknownFormatError) as exc_info:
+        CheckpointManager(memory_target.url, staging_dir=staging, auto_gc=False)
+    assert exc_info.value.written_by == NEWER
+    assert json.loads((attempt / "journal.json").read_text()) == journal
