@@ -22,6 +22,12 @@ for _var in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDP
 # Nor real Azure credentials (tests set the variables they need themselves).
 for _var in [v for v in os.environ if v.startswith(("AZURE_STORAGE_", "AZURE_CLIENT_"))]:
     os.environ.pop(_var, None)
+# pytest stops truncating assertion explanations where CI or BUILD_NUMBER is set, and then
+# explains a failed == between multi-MiB bytes by diffing their reprs for minutes: a failing
+# test looked like a hang and died on its timeout (a mutant's guard did, in CI). Keep the
+# truncation; big_bytes (the hook below) says what differs in large bytes instead.
+for _var in ("CI", "BUILD_NUMBER"):
+    os.environ.pop(_var, None)
 os.environ["AWS_CONFIG_FILE"] = os.devnull
 os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
 
@@ -214,6 +220,15 @@ def pytest_configure(config):
 
         config._cloudckpt_mutant = mutants.applied(name)
         config._cloudckpt_mutant.__enter__()
+
+
+def pytest_assertrepr_compare(config, op, left, right):
+    """Failed ``==`` on large bytes: say what differs, not a diff of reprs (``big_bytes``)."""
+    import big_bytes
+
+    if op == "==" and (big_bytes.holds_large_bytes(left) or big_bytes.holds_large_bytes(right)):
+        return big_bytes.explain(left, right)
+    return None
 
 
 @pytest.fixture
