@@ -41,6 +41,7 @@ Safety (the commit and GC rules):
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import datetime as dt
 import itertools
@@ -389,10 +390,11 @@ class _Uploader:
         self._claimed: set[str] = set()
         self.checked = _Checked()
 
-    def _put(self, ref: ChunkRef, data: memoryview) -> None:
+    def _put(self, ref: ChunkRef, data: memoryview, crc: int | None) -> None:
         key = ref.key
+        known_crc = contextlib.nullcontext() if crc is None else digest.known_crc32c(data, crc)
         try:
-            with digest.known_leaf(data, bytes.fromhex(ref.sha256), ref.algorithm):
+            with digest.known_leaf(data, bytes.fromhex(ref.sha256), ref.algorithm), known_crc:
                 self.engine.retry(lambda: self.store.put(key, data, mode=CREATE), f"upload {key}")
         except PreconditionFailedError:
             pass  # content-addressed and create-only: whoever won wrote these bytes
@@ -407,14 +409,21 @@ class _Uploader:
     def _span(self, data: memoryview, offset: int, pieces: list[tuple[int, int]]):
         length = len(data)
         algorithm = self.algorithm
-        leaf = digest.leaf(data, algorithm)
+        # With nothing to reuse every chunk is sent: its transfer CRC32C is computed in the
+        # same pass as its digest. With an index most chunks of an incremental save are
+        # reused, and a CRC of them would be wasted: the store computes it for those sent.
+        crc: int | None = None
+        if not self.index and len(pieces) == 1:
+            leaf, crc = digest.leaf_and_crc32c(data, algorithm)
+        else:
+            leaf = digest.leaf(data, algorithm)
         refs = []
         for off, n in pieces:
             if n == length:
-                chunk, sha = data, leaf.hex()
+                chunk, sha, chunk_crc = data, leaf.hex(), crc
             else:
                 chunk = data[off - offset : off - offset + n]
-                sha = digest.hexleaf(chunk, algorithm)
+                sha, chunk_crc = digest.hexleaf(chunk, algorithm), None
             ref = ChunkRef(self.prefix, sha, n, algorithm)
             known = self.index.get(ref.name, n)
             if known is not None and not self.checked.trusted(
@@ -429,7 +438,7 @@ class _Uploader:
                 first = ref.name not in self._claimed
                 self._claimed.add(ref.name)
             if first:
-                self._put(ref, chunk)
+                self._put(ref, chunk, chunk_crc)
                 with self._lock:
                     self.stats.chunks_uploaded += 1
                     self.stats.bytes_uploaded += n

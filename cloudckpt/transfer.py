@@ -45,7 +45,7 @@ from cloudckpt.errors import (
 from cloudckpt.failpoints import hit as failpoint
 from cloudckpt.manifests import FileEntry
 from cloudckpt.retry import IDEMPOTENT_RETRY, SAFE_TO_RETRY, call_with_retries
-from cloudckpt.stores import OVERWRITE, MultipartUpload, PartInfo, Store, crc32c_b64
+from cloudckpt.stores import OVERWRITE, MultipartUpload, PartInfo, Store, crc32c_text
 
 MiB = 1024 * 1024
 ProgressCallback = Callable[[int], None]
@@ -468,9 +468,9 @@ class _FileUpload:
 
     def _single(self) -> tuple[list[bytes], None]:
         with self.engine.reading(self.path, 0, self.before.size) as data:
-            leaves = digest.leaves_of(data)
+            leaves, crc = digest.leaves_and_crc32c(data)
             known = digest.known_leaf(data, leaves[0]) if len(leaves) == 1 else nullcontext()
-            with known:
+            with known, digest.known_crc32c(data, crc):
                 self.engine._retry(
                     lambda: self.store.put(self.key, data, mode=OVERWRITE), f"upload {self.key}"
                 )
@@ -482,8 +482,8 @@ class _FileUpload:
     ) -> tuple[list[bytes], PartInfo]:
         length = min(self.part_size, self.before.size - offset)
         with self.engine.reading(self.path, offset, length) as data:
-            leaves = digest.leaves_of(data)
-            crc = crc32c_b64(data)
+            leaves, crc_value = digest.leaves_and_crc32c(data)  # one pass over the part
+            crc = crc32c_text(crc_value)
             # A one-chunk SHA-256 part's leaf is its SHA-256: a payload-signing store reuses it.
             known = digest.known_leaf(data, leaves[0]) if len(leaves) == 1 else nullcontext()
             with known:

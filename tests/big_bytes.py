@@ -41,7 +41,9 @@ def _first_difference(left: Any, right: Any) -> str:
     if not (isinstance(left, _BYTES) and isinstance(right, _BYTES)):
         return ""
     a, b = bytes(left), bytes(right)
-    offset = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    offset = next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
     return f", first difference at byte {offset}"
 
 
@@ -63,7 +65,7 @@ def explain(left: Any, right: Any) -> list[str]:
     if isinstance(left, (list, tuple)) and isinstance(right, (list, tuple)):
         if len(left) != len(right):
             lines.append(f"  lengths differ: {len(left)} != {len(right)}")
-        for i, (a, b) in enumerate(zip(left, right)):
+        for i, (a, b) in enumerate(zip(left, right, strict=False)):
             if a != b:
                 lines.append(f"  [{i}]: {_describe(a)} != {_describe(b)}{_first_difference(a, b)}")
         return lines

@@ -1224,6 +1224,20 @@ def _short_read_judged_at_once(setattr_: Callable[[Any, str, Any], None]) -> Non
     setattr_(TransferEngine, "read_exact", read_exact)
 
 
+def _fused_crc_misses_a_byte(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The CRC32C computed in the digest's pass leaves out the chunk's last byte."""
+    from cloudckpt import digest
+
+    original = digest.leaf_and_crc32c
+
+    def fused(chunk, algorithm=None, crc=0):
+        view = memoryview(chunk).cast("B")
+        leaf, _ = original(view, algorithm, crc)
+        return leaf, original(view[: max(0, len(view) - 1)], algorithm, crc)[1]
+
+    setattr_(digest, "leaf_and_crc32c", fused)
+
+
 def _short_judged_by_the_answers(setattr_: Callable[[Any, str, Any], None]) -> None:
     """Answers short on every retry are taken for a short object without asking the store
     the object's size (as before simulation seed 1430): a proxy that cuts every answer
@@ -1421,6 +1435,16 @@ MUTANTS.update(
                 _fsspec_cut_not_transient,
                 (f"{_CUT}[http-FIN]",),
                 why_not_simulated=_NOT_SIMULATED_STORES,
+            ),
+            Mutant(
+                "fused-crc-misses-a-byte",
+                "the transfer CRC32C computed in the digest's pass covers every byte sent",
+                _fused_crc_misses_a_byte,
+                (
+                    "tests/test_transfer_crc.py::test_one_pass_gives_the_leaf_and_crc_of_two_passes",
+                    "tests/test_transfer_crc.py::test_a_first_save_sends_the_crc_from_the_digest_pass",
+                ),
+                why_not_simulated="not reachable: the simulation's memory store takes no CRC with a put",
             ),
             Mutant(
                 "short-judged-by-the-answers",

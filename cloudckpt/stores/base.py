@@ -28,7 +28,7 @@ import dataclasses
 import datetime as dt
 from collections.abc import Iterator, Sequence
 
-from cloudckpt import _crc32c
+from cloudckpt import _crc32c, digest
 from cloudckpt.errors import ConfigurationError, UnsupportedBackendError
 
 INTERNAL_PREFIX = ".cloudckpt/"
@@ -122,7 +122,20 @@ class Capabilities:
 def crc32c_b64(data: bytes | bytearray | memoryview) -> str:
     """CRC32C of ``data`` (any contiguous buffer, not copied: ``cloudckpt._crc32c``) as
     base64 of its 4 big-endian bytes (the S3/GCS header form)."""
-    return base64.b64encode(_crc32c.value(data).to_bytes(4, "big")).decode("ascii")
+    return crc32c_text(_crc32c.value(data))
+
+
+def crc32c_text(value: int) -> str:
+    """A CRC32C value as base64 of its 4 big-endian bytes (the S3/GCS header form)."""
+    return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
+
+
+def payload_crc32c(data: bytes | bytearray | memoryview) -> str:
+    """``crc32c_b64(data)`` for a payload being sent: the CRC the caller computed in the
+    same pass as its digest (``digest.known_crc32c``) where it registered one, so the bytes
+    are not read a second time; else computed here."""
+    known = digest.crc32c_if_known(data)
+    return crc32c_b64(data) if known is None else crc32c_text(known)
 
 
 def validate_key(key: str) -> str:

@@ -76,6 +76,7 @@ from cloudckpt.stores.base import (
     Store,
     Update,
     crc32c_b64,
+    payload_crc32c,
     validate_key,
 )
 
@@ -422,7 +423,7 @@ class GCSStore(Store):
         key), ChecksumMismatchError, OutcomeUnknownError, BucketNotFoundError, ..."""
         name = self._name(key)
         params = self._precondition(key, mode)
-        crc = crc32c_b64(data)
+        crc = payload_crc32c(data)
 
         async def go() -> ObjectInfo:
             try:

@@ -67,6 +67,7 @@ from cloudckpt.stores.base import (
     Store,
     Update,
     crc32c_b64,
+    payload_crc32c,
     validate_key,
 )
 
@@ -316,7 +317,7 @@ class S3Store(Store):
             "Body": body,
             # Our own CRC32C: botocore then computes none, and S3 verifies this one.
             "ChecksumAlgorithm": "CRC32C",
-            "ChecksumCRC32C": crc32c_b64(data),
+            "ChecksumCRC32C": payload_crc32c(data),
         }
         if isinstance(mode, Create):
             params["IfNoneMatch"] = "*"
