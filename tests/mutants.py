@@ -1224,6 +1224,13 @@ def _short_read_judged_at_once(setattr_: Callable[[Any, str, Any], None]) -> Non
     setattr_(TransferEngine, "read_exact", read_exact)
 
 
+def _runs_listing_passes_newer_runs(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """`runs` lists a run a newer version wrote and exits 0, as if the listing were whole."""
+    from cloudckpt.cli import _catalog
+
+    setattr_(_catalog, "_newer_runs_error", lambda runs: None)
+
+
 def _fused_crc_misses_a_byte(setattr_: Callable[[Any, str, Any], None]) -> None:
     """The CRC32C computed in the digest's pass leaves out the chunk's last byte."""
     from cloudckpt import digest
@@ -1568,6 +1575,13 @@ MUTANTS.update(
                 _digest_algorithm_ignored,
                 (f"{_DIGESTS}test_a_sha256_run_mixes_with_blake3_restore_verify_gc_cp_fallback",),
                 why_not_simulated=_NOT_SIMULATED_DIGESTS,
+            ),
+            Mutant(
+                "runs-listing-passes-newer-runs",
+                "`runs` over a run a newer version wrote lists the others and exits 10",
+                _runs_listing_passes_newer_runs,
+                (f"{_NEWER}test_runs_lists_every_run_flags_the_newer_one_and_exits_10",),
+                why_not_simulated="not reachable: the simulation has no CLI",
             ),
             Mutant(
                 "unknown-digest-is-damage",

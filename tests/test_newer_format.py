@@ -275,3 +275,23 @@ def test_a_newer_staging_journal_is_refused_and_kept(memory_target, tmp_path):
         CheckpointManager(memory_target.url, staging_dir=staging, auto_gc=False)
     assert exc_info.value.written_by == NEWER
     assert json.loads((attempt / "journal.json").read_text()) == journal
+
+
+def test_runs_lists_every_run_flags_the_newer_one_and_exits_10(newer_run, memory_target):
+    """One run a newer version wrote does not hide the others from `runs`: each is listed
+    (the newer one as newer-format, with what it stores), then the command exits 10."""
+    sibling = newer_run.url.rsplit("/", 1)[0] + "/other"
+    with CheckpointManager(sibling, keep_last=2) as other:
+        _save(other, 7)
+    parent = newer_run.url.rsplit("/", 1)[0]
+    result = CliRunner().invoke(cli, ["runs", parent, "--json"])
+    assert result.exit_code == 10, result.output
+    doc = json.loads(result.stdout)
+    by_path = {r["path"]: r for r in doc["runs"]}
+    assert by_path["other"]["status"] == "ok" and by_path["other"]["step"] == 7
+    newer = by_path[newer_run.url.rsplit("/", 1)[1]]
+    assert newer["status"] == "newer-format" and newer["step"] is None
+    assert newer["stored_bytes"] > 0 and f"cloudckpt {NEWER}" in newer["problem"]
+    table = CliRunner().invoke(cli, ["runs", parent])
+    assert table.exit_code == 10 and "newer-format" in table.output and "other" in table.output
+    assert "upgrade this host" in table.output

@@ -16,6 +16,7 @@ from cloudckpt.errors import (
     CorruptionError,
     CorruptRecordError,
     ObjectNotFoundError,
+    UnknownFormatError,
     UnsafePathError,
 )
 from cloudckpt.protocol import Latest
@@ -29,7 +30,9 @@ class RunInfo:
 
     ``path``: where it lies below the prefix (``""``: the prefix itself is a run).
     ``status``: ``ok``; ``empty`` (claimed, nothing committed yet); ``needs-repair``
-    (checkpoint data but LATEST missing or unreadable; ``problem`` says which).
+    (checkpoint data but LATEST missing or unreadable; ``problem`` says which);
+    ``newer-format`` (a newer cloudckpt wrote its LATEST or a retained manifest: upgrade;
+    ``problem`` says which version; only what it stores is known).
     ``step``, ``commit_id``, ``committed_at``, ``total_bytes``, ``num_files``: its current
     checkpoint (None without one). ``retained``: how many checkpoints it keeps.
     ``stored_bytes``/``stored_objects``: every object of the run (LATEST, ``ckpt/``,
@@ -65,6 +68,9 @@ class RunInfo:
         return dataclasses.asdict(self)
 
 
+#: ``RunInfo.status`` of a run a newer cloudckpt wrote.
+NEWER_FORMAT = "newer-format"
+
 #: Directories a run holds that are its own data, not runs below it.
 _RUN_DIRS = {attempt_layout.CKPT_PREFIX, protocol.COMMITS_PREFIX, INTERNAL_PREFIX}
 
@@ -76,7 +82,8 @@ def list_runs(
     sorted by path: one listing of each directory visited (a delimiter listing on S3, GCS
     and Azure); for each run one read of LATEST and one listing of its objects (what it
     stores), and, only where unreferenced attempts hold chunks, one read of each retained
-    manifest (which of those chunks are still named). Read-only.
+    manifest (which of those chunks are still named). Read-only. A run a newer cloudckpt
+    wrote is listed with status ``newer-format`` rather than failing the listing.
 
     Raises:
         ConfigurationError: ``depth`` is negative, or a bad URL.
@@ -140,9 +147,15 @@ def _describe(store: Store, prefix: str, has_latest: bool, now: dt.datetime) -> 
     except CorruptRecordError as exc:
         problem = f"LATEST is unreadable: {exc.message}"
         return RunInfo(url, path, "needs-repair", problem=problem, **stored)
+    except UnknownFormatError as exc:
+        # Not damage and not this listing's failure: the other runs are still listed.
+        return RunInfo(url, path, NEWER_FORMAT, problem=exc.message, **stored)
     updated = info.last_modified
     current = latest.current
-    unreferenced = _unreferenced(store, prefix, latest, objects)
+    try:
+        unreferenced = _unreferenced(store, prefix, latest, objects)
+    except UnknownFormatError as exc:  # a retained manifest a newer version wrote
+        return RunInfo(url, path, NEWER_FORMAT, problem=exc.message, **stored)
     return RunInfo(
         url,
         path,

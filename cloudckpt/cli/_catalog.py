@@ -15,6 +15,7 @@ import click
 
 from cloudckpt.canonical import parse_iso
 from cloudckpt.cli._common import (
+    NEWER_FORMAT,
     RUN_URL,
     StoreArgs,
     emit_json,
@@ -28,7 +29,7 @@ from cloudckpt.cli._common import (
 )
 from cloudckpt.cli._main import cli
 from cloudckpt.cli._table import age
-from cloudckpt.errors import ConfigurationError
+from cloudckpt.errors import ConfigurationError, UnknownFormatError
 from cloudckpt.stores import RunURL, parse_url
 
 
@@ -130,21 +131,49 @@ def runs_cmd(url: RunURL, depth: int, store_args: StoreArgs, as_json: bool) -> N
     attempts; in how many attempt prefixes), which `cloudckpt gc` deletes once older than
     the grace period. One listing per directory (a delimiter listing on S3, GCS and
     Azure), then for each run one read of its LATEST and one listing of its objects;
-    read-only. A run whose LATEST is missing or damaged is listed as needs-repair.
+    read-only. A run whose LATEST is missing or damaged is listed as needs-repair; one a
+    newer cloudckpt wrote as newer-format, and the command then exits 10 after listing.
     """
     from cloudckpt.catalog import list_runs
 
     with store_args.open(url, writable=False) as store:
         runs = list_runs(store, depth=depth)
         where = store.url
-    doc = {"url": where, "depth": depth, "runs": [r.to_dict() for r in runs]}
+    doc: dict[str, Any] = {"url": where, "depth": depth, "runs": [r.to_dict() for r in runs]}
+    newer = _newer_runs_error(runs)
     if as_json:
+        if newer is not None:  # one document: the listing, and why the exit code is 10
+            doc["error"] = {"type": type(newer).__name__, "message": newer.message,
+                            "hint": newer.hint, "exit_code": NEWER_FORMAT}  # fmt: skip
         emit_json(doc)
-        return
-    if not runs:
+    elif not runs:
         info(f"{where}: no runs at or below it (within {depth} directories)")
+    else:
+        _print_runs(where, runs)
+    if newer is None:
         return
-    _print_runs(where, runs)
+    if as_json:
+        click.echo(click.style("cloudckpt: error: ", fg="red", bold=True) + newer.message, err=True)
+        click.echo(f"hint: {newer.hint}", err=True)
+        raise click.exceptions.Exit(NEWER_FORMAT)
+    raise newer
+
+
+def _newer_runs_error(runs: list[Any]) -> UnknownFormatError | None:
+    """Every run is listed; if a newer cloudckpt wrote some, the command then exits 10 as
+    every command does on a format it does not know (a script must not take the listing
+    for complete)."""
+    from cloudckpt.catalog.runs import NEWER_FORMAT as NEWER_STATUS
+
+    newer = [r for r in runs if r.status == NEWER_STATUS]
+    if not newer:
+        return None
+    names = ", ".join(r.path or "." for r in newer)
+    return UnknownFormatError(
+        f"{len(newer)} of the {len(runs)} runs listed ({names}) were written by a newer "
+        f"cloudckpt; this one shows only what they store ({newer[0].problem})",
+        what="runs",
+    )
 
 
 def _print_runs(where: str, runs: list[Any]) -> None:
