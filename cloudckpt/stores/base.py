@@ -223,7 +223,7 @@ class Store(abc.ABC):
     def stored_crc32c(self, key: str) -> str | None:
         """The CRC32C (base64, as ``crc32c_b64``) of the whole object that the store
         recorded when it was written, or None where the store keeps none (this default;
-        S3 returns one when the upload sent it). Lets a caller check an object's content
+        S3 returns one when the upload sent it; GCS keeps one for every object). Lets a caller check an object's content
         without reading it (``chunks.resumed_chunk_ok``).
 
         Raises ObjectNotFoundError and the other StoreErrors of ``head``."""

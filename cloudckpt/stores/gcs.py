@@ -325,6 +325,21 @@ class GCSStore(Store):
 
         return self._run(go, write=False, key=key)
 
+    def stored_crc32c(self, key: str) -> str | None:
+        """The CRC32C GCS keeps for every object, composed ones included (its metadata's
+        ``crc32c``, base64 as ``crc32c_b64``): one metadata read, no download. Raises
+        ObjectNotFoundError, BucketNotFoundError, TransientStoreError, ..."""
+        name = self._name(key)
+
+        async def go() -> str | None:
+            r = await self._send("GET", self._object_url(name), params={"fields": "crc32c"})
+            if r.status != 200:
+                raise await self._error(r, key, write=False)
+            crc = r.json().get("crc32c")
+            return str(crc) if crc else None
+
+        return self._run(go, write=False, key=key)
+
     def get(self, key: str) -> tuple[bytes, ObjectInfo]:
         """The bytes and the generation they belong to, from one media download (the
         ``x-goog-generation`` header), so bytes and version always agree. ``last_modified``
