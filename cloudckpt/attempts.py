@@ -90,7 +90,9 @@ class CommitInfo:
     ``bytes_uploaded``: bytes this save sent to the store; ``bytes_reused``: bytes it named
     where they already lay instead (chunks of earlier checkpoints, and ``bytes_resumed``
     of them: chunks an interrupted save of the same step had uploaded). ``uploaded +
-    reused = total_bytes``. None where unknown (a multi-rank or DCP save).
+    reused = total_bytes`` (less a chunk a save names twice, uploaded once). A multi-rank
+    save sums its ranks' (a chunk one rank put for several counts once: there the sum can
+    be well below ``total_bytes``); None where unknown (a DCP save).
     ``warnings``: what failed after the commit landed (the journal's ``committed`` write
     on a full staging disk, keeping the local copy): the save is committed all the same
     (invariant I6: a committed save is never reported as failed).

@@ -85,13 +85,27 @@ class ThreadComm(Comm):
 class Counting(ForwardingStore):
     """Counts the bytes of every chunk put this rank's client made to the store (what the
     store received: a create-only put it refused still carried its body); ``drop``: chunk
-    names whose puts are swallowed (answered as done, never stored)."""
+    names whose puts are swallowed (answered as done, never stored); ``manifests_fail``:
+    reads of manifests fail (a rank that cannot load the index of the save's base)."""
 
     def __init__(self, inner, drop: frozenset[str] = frozenset()) -> None:
         super().__init__(inner)
         self.chunk_puts: list[tuple[str, int]] = []
         self.drop = drop
+        self.manifests_fail = False
         self._lock = threading.Lock()
+
+    def _check_read(self, key: str) -> None:
+        if self.manifests_fail and key.endswith(attempt_layout.MANIFEST_NAME):
+            raise StoreError(f"injected: cannot read {key}")
+
+    def get(self, key):
+        self._check_read(key)
+        return self.inner.get(key)
+
+    def get_range(self, key, start, length):
+        self._check_read(key)
+        return self.inner.get_range(key, start, length)
 
     def put(self, key, data, *, mode=OVERWRITE):
         if f"/{attempt_layout.CHUNKS_DIR}" in key:
@@ -288,10 +302,11 @@ def test_three_ranks_two_of_which_share_a_chunk(ranks, tmp_path):
 
 
 def test_incremental_dp2_saves_and_a_restart_keep_one_copy_and_commit(ranks, tmp_path):
-    """Step 2 of two replicas with the shard unchanged uploads nothing of it. After a
-    restart (new managers: no kept index, so the coordinator assigns the shard an owner),
-    the owner uploads it although the base's manifest names it: the other replica names
-    it under the new attempt, and the commit's listing finds it there."""
+    """Step 2 of two ranks with the shard unchanged uploads nothing of it. After a
+    restart (new managers: no kept index, so the coordinator assigns the shard an owner,
+    rank 0) where rank 1 cannot read the base's manifest (an empty index: it names the
+    shard under the new attempt), the owner puts the shard although its own index names
+    it, and the commit's listing finds it there."""
     mgrs, stores = ranks(2)
     assert not isinstance(save_on(mgrs, 1, dp_files)[0], BaseException)
     before = [s.chunk_bytes for s in stores]
@@ -303,10 +318,12 @@ def test_incremental_dp2_saves_and_a_restart_keep_one_copy_and_commit(ranks, tmp
     on_ranks(2, lambda r: mgrs[r].close())
 
     mgrs, stores = ranks(2)
-    on_ranks(2, lambda r: mgrs[r].resume(tmp_path / "resumed"))
+    stores[1].manifests_fail = True
     infos = save_on(mgrs, 3, lambda r: dp_files(r, 3))
+    stores[1].manifests_fail = False
     assert not any(isinstance(i, BaseException) for i in infos), infos
     assert [n for n, _ in stores[1].chunk_puts] == [name_of(dp_files(1, 3)["own.bin"])]
+    assert (name_of(SHARED), len(SHARED)) in stores[0].chunk_puts
     results = on_ranks(2, lambda r: mgrs[r].restore(tmp_path / "out3"))
     for r, res in enumerate(results):
         assert {p.name: p.read_bytes() for p in res.rank_path.iterdir()} == dp_files(r, 3)
@@ -332,8 +349,9 @@ def test_an_owner_whose_chunk_never_landed_means_no_commit(ranks):
 def test_a_divergent_replica_is_not_committed_and_names_ranks_and_file(ranks, tmp_path):
     """One flipped byte in rank 1's copy of the shard: no commit, every rank raises
     ReplicaDivergedError naming both ranks, the file and where it first differs; the
-    manager takes the next (agreeing) save."""
-    mgrs, stores = ranks(2, replica_groups=[[0, 1]])
+    manager takes the next (agreeing) save, whose per-rank RNG file ``replica_exclude``
+    leaves out of the comparison."""
+    mgrs, stores = ranks(2, replica_groups=[[0, 1]], replica_exclude=["rng-*.pt"])
     infos = save_on(mgrs, 1, lambda r: replica_files(1))
     assert not isinstance(infos[0], BaseException), infos
     flipped = bytearray(SHARED)
@@ -353,8 +371,9 @@ def test_a_divergent_replica_is_not_committed_and_names_ranks_and_file(ranks, tm
         assert "step.bin" not in res.message  # the files that agree are not named
     store = stores[0].inner
     assert read_latest(store).latest.current.step == 1
-    infos = save_on(mgrs, 3, lambda r: replica_files(3))
+    infos = save_on(mgrs, 3, lambda r: {**replica_files(3), "rng-0.pt": b"%d" % r})
     assert not isinstance(infos[0], BaseException), infos
+    assert read_latest(store).latest.current.step == 3
 
 
 def test_replica_divergence_is_computed_from_the_entries():
@@ -377,6 +396,7 @@ def test_replica_divergence_is_computed_from_the_entries():
         "rank 0 saved 'o.pt', its replica rank 2 did not",
     ]
     assert divergence(((0, 2),), [a, c, a]) == []
+    assert divergence(((0, 2),), [a, c, b], exclude=["m.pt", "o.*"]) == []
     assert check_groups([[2, 0], [1, 3]], 4) == ((0, 2), (1, 3))
     for bad in ([[0]], [[0, 1], [1, 2]], [[0, 5]], [["x", 1]]):
         with pytest.raises(ConfigurationError):

@@ -51,7 +51,7 @@ def _rank_pipeline(manager: ManagerBase) -> RankSave:
         RankChunks(manager.store),
         manager.progress,
         manager._stored_path,
-        manager.replica_groups,
+        manager.replicas,
         manager.dedup,
     )
 
@@ -86,6 +86,9 @@ class DistributedCheckpointManager(ManagerBase):
             ``per_rank_dirs``). Before every commit the coordinator compares their digests;
             any difference is no commit and a ``ReplicaDivergedError`` naming the ranks and
             files (docs/integrations/distributed.md, "Replica agreement"). Default: none.
+        replica_exclude: glob patterns of paths inside ``rank-<r>/`` that replicas may
+            hold differently (per-rank RNG states, data-loader positions), e.g.
+            ``["rng-*.pt"]``.
         dedup: a chunk that several ranks hold is uploaded once, by the lowest rank that
             must upload it (default True; costs each rank one hashing pass over its files
             before the save's first collective: docs/integrations/distributed.md).
@@ -107,6 +110,7 @@ class DistributedCheckpointManager(ManagerBase):
         node_id: str | None = None,
         staging_dir: str | os.PathLike[str] | None = None,
         replica_groups: Sequence[Sequence[int]] | None = None,
+        replica_exclude: Sequence[str] | None = None,
         dedup: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -128,7 +132,10 @@ class DistributedCheckpointManager(ManagerBase):
             )
         dist = torch_dist()
         global_rank, rank, world, group = _join(dist, process_group, self.timeout)
-        self.replica_groups = _replicas.check_groups(replica_groups, world)
+        self.replicas = _replicas.Replicas(
+            _replicas.check_groups(replica_groups, world),
+            check_patterns(replica_exclude, "replica_exclude"),
+        )
         self.rank, self.world_size, self.global_rank = rank, world, global_rank
         self.is_coordinator = rank == 0
         self.process_group = group
@@ -159,7 +166,7 @@ class DistributedCheckpointManager(ManagerBase):
             node=node_id if node_id is not None else node_key(),
             url=None if failure is not None else self.url,
             per_rank_dirs=self.per_rank_dirs,
-            replica_groups=self.replica_groups,
+            replicas=self.replicas,
             dedup=self.dedup,
         )
         try:
@@ -311,7 +318,7 @@ class RankSave:
         rank_chunks: RankChunks,
         progress: ProgressCallback | None,
         stored_path: Callable[[str], str],
-        replicas: _replicas.Groups = (),
+        replicas: _replicas.Replicas | None = None,
         dedup: bool = True,
     ) -> None:
         self.comm = comm
@@ -319,7 +326,7 @@ class RankSave:
         self.rank_chunks = rank_chunks
         self.progress = progress
         self.stored_path = stored_path
-        self.replicas = replicas
+        self.replicas = replicas or _replicas.Replicas()
         self.dedup = dedup
 
     def __call__(self, job: QueuedSave) -> CommitInfo:
@@ -378,8 +385,8 @@ class _Hello:
     node: str
     url: str | None
     per_rank_dirs: bool
-    replica_groups: _replicas.Groups = ()
-    dedup: bool = True
+    replicas: _replicas.Replicas
+    dedup: bool
 
 
 def _disagreement(everyone: list[_Hello]) -> str | None:
@@ -393,8 +400,8 @@ def _disagreement(everyone: list[_Hello]) -> str | None:
         return "ranks were given different URLs: " + ", ".join(sorted(str(u) for u in urls))
     if len({e.per_rank_dirs for e in everyone}) > 1:
         return "ranks disagree about per_rank_dirs"
-    if len({e.replica_groups for e in everyone}) > 1:
-        return "ranks disagree about replica_groups"
+    if len({e.replicas for e in everyone}) > 1:
+        return "ranks disagree about replica_groups or replica_exclude"
     if len({e.dedup for e in everyone}) > 1:
         return "ranks disagree about dedup"
     return None

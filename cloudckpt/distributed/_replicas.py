@@ -15,15 +15,27 @@ from it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 
 from cloudckpt.errors import ConfigurationError, ReplicaDivergedError
 from cloudckpt.manifests import FileEntry
+from cloudckpt.reader import matches
 
 #: At most this many differences are listed in the error (the count is always given).
 SHOWN = 5
 
 Groups = tuple[tuple[int, ...], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicas:
+    """Which ranks are replicas (``groups``), and the files (glob patterns of paths inside
+    ``rank-<r>/``, ``exclude``) they may hold differently: per-rank RNG states, data-loader
+    positions."""
+
+    groups: Groups = ()
+    exclude: tuple[str, ...] = ()
 
 
 def check_groups(groups: Iterable[Iterable[int]] | None, world: int) -> Groups:
@@ -67,16 +79,24 @@ def _first_difference(a: FileEntry, b: FileEntry) -> str:
     return "same size, different digest"
 
 
-def divergence(groups: Groups, entries: Sequence[Sequence[FileEntry]]) -> list[str]:
+def divergence(
+    groups: Groups, entries: Sequence[Sequence[FileEntry]], exclude: Sequence[str] = ()
+) -> list[str]:
     """Coordinator: every difference between the files the ranks of each group saved
-    (``entries[r]``: rank ``r``'s, paths under its ``rank-<r>/``), compared with the
-    group's lowest rank; [] when the replicas agree."""
+    (``entries[r]``: rank ``r``'s, paths under its ``rank-<r>/``; those matching an
+    ``exclude`` pattern left out), compared with the group's lowest rank; [] when the
+    replicas agree."""
+
+    def compared(rank: int) -> dict[str, FileEntry]:
+        out = {_relative(e.path): e for e in entries[rank]}
+        return {p: e for p, e in out.items() if not any(matches(p, x) for x in exclude)}
+
     problems: list[str] = []
     for group in groups:
         lead = group[0]
-        want = {_relative(e.path): e for e in entries[lead]}
+        want = compared(lead)
         for rank in group[1:]:
-            got = {_relative(e.path): e for e in entries[rank]}
+            got = compared(rank)
             for rel in sorted(want.keys() | got.keys()):
                 a, b = want.get(rel), got.get(rel)
                 if a is None or b is None:
@@ -89,10 +109,10 @@ def divergence(groups: Groups, entries: Sequence[Sequence[FileEntry]]) -> list[s
     return problems
 
 
-def check_agreement(groups: Groups, entries: Sequence[Sequence[FileEntry]], step: int) -> None:
+def check_agreement(replicas: Replicas, entries: Sequence[Sequence[FileEntry]], step: int) -> None:
     """Coordinator, before the commit. Raises ReplicaDivergedError listing the
     differences (``divergence``)."""
-    problems = divergence(groups, entries)
+    problems = divergence(replicas.groups, entries, replicas.exclude)
     if problems:
         more = f" (and {len(problems) - SHOWN} more)" if len(problems) > SHOWN else ""
         raise ReplicaDivergedError(

@@ -51,6 +51,8 @@ from cloudckpt.transfer import ProgressCallback
 
 log = logging.getLogger("cloudckpt.distributed")
 
+_REPLICAS_NONE = _replicas.Replicas()
+
 #: Recorded in every multi-rank commit's metadata: the world size that saved it.
 WORLD_SIZE_KEY = "cloudckpt.world_size"
 
@@ -154,7 +156,7 @@ def save(
     local_exc: BaseException | None,
     progress: ProgressCallback | None,
     *,
-    replicas: _replicas.Groups = (),
+    replicas: _replicas.Replicas = _REPLICAS_NONE,
     dedup: bool = True,
 ) -> CommitInfo:
     """This rank's part of the save of ``handle``: its ``files`` (paths in the
@@ -370,7 +372,7 @@ def _commit(
     uploaded: Uploaded,
     handle: SaveHandle,
     step: int,
-    replicas: _replicas.Groups,
+    replicas: _replicas.Replicas,
     *,
     may_retry: bool,
 ) -> Committed | Reupload:
