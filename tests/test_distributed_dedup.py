@@ -31,7 +31,12 @@ from cloudckpt.distributed import DistributedCheckpointManager, _manager
 from cloudckpt.distributed._chunks import Reusable, owners, split_owned
 from cloudckpt.distributed._comm import Comm
 from cloudckpt.distributed._replicas import check_groups, divergence
-from cloudckpt.errors import ConfigurationError, ReplicaDivergedError, StoreError
+from cloudckpt.errors import (
+    ConfigurationError,
+    RankFailedError,
+    ReplicaDivergedError,
+    StoreError,
+)
 from cloudckpt.manifests import ChunkRef, FileEntry, chunk_name
 from cloudckpt.reader import fetch_manifest
 from cloudckpt.stores import OVERWRITE, open_store
@@ -299,6 +304,52 @@ def test_three_ranks_two_of_which_share_a_chunk(ranks, tmp_path):
     results = on_ranks(3, lambda r: mgrs[r].restore(tmp_path / "out"))
     for r, res in enumerate(results):
         assert (res.rank_path / "x.bin").read_bytes() == files(r)["x.bin"]
+
+
+def test_a_replicated_tensor_inside_files_that_differ_is_uploaded_once(ranks, tmp_path):
+    """``torch.save`` files that differ between ranks but hold the same large tensor (a
+    replicated layer beside each rank's own): with tensor chunking the replicated tensor's
+    chunk is put once, by rank 0; each rank restores its own file exactly."""
+    import torch
+
+    mgrs, stores = ranks(2)
+    replicated = torch.randn(600_000, generator=torch.Generator().manual_seed(3))
+    blobs = {}
+    for r in (0, 1):
+        path = tmp_path / f"model-{r}.pt"
+        torch.save({"replicated": replicated, "own": torch.full((1000,), float(r))}, path)
+        blobs[r] = path.read_bytes()
+    assert blobs[0] != blobs[1]
+    infos = save_on(mgrs, 1, lambda r: {"model.pt": blobs[r]})
+    assert not isinstance(infos[0], BaseException), infos
+    size = replicated.numel() * replicated.element_size()
+    assert (size in [n for _, n in stores[0].chunk_puts]) and all(
+        n != size for _, n in stores[1].chunk_puts
+    ), (stores[0].chunk_puts, stores[1].chunk_puts)
+    assert infos[0].bytes_uploaded == stores[0].chunk_bytes + stores[1].chunk_bytes
+    assert infos[0].bytes_uploaded < infos[0].total_bytes - size // 2
+    results = on_ranks(2, lambda r: mgrs[r].restore(tmp_path / "out"))
+    for r, res in enumerate(results):
+        assert (res.rank_path / "model.pt").read_bytes() == blobs[r]
+
+
+def test_an_owner_that_fails_its_upload_means_no_commit(ranks):
+    """Rank 1 owns a chunk rank 2 names without a put, and rank 1's upload fails: no
+    commit, every rank raises RankFailedError naming rank 1."""
+    mgrs, stores = ranks(3)
+    common = os.urandom(100_000)
+
+    def failing(key, data, *, mode=OVERWRITE):
+        raise StoreError("injected: rank 1 cannot upload")
+
+    stores[1].put = failing
+    results = save_on(mgrs, 1, lambda r: {"x.bin": common if r else b"zero"})
+    for res in results:
+        assert isinstance(res, RankFailedError), results
+        assert set(res.failures) == {1}
+    assert read_latest(stores[0].inner).latest is None or (
+        read_latest(stores[0].inner).latest.current is None
+    )
 
 
 def test_incremental_dp2_saves_and_a_restart_keep_one_copy_and_commit(ranks, tmp_path):

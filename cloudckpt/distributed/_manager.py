@@ -71,8 +71,9 @@ class DistributedCheckpointManager(ManagerBase):
         timeout: seconds any rank waits for the others at one collective (default 600).
             It bounds how long survivors wait for a dead or hung rank, so it must exceed
             the longest gap between ranks handing over the same save (how long the slowest
-            rank stays inside ``save()``'s block after the fastest left it). Long uploads
-            and downloads are not bounded by it: ranks exchange heartbeats meanwhile.
+            rank stays inside ``save()``'s block after the fastest left it, plus the
+            difference in the ranks' naming passes with ``dedup``). Long uploads and
+            downloads are not bounded by it: ranks exchange heartbeats meanwhile.
         per_rank_dirs: store rank ``r``'s files under ``rank-<r>/`` (default). With False,
             ranks write the checkpoint's paths directly (e.g. rank 0 ``config.json``, rank
             ``r`` ``model-0000r.safetensors``); two ranks writing one path is refused
