@@ -469,7 +469,8 @@ def test_dp2_dedup_and_agreement_with_real_processes(moto_server, tmp_path):
     """torchrun, 2 ranks, gloo on 127.0.0.1, against the moto server (tests/scripts/
     dist_dedup.py): a DP=2 save whose shared shard each rank's counting client saw put
     once in all (by rank 0), restored exact on both ranks; a divergent replica is no
-    commit and both ranks name the ranks and the file."""
+    commit and both ranks name the ranks and the file; the owner's lost put of the shared
+    chunk is found by the commit's listing: no commit."""
     from distrun import Launch
 
     bucket = f"dedup-{os.getpid()}"
@@ -497,4 +498,7 @@ def test_dp2_dedup_and_agreement_with_real_processes(moto_server, tmp_path):
         assert failed["type"] == "ReplicaDivergedError", failed
         assert "ranks 0 and 1 differ in 'shard.bin'" in failed["message"]
         assert job.one(r, "after")["current"] == 1
+        lost = job.one(r, "lost")
+        assert lost["type"] == "StoreError" and "not committed" in lost["message"], lost
+        assert job.one(r, "lost-after")["current"] is None
     json.dumps(events)  # the events are plain JSON

@@ -8,7 +8,10 @@ Run under ``torchrun --nproc_per_node=2`` (gloo, CPU, 127.0.0.1), scenario ``ded
    compared bit-exact (``restored``);
 2. a second manager with ``replica_groups=[[0, 1]]`` on another run: step 1 agrees, step 2
    has one byte of rank 1's shard flipped and must raise ReplicaDivergedError on both
-   ranks (``diverged``); LATEST still names step 1 (``after``).
+   ranks (``diverged``); LATEST still names step 1 (``after``);
+3. a third run where rank 0, the owner of the shared shard, loses its put (its client
+   answers without storing): the commit's listing must refuse it on both ranks
+   (``lost``), and no checkpoint is current (``lost-after``).
 
 Storage options come as JSON in CLOUDCKPT_TEST_STORAGE_OPTIONS.
 """
@@ -36,17 +39,21 @@ SHARED = random.Random(7).randbytes(3 * 1024 * 1024 + 17)
 
 
 class Counting(ForwardingStore):
-    """Records (chunk name, bytes) of every chunk put this client sends."""
+    """Records (chunk name, bytes) of every chunk put this client sends; puts of the
+    chunks named in ``lose`` are answered without being stored."""
 
-    def __init__(self, inner) -> None:
+    def __init__(self, inner, lose: frozenset[str] = frozenset()) -> None:
         super().__init__(inner)
         self.puts: list[tuple[str, int]] = []
+        self.lose = lose
         self._lock = threading.Lock()
 
     def put(self, key, data, *, mode=OVERWRITE):
         if f"/{attempt_layout.CHUNKS_DIR}" in key:
             with self._lock:
                 self.puts.append((key.rsplit("/", 1)[1], memoryview(data).nbytes))
+            if key.rsplit("/", 1)[1] in self.lose:
+                return None  # lost on the way: the caller sees success
         return self.inner.put(key, data, mode=mode)
 
 
@@ -98,6 +105,21 @@ def scenario_dedup(url: str, work: Path, ev: Events) -> None:
     ev("after", current=read_latest(check).latest.current.step)
     check.close()
     agree.close()
+
+    lossy = Counting(
+        open_store(url + "-lost", OPTIONS), frozenset({shared_name}) if RANK == 0 else frozenset()
+    )
+    lost = DistributedCheckpointManager(lossy, staging_dir=work / "staging-lost", timeout=30)
+    try:
+        save(lost, 1, files)
+        ev("lost", type=None, message="committed")
+    except Exception as exc:
+        ev("lost", **error_fields(exc))
+    check = open_store(url + "-lost", OPTIONS)
+    latest = read_latest(check).latest
+    ev("lost-after", current=None if latest is None or latest.current is None else 1)
+    check.close()
+    lost.close()
 
 
 def main() -> int:
