@@ -12,7 +12,6 @@ included). The same rules with real processes (torchrun, gloo on 127.0.0.1) are 
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import random
 import sys
@@ -501,4 +500,3 @@ def test_dp2_dedup_and_agreement_with_real_processes(moto_server, tmp_path):
         lost = job.one(r, "lost")
         assert lost["type"] == "StoreError" and "not committed" in lost["message"], lost
         assert job.one(r, "lost-after")["current"] is None
-    json.dumps(events)  # the events are plain JSON
