@@ -39,7 +39,7 @@ import logging
 import os
 import stat
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +90,9 @@ class CommitInfo:
     ``bytes_uploaded``: bytes this save sent to the store; ``bytes_reused``: bytes it named
     where they already lay instead (chunks of earlier checkpoints, and ``bytes_resumed``
     of them: chunks an interrupted save of the same step had uploaded). ``uploaded +
-    reused = total_bytes``. None where unknown (a multi-rank or DCP save).
+    reused = total_bytes`` (less a chunk a save names twice, uploaded once). A multi-rank
+    save sums its ranks' (a chunk one rank put for several counts once: there the sum can
+    be well below ``total_bytes``); None where unknown (a DCP save).
     ``warnings``: what failed after the commit landed (the journal's ``committed`` write
     on a full staging disk, keeping the local copy): the save is committed all the same
     (invariant I6: a committed save is never reported as failed).
@@ -375,19 +377,31 @@ class AttemptWriter:
         files: Files,
         index: chunks.ChunkIndex,
         progress: ProgressCallback | None = None,
+        *,
+        elsewhere: Iterable[str] = (),
+        owed: Iterable[str] = (),
     ) -> tuple[list[FileEntry], chunks.UploadStats]:
         """Upload ``files`` as chunks (the writer's ``chunking`` mode, not ``"off"``) into
         the attempt at ``prefix``, naming the chunks ``index`` holds instead of uploading
         them: ``upload``'s, and a multi-rank save's ranks' (which know only the prefix and
-        the index of the checkpoint the save builds on). ``progress``: default, the
-        writer's own. Returns the entries (with each staged file's mode) and what was sent
+        the index of the checkpoint the save builds on; ``elsewhere`` and ``owed``: the
+        chunks other ranks put, and those this rank puts for them, ``chunks.upload_chunked``).
+        ``progress``: default, the writer's own. Returns the entries (with each staged file's mode) and what was sent
         and reused (``UploadStats.sources``: the checkpoints the commit must still retain).
 
         Raises: StagingError (a staged file changed), StoreError.
         """
         assert self.chunking != "off"
         entries, stats = chunks.upload_chunked(
-            self.engine, self.store, prefix, files, index, self.chunking, progress or self.progress
+            self.engine,
+            self.store,
+            prefix,
+            files,
+            index,
+            self.chunking,
+            progress or self.progress,
+            elsewhere=elsewhere,
+            owed=owed,
         )
         return with_modes(entries, files), stats
 

@@ -220,6 +220,10 @@ class ChunkIndex:
         """This index and ``known`` (a chunk this index holds keeps its source)."""
         return ChunkIndex([*self._by_sha.values(), *known])
 
+    def has(self, name: str) -> bool:
+        """Whether the index holds a chunk named ``name`` (of any size: ``get`` checks)."""
+        return name in self._by_sha
+
     def get(self, name: str, size: int) -> _Known | None:
         """The chunk named ``name`` (``ChunkRef.name``: the algorithm is part of it, so a
         chunk is reused only by a save that digests with the same algorithm)."""
@@ -381,13 +385,27 @@ class UploadStats:
 
 
 class _Uploader:
-    def __init__(self, engine, store: Store, prefix: str, index: ChunkIndex, progress) -> None:
+    def __init__(
+        self,
+        engine,
+        store: Store,
+        prefix: str,
+        index: ChunkIndex,
+        progress,
+        elsewhere: Iterable[str] = (),
+        owed: Iterable[str] = (),
+    ) -> None:
         self.engine, self.store, self.prefix, self.index = engine, store, prefix, index
         self.progress = progress
         self.stats = UploadStats()
         self.algorithm = digest.check(None)  # one algorithm for the whole save
         self._lock = threading.Lock()
-        self._claimed: set[str] = set()
+        # Chunks another uploader into the same prefix puts (a multi-rank save's owner of
+        # a chunk several ranks hold): named under ``prefix``, never put here.
+        self._claimed: set[str] = set(elsewhere)
+        # Chunks this uploader owes those others: put under ``prefix`` even if the index
+        # holds them, since the others name them there.
+        self.owed = frozenset(owed)
         self.checked = _Checked()
 
     def _put(self, ref: ChunkRef, data: memoryview, crc: int | None) -> None:
@@ -425,7 +443,7 @@ class _Uploader:
                 chunk = data[off - offset : off - offset + n]
                 sha, chunk_crc = digest.hexleaf(chunk, algorithm), None
             ref = ChunkRef(self.prefix, sha, n, algorithm)
-            known = self.index.get(ref.name, n)
+            known = None if ref.name in self.owed else self.index.get(ref.name, n)
             if known is not None and not self.checked.trusted(
                 self.engine, self.store, known, chunk
             ):
@@ -466,14 +484,20 @@ def upload_chunked(
     index: ChunkIndex,
     mode: ChunkingMode = "tensor",
     progress: Callable[[int], None] | None = None,
+    *,
+    elsewhere: Iterable[str] = (),
+    owed: Iterable[str] = (),
 ) -> tuple[list[FileEntry], UploadStats]:
     """Upload ``files`` (relative path, local path or ``MemoryFile``) as chunks under the
     attempt ``prefix``, skipping chunks ``index`` holds; return their manifest entries and
-    what was sent.
+    what was sent. A multi-rank save's ranks share the prefix: ``elsewhere`` (chunk
+    names) are another rank's to put, and named under ``prefix`` without a put;
+    ``owed`` are put even if ``index`` holds them (other ranks name them under
+    ``prefix``). The commit's listing (``check_uploaded``) confirms them all.
 
     Raises StagingError (a file unreadable or changed meanwhile) or StoreError.
     """
-    up = _Uploader(engine, store, prefix, index, progress)
+    up = _Uploader(engine, store, prefix, index, progress, elsewhere, owed)
     jobs = []
     for rel, source in files:
         try:

@@ -37,6 +37,7 @@ credentials: URLs are redacted before they reach a message (see ``redact_url``).
     ├── UnsafePathError               a manifest path would escape the destination
     ├── ActiveWriterError             taking over the run would fence a writer still running
     ├── RankFailedError               ranks of a multi-rank save failed; nothing was committed
+    ├── ReplicaDivergedError          data-parallel replicas saved different bytes; no commit
     ├── CollectiveError               a multi-rank collective failed or timed out (a rank died)
     └── DemoError                     ``cloudckpt demo`` could not show what it set out to
 
@@ -77,6 +78,7 @@ __all__ = [
     "PermissionDeniedError",
     "PreconditionFailedError",
     "RankFailedError",
+    "ReplicaDivergedError",
     "ResumedChunksTooOldError",
     "ReusedChunkMissingError",
     "SaveDroppedError",
@@ -509,6 +511,20 @@ class RankFailedError(CloudCkptError):
     ) -> None:
         self.failures = dict(failures or {})
         super().__init__(message, hint=hint)
+
+
+class ReplicaDivergedError(CloudCkptError):
+    """Data-parallel replicas (``replica_groups``) saved different bytes where they must
+    hold the same: silent data corruption on one device, or replicas that drifted apart.
+    Nothing was committed; the message names the ranks and files (and where they first
+    differ)."""
+
+    default_hint = (
+        "Nothing was committed; the previous checkpoint is still current. Do not resume from "
+        "the diverged ranks' state: find the faulty device (the rank that disagrees with the "
+        "others of its group), restart the job from the last checkpoint; if these ranks are "
+        "not replicas, fix replica_groups="
+    )
 
 
 class CollectiveError(CloudCkptError):

@@ -1706,3 +1706,86 @@ MUTANTS.update(
         ]
     }
 )
+
+
+# --------------------------------------------------------------------------- issue 30 items 1-2
+
+
+def _dedup_owner_not_deterministic(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The owner of a chunk several ranks hold is any of the ranks that must upload it,
+    not the lowest: two coordinators (or two saves) given the same plans disagree."""
+    import random
+
+    from cloudckpt.distributed import _chunks
+
+    def any_owner(held, reusable, base):
+        chosen = {}
+        for name, rank in _chunks_owners(held, reusable, base).items():
+            holders = [r for r, names in enumerate(held) if name in names and r >= rank]
+            chosen[name] = random.choice(holders)
+        return chosen
+
+    _chunks_owners = _chunks.owners
+    setattr_(_chunks, "owners", any_owner)
+
+
+def _dedup_owner_reuses_owed_chunk(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The owner of a shared chunk names it from its own index instead of putting it under
+    the attempt, where the other holders name it: they name a chunk nobody put."""
+    from cloudckpt import chunks
+
+    original = chunks._Uploader.__init__
+
+    def forgetting(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.owed = frozenset()
+
+    setattr_(chunks._Uploader, "__init__", forgetting)
+
+
+def _replica_disagreement_committed(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The coordinator commits without comparing the replicas' digests."""
+    from cloudckpt.distributed import _replicas
+
+    setattr_(_replicas, "check_agreement", lambda groups, entries, step: None)
+
+
+MUTANTS.update(
+    {
+        m.name: m
+        for m in [
+            Mutant(
+                "dedup-owner-not-deterministic",
+                "the owner of a chunk several ranks hold is chosen deterministically: the "
+                "lowest rank that must upload it",
+                _dedup_owner_not_deterministic,
+                (
+                    "tests/test_distributed_dedup.py::test_dedup_owner_is_the_lowest_rank_that_"
+                    "must_upload",
+                ),
+                why_not_simulated="the simulation has no multi-rank saves",
+            ),
+            Mutant(
+                "dedup-owner-reuses-owed-chunk",
+                "the owner of a shared chunk puts it under the attempt even if its own index "
+                "holds it (the other ranks name it there)",
+                _dedup_owner_reuses_owed_chunk,
+                (
+                    "tests/test_distributed_dedup.py::test_incremental_dp2_saves_and_a_restart_"
+                    "keep_one_copy_and_commit",
+                ),
+                why_not_simulated="the simulation has no multi-rank saves",
+            ),
+            Mutant(
+                "replica-disagreement-committed",
+                "replicas that saved different bytes are not committed",
+                _replica_disagreement_committed,
+                (
+                    "tests/test_distributed_dedup.py::test_a_divergent_replica_is_not_committed_"
+                    "and_names_ranks_and_file",
+                ),
+                why_not_simulated="the simulation has no multi-rank saves",
+            ),
+        ]
+    }
+)

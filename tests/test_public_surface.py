@@ -35,7 +35,7 @@ SURFACE = {
     "cloudckpt.errors": [
         *ERRORS_EXPORTED_AT_TOP, "ActiveWriterError", "ChunkSourceDroppedError",
         "CollectiveError", "CorruptRecordError", "RankFailedError", "ResumedChunksTooOldError",
-        "ReusedChunkMissingError",
+        "ReusedChunkMissingError", "ReplicaDivergedError",
         "DemoError", "redact_url", "scrub",
     ],
     "cloudckpt.stores": [
@@ -50,7 +50,7 @@ SURFACE = {
     ],
     "cloudckpt.distributed": [
         "CollectiveError", "DistributedCheckpointManager", "DistributedRestoreResult",
-        "RankFailedError", "WORLD_SIZE_KEY", "rank_dir",
+        "RankFailedError", "ReplicaDivergedError", "WORLD_SIZE_KEY", "rank_dir",
     ],
     "cloudckpt.preemption": [
         "AWSSpotSource", "AzureScheduledEventsSource", "GCEPreemptedSource", "PreemptionNotice",

@@ -30,7 +30,8 @@ training loop's own collectives (NCCL or gloo), and never with another manager's
    while the ranks exchange a small heartbeat every second: a rank that fails stops the
    others' uploads early and every rank learns who failed and why;
 3. every rank sends the coordinator its files' (path, size, digest); only when every rank
-   succeeded does the coordinator write the manifest and commit it with the fenced
+   succeeded, and the ranks of each ``replica_groups`` group saved the same bytes
+   (``_replicas``), does the coordinator write the manifest and commit it with the fenced
    compare-and-swap of LATEST; it broadcasts the outcome, so every rank's handle returns
    the same ``CommitInfo`` or raises the same error.
 
@@ -56,7 +57,8 @@ of a crashed job are abandoned, not recovered (each rank would have to agree on 
 
 Where things live (private modules; this package exports what users import):
 ``_comm`` the collectives and the typed messages that carry errors between ranks,
-``_save`` the multi-rank save, ``_restore`` the multi-rank restore, ``_manager`` the
+``_save`` the multi-rank save, ``_chunks`` each rank's chunk index and the owners of chunks
+several ranks hold, ``_replicas`` replica agreement, ``_restore`` the multi-rank restore, ``_manager`` the
 manager that queues saves and calls them. (The DCP reader streams each rank's plan on its
 own: ``cloudckpt.integrations.dcp``.)
 """
@@ -65,7 +67,7 @@ from cloudckpt.distributed._manager import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
 from cloudckpt.distributed._manager import DistributedCheckpointManager
 from cloudckpt.distributed._restore import DistributedRestoreResult, rank_dir
 from cloudckpt.distributed._save import WORLD_SIZE_KEY
-from cloudckpt.errors import CollectiveError, RankFailedError
+from cloudckpt.errors import CollectiveError, RankFailedError, ReplicaDivergedError
 
 __all__ = [
     "WORLD_SIZE_KEY",
@@ -73,5 +75,6 @@ __all__ = [
     "DistributedCheckpointManager",
     "DistributedRestoreResult",
     "RankFailedError",
+    "ReplicaDivergedError",
     "rank_dir",
 ]

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from cloudckpt.attempts import AttemptWriter, CommitInfo
-from cloudckpt.distributed import _save
+from cloudckpt.distributed import _replicas, _save
 from cloudckpt.distributed._chunks import RankChunks
 from cloudckpt.distributed._comm import Comm, RankError, Ranks, node_key, torch_dist
 from cloudckpt.distributed._restore import (
@@ -51,6 +51,8 @@ def _rank_pipeline(manager: ManagerBase) -> RankSave:
         RankChunks(manager.store),
         manager.progress,
         manager._stored_path,
+        manager.replicas,
+        manager.dedup,
     )
 
 
@@ -69,8 +71,9 @@ class DistributedCheckpointManager(ManagerBase):
         timeout: seconds any rank waits for the others at one collective (default 600).
             It bounds how long survivors wait for a dead or hung rank, so it must exceed
             the longest gap between ranks handing over the same save (how long the slowest
-            rank stays inside ``save()``'s block after the fastest left it). Long uploads
-            and downloads are not bounded by it: ranks exchange heartbeats meanwhile.
+            rank stays inside ``save()``'s block after the fastest left it, plus the
+            difference in the ranks' naming passes with ``dedup``). Long uploads and
+            downloads are not bounded by it: ranks exchange heartbeats meanwhile.
         per_rank_dirs: store rank ``r``'s files under ``rank-<r>/`` (default). With False,
             ranks write the checkpoint's paths directly (e.g. rank 0 ``config.json``, rank
             ``r`` ``model-0000r.safetensors``); two ranks writing one path is refused
@@ -78,6 +81,18 @@ class DistributedCheckpointManager(ManagerBase):
         node_id: ranks with equal ``node_id`` share one restore directory (default: the
             host name and boot id, so ranks on one machine share it).
         staging_dir: a local directory; each rank stages under ``<staging_dir>/rank-<r>``.
+        replica_groups: ranks (in the group) that hold the same state, e.g. the
+            data-parallel replicas ``[[0, 2], [1, 3]]`` of 2-way DP x 2-way tensor
+            parallelism: each saves the same files under its own ``rank-<r>/`` (needs
+            ``per_rank_dirs``). Before every commit the coordinator compares their digests;
+            any difference is no commit and a ``ReplicaDivergedError`` naming the ranks and
+            files (docs/integrations/distributed.md, "Replica agreement"). Default: none.
+        replica_exclude: glob patterns of paths inside ``rank-<r>/`` that replicas may
+            hold differently (per-rank RNG states, data-loader positions), e.g.
+            ``["rng-*.pt"]``.
+        dedup: a chunk that several ranks hold is uploaded once, by the lowest rank that
+            must upload it (default True; costs each rank one hashing pass over its files
+            before the save's first collective: docs/integrations/distributed.md).
 
     Raises:
         ConfigurationError: bad arguments, or ranks that disagree about the URL or layout.
@@ -95,6 +110,9 @@ class DistributedCheckpointManager(ManagerBase):
         per_rank_dirs: bool = True,
         node_id: str | None = None,
         staging_dir: str | os.PathLike[str] | None = None,
+        replica_groups: Sequence[Sequence[int]] | None = None,
+        replica_exclude: Sequence[str] | None = None,
+        dedup: bool = True,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("backpressure", "block") != "block":
@@ -107,8 +125,18 @@ class DistributedCheckpointManager(ManagerBase):
             raise ConfigurationError("timeout must be a positive number of seconds")
         self.timeout = float(timeout)
         self.per_rank_dirs = bool(per_rank_dirs)
+        self.dedup = bool(dedup)
+        if replica_groups is not None and not self.per_rank_dirs:
+            raise ConfigurationError(
+                "replica_groups needs per_rank_dirs=True",
+                hint="Replicas save the same file names, each under its own rank-<r>/",
+            )
         dist = torch_dist()
         global_rank, rank, world, group = _join(dist, process_group, self.timeout)
+        self.replicas = _replicas.Replicas(
+            _replicas.check_groups(replica_groups, world),
+            check_patterns(replica_exclude, "replica_exclude"),
+        )
         self.rank, self.world_size, self.global_rank = rank, world, global_rank
         self.is_coordinator = rank == 0
         self.process_group = group
@@ -139,6 +167,8 @@ class DistributedCheckpointManager(ManagerBase):
             node=node_id if node_id is not None else node_key(),
             url=None if failure is not None else self.url,
             per_rank_dirs=self.per_rank_dirs,
+            replicas=self.replicas,
+            dedup=self.dedup,
         )
         try:
             everyone = self._comm.all_gather(mine, "starting the manager")
@@ -289,12 +319,16 @@ class RankSave:
         rank_chunks: RankChunks,
         progress: ProgressCallback | None,
         stored_path: Callable[[str], str],
+        replicas: _replicas.Replicas | None = None,
+        dedup: bool = True,
     ) -> None:
         self.comm = comm
         self.attempts = attempts
         self.rank_chunks = rank_chunks
         self.progress = progress
         self.stored_path = stored_path
+        self.replicas = replicas or _replicas.Replicas()
+        self.dedup = dedup
 
     def __call__(self, job: QueuedSave) -> CommitInfo:
         """Take part in the save of ``job`` (the queue's worker). Raises the save's
@@ -329,7 +363,15 @@ class RankSave:
         except Exception as exc:
             local_exc = exc
         return _save.save(
-            self.comm, self.attempts, self.rank_chunks, handle, files, local_exc, self.progress
+            self.comm,
+            self.attempts,
+            self.rank_chunks,
+            handle,
+            files,
+            local_exc,
+            self.progress,
+            replicas=self.replicas,
+            dedup=self.dedup,
         )
 
     def close(self) -> None:
@@ -344,6 +386,8 @@ class _Hello:
     node: str
     url: str | None
     per_rank_dirs: bool
+    replicas: _replicas.Replicas
+    dedup: bool
 
 
 def _disagreement(everyone: list[_Hello]) -> str | None:
@@ -357,6 +401,10 @@ def _disagreement(everyone: list[_Hello]) -> str | None:
         return "ranks were given different URLs: " + ", ".join(sorted(str(u) for u in urls))
     if len({e.per_rank_dirs for e in everyone}) > 1:
         return "ranks disagree about per_rank_dirs"
+    if len({e.replicas for e in everyone}) > 1:
+        return "ranks disagree about replica_groups or replica_exclude"
+    if len({e.dedup for e in everyone}) > 1:
+        return "ranks disagree about dedup"
     return None
 
 

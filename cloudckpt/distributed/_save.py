@@ -3,15 +3,19 @@
 ``save()`` is one rank's part of one save, run on its manager's background thread, in
 three rounds of collectives (the package docstring tells them from the user's side):
 
-1. every rank sends the coordinator a ``RankPlan`` (its step and paths, or its error); the
-   coordinator checks them, opens the attempt (``AttemptWriter.begin``) and broadcasts
-   its ``Decision``: ``Opened`` (the prefix) or why not;
+1. every rank sends the coordinator a ``RankPlan`` (its step and paths, or its error, and
+   the names of its chunks: ``_chunks.chunk_names``); the coordinator checks them, opens
+   the attempt (``AttemptWriter.begin``), picks one owner for each chunk several ranks
+   hold (``_chunks.owners``) and broadcasts its ``Decision``: ``Opened`` (the prefix and
+   the owners) or why not;
 2. every rank uploads into the prefix while the ranks exchange heartbeats
    (``Comm.run_phase``): a rank that fails stops the others' uploads early. Unless
    chunking is off, each rank uploads chunks, naming those of the checkpoint the save
-   builds on (``Opened.base``) instead (``_chunks.RankChunks``);
+   builds on (``Opened.base``) instead (``_chunks.RankChunks``), and those another rank
+   owns without a put;
 3. every rank sends its files' entries and the checkpoints whose chunks it named; the
-   coordinator alone lists what is reused, writes the manifest and commits
+   coordinator checks that replicas agree (``_replicas``), lists what is reused, writes
+   the manifest and commits
    (``AttemptWriter.finish``, the single-host checks) and broadcasts the ``Committed``
    outcome (or its error), so every rank returns the same ``CommitInfo`` or raises the
    same error. If reused chunks are missing, or their checkpoint left retention, the
@@ -25,12 +29,13 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from cloudckpt import chunks
 from cloudckpt.attempts import AttemptWriter, BegunAttempt, CommitInfo
-from cloudckpt.distributed._chunks import RankChunks, Reupload
+from cloudckpt.distributed import _chunks, _replicas
+from cloudckpt.distributed._chunks import RankChunks, Reupload, Reusable
 from cloudckpt.distributed._comm import Cancelled, Comm, RankError
 from cloudckpt.errors import (
     ChunkSourceDroppedError,
@@ -46,6 +51,8 @@ from cloudckpt.transfer import ProgressCallback
 
 log = logging.getLogger("cloudckpt.distributed")
 
+_REPLICAS_NONE = _replicas.Replicas()
+
 #: Recorded in every multi-rank commit's metadata: the world size that saved it.
 WORLD_SIZE_KEY = "cloudckpt.world_size"
 
@@ -56,22 +63,27 @@ WORLD_SIZE_KEY = "cloudckpt.world_size"
 @dataclasses.dataclass(frozen=True)
 class RankPlan:
     """What a rank sends the coordinator before a save: the step and the paths it will
-    upload, or why it cannot take part."""
+    upload, or why it cannot take part; its chunks' names and which of them its kept index
+    names (for the choice of owners; empty with dedup off)."""
 
     step: int
     paths: tuple[str, ...]
     error: RankError | None
+    chunks: frozenset[str] = frozenset()
+    reusable: Reusable = dataclasses.field(default_factory=lambda: Reusable(None, frozenset()))
 
 
 @dataclasses.dataclass(frozen=True)
 class Opened:
     """The coordinator opened the attempt every rank uploads into; ``base``: the committed
-    checkpoint the save builds on (its chunks may be named instead of uploaded)."""
+    checkpoint the save builds on (its chunks may be named instead of uploaded);
+    ``owners``: the rank that puts each chunk several ranks hold (``_chunks.owners``)."""
 
     prefix: str
     epoch: int
     commit_id: str
     base: CheckpointRecord | None
+    owners: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,15 +128,20 @@ class Committed:
     seq: int
     num_files: int
     total_bytes: int
+    bytes_uploaded: int
+    bytes_reused: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Uploaded:
-    """What a rank sends the coordinator after its upload: its files' entries, and the
-    committed checkpoints whose chunks they name (the commit requires them retained)."""
+    """What a rank sends the coordinator after its upload: its files' entries, the
+    committed checkpoints whose chunks they name (the commit requires them retained), and
+    the bytes it put and named where they lay (chunks other ranks put count in neither)."""
 
     entries: tuple[FileEntry, ...]
     sources: frozenset[str]
+    bytes_uploaded: int = 0
+    bytes_reused: int = 0
 
 
 # ------------------------------------------------------------------------------ the save
@@ -138,19 +155,39 @@ def save(
     files: Sequence[tuple[str, Path]],
     local_exc: BaseException | None,
     progress: ProgressCallback | None,
+    *,
+    replicas: _replicas.Replicas = _REPLICAS_NONE,
+    dedup: bool = True,
 ) -> CommitInfo:
     """This rank's part of the save of ``handle``: its ``files`` (paths in the
     checkpoint), or ``local_exc`` if it failed to stage them (it still takes part, so that
-    every rank fails at once). ``rank_chunks``: this rank's chunk index. Raises on every
-    rank alike: RankFailedError, ConfigurationError, the coordinator's error (FencedError,
-    ReusedChunkMissingError and ChunkSourceDroppedError on the retry, StoreError...),
-    CollectiveError."""
+    every rank fails at once). ``rank_chunks``: this rank's chunk index; ``replicas``: the
+    groups of ranks that must save the same files (checked before the commit); ``dedup``:
+    one upload per chunk several ranks hold. Raises on every rank alike:
+    RankFailedError, ConfigurationError, ReplicaDivergedError, the coordinator's error
+    (FencedError, ReusedChunkMissingError and ChunkSourceDroppedError on the retry,
+    StoreError...), CollectiveError."""
     step = handle.step
     again: Reupload | None = None
+    names: frozenset[str] = frozenset()
+    if dedup and comm.world > 1 and attempts.chunking != "off" and local_exc is None:
+        try:
+            names = _chunks.chunk_names(attempts.engine, files, attempts.chunking)
+        except Exception as exc:
+            local_exc = exc  # reported in the plan: every rank fails at once
     for retry in (False, True):
-        decision, begun = _begin(comm, attempts, files, local_exc, step)
+        plan = RankPlan(
+            step,
+            tuple(p for p, _ in files),
+            None if local_exc is None else RankError.of(local_exc, comm.rank),
+            names,
+            rank_chunks.reusable(names, again),
+        )
+        decision, begun = _begin(comm, attempts, plan, local_exc, step)
         uploaded = _upload(comm, attempts, rank_chunks, decision, again, files, progress, step)
-        outcome = _commit(comm, attempts, begun, uploaded, handle, step, may_retry=not retry)
+        outcome = _commit(
+            comm, attempts, begun, uploaded, handle, step, replicas, may_retry=not retry
+        )
         if isinstance(outcome, Reupload):
             if comm.is_coordinator:
                 log.error("step %d: %s; every rank uploads them again", step, outcome.reason)
@@ -164,15 +201,14 @@ def save(
 def _begin(
     comm: Comm,
     attempts: AttemptWriter,
-    files: Sequence[tuple[str, Path]],
+    plan: RankPlan,
     local_exc: BaseException | None,
     step: int,
 ) -> tuple[Opened, BegunAttempt | None]:
     """Round 1: every rank sends its plan; the coordinator opens the attempt. Returns the
     decision and (on the coordinator) the attempt. Raises as ``save``."""
     what = f"starting the save of step {step}"
-    error = None if local_exc is None else RankError.of(local_exc, comm.rank)
-    plans = comm.gather(RankPlan(step, tuple(p for p, _ in files), error), what)
+    plans = comm.gather(plan, what)
     decision: Decision | None = None
     begun: BegunAttempt | None = None
     begin_exc: BaseException | None = None
@@ -195,6 +231,8 @@ def _info(comm: Comm, handle: SaveHandle, decision: Opened, committed: Committed
         seq=committed.seq,
         num_files=committed.num_files,
         total_bytes=committed.total_bytes,
+        bytes_uploaded=committed.bytes_uploaded,
+        bytes_reused=committed.bytes_reused,
         blocking_seconds=handle.blocking_seconds,
         commit_seconds=time.perf_counter() - handle.handed_over_at,
         metadata=handle.metadata,
@@ -246,7 +284,12 @@ def _open(
         return CoordinatorFailed(RankError.of(exc, 0)), None, exc  # the coordinator is rank 0
     latest = attempts.committer.latest  # claimed or last written by begin's commit lock
     base = None if latest is None else latest.current
-    return Opened(begun.prefix, begun.epoch, begun.commit_id, base), begun, None
+    chosen = _chunks.owners(
+        [p.chunks for p in plans],
+        [p.reusable for p in plans],
+        None if base is None else base.commit_id,
+    )
+    return Opened(begun.prefix, begun.epoch, begun.commit_id, base, chosen), begun, None
 
 
 def _refusal(
@@ -292,12 +335,16 @@ def _upload(
     def upload() -> Uploaded:
         # Inside the phase: a rank that cannot read its index fails the save on every rank.
         if attempts.chunking == "off":
-            return Uploaded(
-                tuple(attempts.upload_files(decision.prefix, files, report)), frozenset()
-            )
+            whole = tuple(attempts.upload_files(decision.prefix, files, report))
+            return Uploaded(whole, frozenset(), sum(e.size for e in whole))
         index = rank_chunks.index(decision.base, again)
-        entries, stats = attempts.upload_chunks(decision.prefix, files, index, report)
-        return Uploaded(tuple(entries), _reuse_sources(stats))
+        elsewhere, owed = _chunks.split_owned(decision.owners, comm.rank)
+        entries, stats = attempts.upload_chunks(
+            decision.prefix, files, index, report, elsewhere=elsewhere, owed=owed
+        )
+        return Uploaded(
+            tuple(entries), _reuse_sources(stats), stats.bytes_uploaded, stats.bytes_reused
+        )
 
     phase = comm.run_phase(upload, f"uploading step {step}", cancel)
     if phase.failures:
@@ -325,11 +372,13 @@ def _commit(
     uploaded: Uploaded,
     handle: SaveHandle,
     step: int,
+    replicas: _replicas.Replicas,
     *,
     may_retry: bool,
 ) -> Committed | Reupload:
-    """Every rank reports its upload; the coordinator checks and commits the manifest of
-    all of them (``finish``: every reused chunk listed, its sources retained). Returns
+    """Every rank reports its upload; the coordinator checks that ``replicas`` agree
+    (``_replicas.check_agreement``) and commits the manifest of all of them (``finish``:
+    every named chunk listed, reused ones' sources retained). Returns
     ``Reupload`` on every rank if ``may_retry`` and reused chunks were refused. Raises on
     every rank: the coordinator's error, or CollectiveError (``outcome_unknown`` on the
     others if the coordinator went silent while committing)."""
@@ -340,6 +389,7 @@ def _commit(
     if comm.is_coordinator:
         assert begun is not None and reports is not None
         try:
+            _replicas.check_agreement(replicas, [r.entries for r in reports], step)
             outcome = _finish(attempts, begun, reports, handle, comm.world)
         except ReusedChunkMissingError as exc:
             commit_exc, outcome = exc, Reupload(exc.message, exc.missing)
@@ -388,7 +438,13 @@ def _finish(
         requires=chunks.UploadStats(sources=sources).requires,
         metrics=handle.metrics,
     )
-    return Committed(latest.seq, len(manifest.files), manifest.total_bytes)
+    return Committed(
+        latest.seq,
+        len(manifest.files),
+        manifest.total_bytes,
+        sum(r.bytes_uploaded for r in reports),
+        sum(r.bytes_reused for r in reports),
+    )
 
 
 def find_collision(paths_by_rank: Sequence[Sequence[str]]) -> str | None:
