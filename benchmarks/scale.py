@@ -138,27 +138,26 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def _save_ck(
-    me: _Rank, sub: str, tensors: dict[str, Any] | None, step: int = 1, timed: bool = False
-) -> float:
-    """A cloudckpt save of ``tensors`` (None: this rank writes nothing) into run ``sub``;
-    with ``timed``, the seconds from ``save()`` to the commit on every rank (the manager is
-    built beforehand: a job builds it once)."""
+def _save(mgr: Any, step: int, tensors: dict[str, Any] | None) -> None:
+    """A cloudckpt save of ``tensors`` (None: this rank writes nothing), until committed."""
     from safetensors.torch import save_file
 
+    handle = mgr.save(step)
+    with handle as d:
+        if tensors is not None:
+            save_file(tensors, str(d / "shard.safetensors"))
+    handle.result()
+
+
+def _save_ck(me: _Rank, sub: str, tensors: dict[str, Any] | None, timed: bool = False) -> float:
+    """One save into run ``sub`` by a new manager; with ``timed``, the seconds from
+    ``save()`` to the commit on every rank (the manager is built beforehand: a job builds
+    it once)."""
     mgr = me.manager(sub)
-
-    def save() -> None:
-        handle = mgr.save(step)
-        with handle as d:
-            if tensors is not None:
-                save_file(tensors, str(d / "shard.safetensors"))
-        handle.result()
-
     try:
         if timed:
-            return _timed(save)
-        save()
+            return _timed(lambda: _save(mgr, 1, tensors))
+        _save(mgr, 1, tensors)
         return 0.0
     finally:
         mgr.close()
@@ -195,11 +194,15 @@ def save_phase(me: _Rank, out: dict[str, Any]) -> None:
     _save_ck(me, "dp1/", mine if me.replica == 0 else None)
     dist.barrier()
     lora: list[list[dict[str, Any]]] = []
-    for version in (1, 2):  # the base frozen, the adapters trained
-        _save_ck(me, "lora/", local_shard(lora_state(mib, version), me.shard), step=version)
-        dist.barrier()
-        if me.rank == 0:
-            lora.append(me.stats("lora/"))
+    mgr = me.manager("lora/")  # one manager, two saves: as a training job makes them
+    try:
+        for version in (1, 2):  # the base frozen, the adapters trained
+            _save(mgr, version, local_shard(lora_state(mib, version), me.shard))
+            dist.barrier()
+            if me.rank == 0:
+                lora.append(me.stats("lora/"))
+    finally:
+        mgr.close()
     if me.rank == 0:
         out.update(
             samples=samples,
@@ -308,6 +311,7 @@ class Hosts:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         work = Path(cfg["work"])
+        work.mkdir(parents=True, exist_ok=True)
         cfg_path = work / f"cfg-{phase}.json"
         cfg_path.write_text(json.dumps(cfg))
         self.work, self.procs = work, []
