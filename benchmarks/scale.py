@@ -19,11 +19,12 @@ host 0 the same way (a job restart; host 0's directory stays).
 Job 2 (``--phase restore``), with host 1 a replacement with an empty directory: every rank
 resumes the first round's cloudckpt checkpoint and compares its tensors exactly, then the
 timed rounds restore both checkpoints (cloudckpt ``restore`` + safetensors load vs DCP
-``load`` + ``S3StorageReader``), each checked exactly once per contender.
+``load`` + ``S3StorageReader``), every one checked exactly (after its timing).
 
 Every byte figure is the endpoint's own request accounting (bytes of PUT bodies it
 received, object bytes its GETs sent, per key prefix and per door), never a client's
-report. Run as a worker: ``python -m torch.distributed.run ... -m benchmarks.scale``
+report. A create-only PUT that loses to a replica's identical chunk (412) counts: its
+body crossed the network. Run as a worker: ``python -m torch.distributed.run ... -m benchmarks.scale``
 (``scale_group`` does this).
 """
 
@@ -247,7 +248,7 @@ def restore_phase(me: _Rank, out: dict[str, Any]) -> None:
         _check(got, mine, "cloudckpt resume", me.rank)
         restored = (me.dir / "resume" / f"rank-{me.rank:05d}" / "shard.safetensors").stat()
         samples: dict[str, list[float]] = {n: [] for n in LOADERS}
-        checked: set[str] = set()
+        dcp_before = me.stats("dcp/r0/") if me.rank == 0 else None
 
         def dcp_load(r: int) -> dict[str, Any]:
             target = _dtensors({k: torch.zeros_like(v) for k, v in full.items()}, mesh)
@@ -265,9 +266,9 @@ def restore_phase(me: _Rank, out: dict[str, Any]) -> None:
                 samples[name].append(
                     _timed(lambda name=name, r=r, box=box: box.update(t=runs[name](r)))
                 )
-                if name not in checked:
-                    _check(box["t"], mine, name, me.rank)
-                    checked.add(name)
+                _check(box["t"], mine, name, me.rank)  # every restore, untimed
+        dist.barrier()
+        dcp_after = me.stats("dcp/r0/") if me.rank == 0 else None
     finally:
         mgr.close()
     mine_report = {"host": me.host, "restored": restored.st_size}
@@ -275,6 +276,7 @@ def restore_phase(me: _Rank, out: dict[str, Any]) -> None:
     dist.all_gather_object(everyone, mine_report)
     if me.rank == 0:
         out.update(samples=samples, before=before, after=after, ranks=everyone, exact=True)
+        out.update(dcp_loads=_minus(dcp_after or [], dcp_before or []))
 
 
 def worker(cfg: dict[str, Any], phase: str) -> None:
@@ -405,7 +407,7 @@ def requests(rows: list[dict[str, Any]]) -> dict[str, int]:
     out: dict[str, int] = {}
     for r in rows:
         out[r["kind"]] = out.get(r["kind"], 0) + r["requests"]
-    return dict(sorted(out.items()))
+    return {k: n for k, n in sorted(out.items()) if n}
 
 
 def _minus(after: list[dict[str, Any]], before: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -501,12 +503,20 @@ def scale_group(bench: Any, s3: Any, signing: str) -> None:
                 "lora_second_save_written": written(saved["lora"][1]) - written(saved["lora"][0]),
                 "cloudckpt_resume_read": sent(resume),
                 "cloudckpt_resume_read_by_host": [sent(resume, h) for h in range(HOSTS)],
+                "dcp_load_read": sent(restored["dcp_loads"]) // cfg["rounds"],
             },
             "requests": {
                 "cloudckpt_dp2_save": requests(dp2),
                 "dcp_dp2_save": requests(dcp_rows),
                 "cloudckpt_resume": requests(resume),
+                "dcp_loads_all_rounds": requests(restored["dcp_loads"]),
             },
+            "figures_note": "dp2_save_bytes_ratio: PUT bytes of the DP=2 save / of a DP=1 "
+            "save of the same state (replica 1's ranks write nothing); second_save: PUT bytes "
+            "of the LoRA-like state's second save / its first (one manager); dp2_restore: GET "
+            "bytes of the resume, all hosts / the state's bytes (each shard once); "
+            "replaced_host: GET bytes through host 1's door / the bytes its ranks restored; "
+            "exact: every restore (resume, every timed round, both contenders) compared",
             "hosts": HOSTS,
             "ranks_per_host": PER_HOST,
             "replaced_host": "host 1: agent and ranks SIGKILLed, directory deleted, "

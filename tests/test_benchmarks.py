@@ -102,6 +102,7 @@ def test_quick_scale_benchmark_replaces_a_killed_host_and_counts_bytes_at_the_st
     assert counted["cloudckpt_dp1_save_written"] >= counted["state"]
     assert counted["lora_second_save_written"] < counted["lora_first_save_written"]
     assert group["requests"]["cloudckpt_resume"]["GET"] > 0
+    assert counted["dcp_load_read"] >= counted["state"]  # DCP's loads, counted the same way
     assert set(group["contenders"]) == {"cloudckpt", "DCP + s3torchconnector"}
     for cmp in group["comparisons"]:
         assert math.isfinite(cmp["speedup"]) and cmp["speedup"] > 0
