@@ -357,8 +357,9 @@ class Hosts:
         )
         raise RuntimeError(f"the scale job failed or timed out:\n{logs}")
 
-    def kill(self, host: int) -> None:
-        """SIGKILL host ``host``: its agent and its ranks."""
+    def kill(self, host: int) -> int:
+        """SIGKILL host ``host``: its agent and its ranks; how many of its ranks were
+        running and are now gone (waited for: a dead rank is gone or a zombie)."""
         pids = [int(p.name) for p in (self.work / f"host{host}" / "pids").glob("*")]
         for pid in [self.procs[host].pid, *pids]:
             with contextlib.suppress(ProcessLookupError):
@@ -366,14 +367,31 @@ class Hosts:
         self.procs[host].wait(30)
         for p in (self.work / f"host{host}" / "pids").glob("*"):
             p.unlink()
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return sum(not _alive(pid) for pid in pids)
 
     def kill_all(self) -> None:
         for host in range(HOSTS):
             self.kill(host)
 
 
-def run_jobs(cfg: dict[str, Any], timeout: float) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Job 1, the loss of host 1 (ranks and directory), job 2; the two jobs' reports."""
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+def run_jobs(
+    cfg: dict[str, Any], timeout: float
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Job 1, the loss of host 1 (ranks and directory), job 2: the two jobs' reports and
+    what the loss did (``replacement``: ranks killed per host, whether host 1's directory
+    was gone and host 0's kept when job 2 started)."""
     import shutil
 
     work = Path(cfg["work"])
@@ -381,12 +399,17 @@ def run_jobs(cfg: dict[str, Any], timeout: float) -> tuple[dict[str, Any], dict[
     job = Hosts({**cfg, "out": str(save_out)}, "save")
     world = HOSTS * PER_HOST
     job.wait(timeout, lambda: all((work / f"saved-{r}").exists() for r in range(world)))
-    job.kill(1)
+    killed = [job.kill(1)]
     shutil.rmtree(work / "host1")  # the lost host's disk goes with it
-    job.kill(0)  # the job restarts; host 0 keeps its directory
+    killed.insert(0, job.kill(0))  # the job restarts; host 0 keeps its directory
+    replacement = {
+        "ranks_killed_by_host": killed,
+        "host1_dir_gone": not (work / "host1").exists(),
+        "host0_staging_kept": (work / "host0" / "staging").is_dir(),
+    }
     job = Hosts({**cfg, "out": str(restore_out)}, "restore")
     job.wait(timeout)
-    return json.loads(save_out.read_text()), json.loads(restore_out.read_text())
+    return json.loads(save_out.read_text()), json.loads(restore_out.read_text()), replacement
 
 
 # ----------------------------------------------------------------------------- the group
@@ -456,7 +479,7 @@ def scale_group(bench: Any, s3: Any, signing: str) -> None:
         "work": str(work),
         "rounds": bench.args.warmup + bench.args.pairs,
     }
-    saved, restored = run_jobs(cfg, 600 + 60 * mib / 64 * cfg["rounds"])
+    saved, restored, replacement = run_jobs(cfg, 600 + 60 * mib / 64 * cfg["rounds"])
     nbytes = state_bytes(mib)
     resume = _minus(restored["after"], restored["before"])
     dp2, dcp_rows = saved["stats"]["dp2-r0/"], saved["dcp_stats"]
@@ -521,6 +544,7 @@ def scale_group(bench: Any, s3: Any, signing: str) -> None:
             "ranks_per_host": PER_HOST,
             "replaced_host": "host 1: agent and ranks SIGKILLed, directory deleted, "
             "restarted empty; host 0 restarted with its directory",
+            "replacement": replacement,
             "note": "bytes are the endpoint's request accounting (PUT bodies received, GET "
             "object bytes sent, per door = per host); times measured inside the torchrun "
             "jobs (barrier to barrier) and replayed here; cpu columns do not apply",

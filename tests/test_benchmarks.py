@@ -94,6 +94,8 @@ def test_quick_scale_benchmark_replaces_a_killed_host_and_counts_bytes_at_the_st
                                       "dp2_restore_bytes_ratio",
                                       "replaced_host_store_bytes_ratio", "exact"])  # fmt: skip
     assert figures["exact"] is True
+    assert group["replacement"] == {"ranks_killed_by_host": [2, 2], "host1_dir_gone": True,
+                                    "host0_staging_kept": True}  # fmt: skip
     for name, value in figures.items():
         if name != "exact":
             assert math.isfinite(value) and value > 0, name
