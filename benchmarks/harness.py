@@ -88,7 +88,8 @@ class S3Target:
         if kind == "bench":
             from benchmarks.s3_endpoint import S3Endpoint
 
-            self.server = S3Endpoint(buckets=("bench",)).start()
+            # Two doors: the scale group gives each simulated host its own (accounted apart).
+            self.server = S3Endpoint(buckets=("bench",), doors=2).start()
             self.pid = self.server.pid
             self.endpoint_url: str | None = self.server.endpoint_url
             self.bucket, self.root = "bench", f"run-{uuid.uuid4().hex[:8]}/"

@@ -37,6 +37,10 @@ Groups (targets on a 2-core machine, from issue 7):
   ranks, scaled by ``--dlio-hidden``): ``dlio-save`` and ``dlio-restore`` (with the time to
   the first step) against DLIO's own writers and DCP + s3torchconnector
   (``benchmarks/dlio_checkpoint.py``; not run by default: ``--groups dlio``).
+- ``scale``: 2 simulated hosts x 2 ranks at data-parallel degree 2, cloudckpt's
+  ``DistributedCheckpointManager`` vs DCP + s3torchconnector; host 1 is killed and replaced
+  by an empty one between the save job and the restore job; bytes from the endpoint's own
+  request accounting (``benchmarks/scale.py``; not run by default: ``--groups scale``).
 
 S3 throughput groups use ``benchmarks/s3_endpoint.py`` (an in-memory endpoint cheap enough
 per byte to measure clients) unless ``--s3-url`` names a real bucket. Every S3 client gets
@@ -990,8 +994,8 @@ def _machine() -> dict[str, Any]:
 # ----------------------------------------------------------------------------- main
 
 
-GROUPS = ("limits", "torch", "resume", "dcp", "s3", "gcs", "moto", "dlio")
-DEFAULT_GROUPS = GROUPS[:-1]  # dlio: on request (its own ~15 minutes)
+GROUPS = ("limits", "torch", "resume", "dcp", "s3", "gcs", "moto", "dlio", "scale")
+DEFAULT_GROUPS = GROUPS[:-2]  # dlio, scale: on request (their own torchrun jobs)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -1006,6 +1010,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gcs-mib", type=int, default=1024, help="checkpoint size for GCS groups")
     p.add_argument("--moto-mib", type=int, default=256, help="checkpoint size against moto")
     p.add_argument("--dcp-mib", type=int, default=512, help="state loaded by the dcp group")
+    p.add_argument("--scale-mib", type=int, default=256, help="state of the scale group")
     p.add_argument(
         "--dlio-hidden",
         type=int,
@@ -1060,7 +1065,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.pairs = min(args.pairs, 1) if "--pairs" not in (argv or sys.argv) else args.pairs
         args.warmup = 0
         args.mib = args.state_mib = args.gcs_mib = args.moto_mib = args.limits_mib = 24
-        args.dcp_mib = 24
+        args.dcp_mib = args.scale_mib = 24
         args.dlio_hidden, args.dlio_layers, args.dlio_ranks = 64, 2, 2
         args.files = 2
         args.tensors = 2
@@ -1092,6 +1097,10 @@ def _s3_groups(
 
         workload = dlio.Workload.scaled(args.dlio_hidden, args.dlio_layers, args.dlio_ranks)
         dlio.dlio_groups(bench, s3, signings[0], workload)
+    if "scale" in groups:
+        from benchmarks import scale
+
+        scale.scale_group(bench, s3, signings[0])
     if "s3" in groups:
         for signing in signings:
             bench.s3_upload_group(s3, signing, args.mib, "s3-upload")
@@ -1130,7 +1139,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if "limits" in groups:
             bench.limits_group(args.limits_mib)
-        if {"torch", "resume", "s3", "dcp", "dlio"} & set(groups):
+        if {"torch", "resume", "s3", "dcp", "dlio", "scale"} & set(groups):
             s3 = S3Target("real", args.s3_url) if args.s3_url else S3Target("bench")
             try:
                 _s3_groups(bench, s3, signings, groups, args)
@@ -1198,6 +1207,7 @@ def _write_json(
             "peers": args.peers,
             "limits_mib": args.limits_mib,
             "dcp_mib": args.dcp_mib,
+            "scale_mib": args.scale_mib,
             "dlio_hidden": args.dlio_hidden,
             "dlio_layers": args.dlio_layers,
             "dlio_ranks": args.dlio_ranks,

@@ -17,6 +17,14 @@ CopyObject (whole objects),
 ``Expect: 100-continue``, chunked and ``aws-chunked`` bodies (decoded), keep-alive.
 Anything else answers 501. Not for tests of S3 semantics: use moto for those.
 
+Request accounting (the store's side of byte counts, never a client's report): every
+request is counted by the door it came through (``doors``: one listening port each, all
+serving the same objects, so a benchmark can give each simulated host its own), by kind
+(``PUT``: objects, parts and copies; ``GET``; ``HEAD``; ``LIST``; ``DELETE``; ``POST``:
+multipart create/complete, batch deletes) and by key, with the body bytes received and
+the object bytes sent. ``S3Endpoint.stats(prefix)`` sums them for keys under a prefix;
+``S3Endpoint.reset_stats()`` starts the counts again.
+
     python benchmarks/s3_endpoint.py --port 9000     # serve until interrupted
 """
 
@@ -29,6 +37,7 @@ import hashlib
 import html
 import http.client
 import itertools
+import json
 import mmap
 import os
 import re
@@ -127,6 +136,15 @@ class _State:
         self.lock = threading.Lock()  # makes conditional writes atomic
         self.pool = _Pool()
         self.counter = itertools.count(1)
+        #: (door, kind, bucket/key) -> [requests, bytes received, object bytes sent]
+        self.stats: dict[tuple[int, str, str], list[int]] = {}
+
+    def count(self, door: int, kind: str, key: str, received: int, sent: int) -> None:
+        with self.lock:
+            row = self.stats.setdefault((door, kind, key), [0, 0, 0])
+            row[0] += 1
+            row[1] += received
+            row[2] += sent
 
     def etag(self, body: Any = None, suffix: str = "") -> str:
         """S3's MD5 ETag for small bodies (metadata objects behave as on S3); a counter for
@@ -144,10 +162,12 @@ class _State:
 class _Connection:
     """One client connection: parse requests, answer them, keep the connection."""
 
-    def __init__(self, sock: socket.socket, state: _State) -> None:
+    def __init__(self, sock: socket.socket, state: _State, door: int = 0) -> None:
         self.sock = sock
         self.state = state
+        self.door = door
         self.buf = b""
+        self.sent = 0  # object bytes the current request's answer carries
 
     # --- reading ---------------------------------------------------------------------
 
@@ -302,10 +322,11 @@ class _Connection:
         body: Any = b""
         if method in ("PUT", "POST"):
             body = self._read_body(headers)
+        if path.startswith("/_bench/"):
+            return self._admin(method, path, bytes(body).decode())
+        self.sent = 0
+        received = len(body)
         try:
-            if path == "/_bench/reset" and method == "POST":
-                self._reset(bytes(body).decode())
-                return self._send(200)
             if not bucket:
                 return self._list_buckets()
             if not key:
@@ -315,8 +336,39 @@ class _Connection:
             if isinstance(body, mmap.mmap):
                 self.state.pool.give(body)
             self._send_error(err, path, head_only=method == "HEAD")
+        finally:
+            kind = _kind(method, key, query)
+            counted = f"{bucket}/{query.get('prefix', '')}" if kind == "LIST" else path[1:]
+            self.state.count(self.door, kind, counted, received, self.sent)
 
     # --- admin -----------------------------------------------------------------------
+
+    def _admin(self, method: str, path: str, arg: str) -> None:
+        """``/_bench/reset`` (drop objects), ``/_bench/stats`` (the counts of keys under
+        the prefix ``arg``, as JSON), ``/_bench/reset-stats``."""
+        if path == "/_bench/reset" and method == "POST":
+            self._reset(arg)
+        elif path == "/_bench/stats" and method == "POST":
+            with self.state.lock:
+                rows = [
+                    {
+                        "door": d,
+                        "kind": k,
+                        "key": key,
+                        "requests": r[0],
+                        "received": r[1],
+                        "sent": r[2],
+                    }
+                    for (d, k, key), r in self.state.stats.items()
+                    if key.startswith(arg)
+                ]
+            return self._send(200, {"Content-Type": "application/json"}, json.dumps(rows).encode())
+        elif path == "/_bench/reset-stats" and method == "POST":
+            with self.state.lock:
+                self.state.stats.clear()
+        else:
+            return self._send(404)
+        self._send(200)
 
     def _reset(self, spec: str) -> None:
         """``bucket/prefix``: drop its objects (and their uploads); empty: everything."""
@@ -568,6 +620,8 @@ class _Connection:
             if lo < hi:
                 segments.append(memoryview(seg)[lo - pos : hi - pos])
             pos += len(seg)
+        if method == "GET":
+            self.sent = end - start
         self._send(status, out, segments=segments, length=end - start, head_only=method == "HEAD")
 
     def _multipart(
@@ -637,32 +691,70 @@ class _Connection:
         raise _Error(501, "NotImplemented", f"{method} on an upload")
 
 
-def serve(host: str, port: int, buckets: tuple[str, ...] = (), announce: bool = False) -> None:
-    """Accept connections forever, one thread each."""
+def _kind(method: str, key: str, query: dict[str, str]) -> str:
+    """The request's kind in the accounting (see the module docstring)."""
+    if method == "GET" and not key:
+        return "LIST"
+    return method
+
+
+def serve(
+    host: str, port: int, buckets: tuple[str, ...] = (), announce: bool = False, doors: int = 1
+) -> None:
+    """Accept connections forever, one thread each, on ``doors`` ports (``port`` the
+    first; the others free ones) that serve the same objects."""
     state = _State()
     for b in buckets:
         state.buckets[b] = {}
-    listener = socket.create_server((host, port), backlog=256)
+    listeners = [socket.create_server((host, port), backlog=256)]
+    listeners += [socket.create_server((host, 0), backlog=256) for _ in range(doors - 1)]
     if announce:
-        print(f"PORT {listener.getsockname()[1]}", flush=True)
-    while True:
-        sock, _ = listener.accept()
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        threading.Thread(target=_Connection(sock, state).serve, daemon=True).start()
+        ports = " ".join(str(sock.getsockname()[1]) for sock in listeners)
+        print(f"PORT {ports}", flush=True)
+
+    def accept(door: int, listener: socket.socket) -> None:
+        while True:
+            sock, _ = listener.accept()
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=_Connection(sock, state, door).serve, daemon=True).start()
+
+    for door, listener in enumerate(listeners[1:], 1):
+        threading.Thread(target=accept, args=(door, listener), daemon=True).start()
+    accept(0, listeners[0])
+
+
+def endpoint_stats(url: str, prefix: str = "") -> list[dict[str, Any]]:
+    """``S3Endpoint.stats`` of the endpoint at ``url`` (any door), from any process."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    try:
+        conn.request("POST", "/_bench/stats", body=prefix.encode())
+        rows: list[dict[str, Any]] = json.loads(conn.getresponse().read())
+        return rows
+    finally:
+        conn.close()
 
 
 class S3Endpoint:
     """The endpoint in a child process on a free loopback port. Context manager."""
 
-    def __init__(self, host: str = "127.0.0.1", buckets: tuple[str, ...] = ("bench",)) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", buckets: tuple[str, ...] = ("bench",), doors: int = 1
+    ) -> None:
         self.host = host
         self.buckets = buckets
+        self.doors = doors
         self.port: int | None = None
+        self.ports: list[int] = []
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
     def endpoint_url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    def door_url(self, door: int) -> str:
+        """The endpoint URL of door ``door`` (0: ``endpoint_url``)."""
+        return f"http://{self.host}:{self.ports[door]}"
 
     @property
     def pid(self) -> int | None:
@@ -670,23 +762,38 @@ class S3Endpoint:
 
     def start(self) -> S3Endpoint:
         cmd = [sys.executable, os.path.abspath(__file__), "--host", self.host, "--port", "0"]
-        cmd += ["--watch-parent"] + [a for b in self.buckets for a in ("--bucket", b)]
+        cmd += ["--watch-parent", "--doors", str(self.doors)]
+        cmd += [a for b in self.buckets for a in ("--bucket", b)]
         self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
         line = self._proc.stdout.readline().decode()
         if not line.startswith("PORT "):
             self.stop()
             raise RuntimeError(f"the benchmark S3 endpoint did not start: {line!r}")
-        self.port = int(line.split()[1])
+        self.ports = [int(p) for p in line.split()[1:]]
+        self.port = self.ports[0]
         return self
+
+    def _admin(self, path: str, arg: str = "") -> bytes:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        try:
+            conn.request("POST", path, body=arg.encode())
+            return conn.getresponse().read()
+        finally:
+            conn.close()
 
     def reset(self, spec: str = "") -> None:
         """Drop every object under ``bucket/prefix`` (all buckets' objects if empty)."""
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
-        try:
-            conn.request("POST", "/_bench/reset", body=spec.encode())
-            conn.getresponse().read()
-        finally:
-            conn.close()
+        self._admin("/_bench/reset", spec)
+
+    def stats(self, prefix: str = "") -> list[dict[str, Any]]:
+        """The request counts of keys under ``bucket/prefix``: one row per door and kind
+        of request and key (``door``, ``kind``, ``requests``, ``received``, ``sent``)."""
+        rows: list[dict[str, Any]] = json.loads(self._admin("/_bench/stats", prefix))
+        return rows
+
+    def reset_stats(self) -> None:
+        """Start the request counts again (objects stay)."""
+        self._admin("/_bench/reset-stats")
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
@@ -712,6 +819,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--bucket", action="append", default=[])
+    parser.add_argument("--doors", type=int, default=1, help="listening ports (accounted apart)")
     parser.add_argument("--watch-parent", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.watch_parent:  # end with the parent, even if it is killed
@@ -723,7 +831,7 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(0)
 
         threading.Thread(target=watch, daemon=True).start()
-    serve(args.host, args.port, tuple(args.bucket), announce=True)
+    serve(args.host, args.port, tuple(args.bucket), announce=True, doors=args.doors)
     return 0
 
 
