@@ -47,7 +47,10 @@ boot, or the same ``node_id``) downloads what the node's ranks need, once, verif
 the node-local ``into`` directory; the other ranks of the node wait and then read from it.
 With per-rank directories and the same world size, a node fetches only its ranks'
 ``rank-<r>/`` directories plus the shared files; otherwise (different world size, or user
-paths) every node fetches everything, unless ``select`` says otherwise.
+paths) every node fetches everything, unless ``select`` says otherwise. After each commit
+every rank keeps its files in its staging directory (``keep_local``, as on one host), and a
+restore on the same node takes them from there, every byte verified against the committed
+manifest, downloading only what is missing or damaged (``_kept``).
 
 Rules: construct, save, resume, restore and close the manager on every rank of the group, in
 the same order (saves are sequential, so the collectives line up). ``backpressure`` must be
@@ -56,7 +59,8 @@ of a crashed job are abandoned, not recovered (each rank would have to agree on 
 
 Where things live (private modules; this package exports what users import):
 ``_comm`` the collectives and the typed messages that carry errors between ranks,
-``_save`` the multi-rank save, ``_restore`` the multi-rank restore, ``_manager`` the
+``_save`` the multi-rank save, ``_restore`` the multi-rank restore, ``_kept`` each rank's
+local copies and a node's restore from them, ``_manager`` the
 manager that queues saves and calls them. (The DCP reader streams each rank's plan on its
 own: ``cloudckpt.integrations.dcp``.)
 """

@@ -43,10 +43,11 @@ class Launch:
         *,
         nproc: int | None = 2,
         extra: tuple[str, ...] = (),
+        script: Path = SCRIPT,
     ) -> None:
         self.work = work
         work.mkdir(parents=True, exist_ok=True)
-        args = [str(SCRIPT), "--scenario", scenario, "--url", url, "--work", str(work), *extra]
+        args = [str(script), "--scenario", scenario, "--url", url, "--work", str(work), *extra]
         if nproc is None:
             cmd = [sys.executable, *args]
         else:
