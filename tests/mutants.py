@@ -1753,3 +1753,48 @@ MUTANTS.update(
         ]
     }
 )
+
+
+# No collective waits forever (issue 30 item 6): cloudckpt.distributed._comm.
+def _collective_without_timeout(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The manager's gloo group is created with an hour's timeout, whatever ``timeout``
+    says (as with torch's default of 30 minutes)."""
+    from cloudckpt.distributed import _manager
+
+    original = _manager._join
+    setattr_(_manager, "_join", lambda dist, group, timeout: original(dist, group, 3600.0))
+
+
+def _collective_error_names_no_rank(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A failed collective says only that some rank died or hung."""
+    from cloudckpt.distributed import _comm
+
+    setattr_(_comm.Whereabouts, "of", classmethod(lambda cls, *args: None))
+
+
+_TIMEOUTS = (
+    "tests/test_distributed_timeouts.py::test_a_rank_that_never_reaches_the_post_restore_"
+    "barrier_is_named_within_the_timeout"
+)
+
+MUTANTS.update(
+    {
+        m.name: m
+        for m in [
+            Mutant(
+                "collective-without-timeout",
+                "every collective of the multi-rank manager gives up after its timeout",
+                _collective_without_timeout,
+                (_TIMEOUTS,),
+                why_not_simulated=_NOT_SIMULATED_RANKS,
+            ),
+            Mutant(
+                "collective-error-names-no-rank",
+                "a failed collective names the ranks that never reached it",
+                _collective_error_names_no_rank,
+                (_TIMEOUTS,),
+                why_not_simulated=_NOT_SIMULATED_RANKS,
+            ),
+        ]
+    }
+)

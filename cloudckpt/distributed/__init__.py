@@ -38,8 +38,9 @@ A rank that fails before the commit means no commit: every rank's handle raises
 ``RankFailedError`` naming the failed ranks. A rank that dies or hangs cannot make the others
 wait forever: every collective of the group gives up after ``timeout`` seconds (gloo notices a
 dead peer's closed connection at once; ``timeout`` covers a hung process or a lost node), and
-the surviving ranks raise ``CollectiveError``. After that the group is unusable and the
-manager refuses further saves: restart the job (its last committed checkpoint is intact).
+the surviving ranks raise ``CollectiveError``, naming the ranks that never reached the
+collective. After that the group is unusable and the manager refuses further saves:
+restart the job (its last committed checkpoint is intact).
 
 Restores (``resume()`` and ``restore()``, collective): rank 0 claims (``resume`` only) and
 picks the checkpoint; one rank per node (the lowest rank among those sharing a host and

@@ -76,6 +76,9 @@ class DistributedCheckpointManager(ManagerBase):
             the longest gap between ranks handing over the same save (how long the slowest
             rank stays inside ``save()``'s block after the fastest left it). Long uploads
             and downloads are not bounded by it: ranks exchange heartbeats meanwhile.
+            Every collective of saves, restores and the DCP reader's construction is
+            bounded by it, and its ``CollectiveError`` names the ranks that never reached
+            it (docs/integrations/distributed.md, "Failures and timeouts").
         per_rank_dirs: store rank ``r``'s files under ``rank-<r>/`` (default). With False,
             ranks write the checkpoint's paths directly (e.g. rank 0 ``config.json``, rank
             ``r`` ``model-0000r.safetensors``); two ranks writing one path is refused

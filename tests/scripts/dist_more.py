@@ -126,8 +126,25 @@ def scenario_restore_stall(url: str, work: Path, ev: Events, timeout: float) -> 
     sys.exit(3)
 
 
+def apply_mutant() -> None:
+    """``CLOUDCKPT_MUTANT=<name>`` (tests/test_mutations.py runs guards with it): break the
+    rule in this rank too, as tests/conftest.py does in the pytest process."""
+    name = os.environ.get("CLOUDCKPT_MUTANT")
+    if name:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        import mutants
+
+        applied = mutants.applied(name)
+        applied.__enter__()
+        _KEEP.append(applied)  # alive: collecting it would undo the patch
+
+
+_KEEP: list = []
+
+
 def main() -> int:
     exit_with_parent()
+    apply_mutant()
     parser = argparse.ArgumentParser()
     parser.add_argument(
         "--scenario", required=True, choices=["local-save", "local-resume", "restore-stall"]
