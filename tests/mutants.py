@@ -1785,14 +1785,14 @@ MUTANTS.update(
                 "collective-without-timeout",
                 "every collective of the multi-rank manager gives up after its timeout",
                 _collective_without_timeout,
-                (_TIMEOUTS,),
+                (f"{_TIMEOUTS}[stall]",),  # a dead rank's closed connection needs no timeout
                 why_not_simulated=_NOT_SIMULATED_RANKS,
             ),
             Mutant(
                 "collective-error-names-no-rank",
                 "a failed collective names the ranks that never reached it",
                 _collective_error_names_no_rank,
-                (_TIMEOUTS,),
+                (f"{_TIMEOUTS}[stall]", f"{_TIMEOUTS}[die]"),
                 why_not_simulated=_NOT_SIMULATED_RANKS,
             ),
         ]

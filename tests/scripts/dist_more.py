@@ -11,8 +11,9 @@ Scenarios (each rank appends JSON lines to ``DIR/events-<rank>.jsonl``, as dist_
   of step 1 (the kept copies are step 2's). Each compares every file of its own rank with
   what was saved and reports what the store served it.
 - ``restore-stall``: step 1 saved; in a restore, rank 1 stops before the barrier that
-  follows the download (the "placing" phase) and writes ``DIR/stalled.json``; rank 0
-  records the error its restore raises, and when.
+  follows the download (the "placing" phase) and writes ``DIR/stalled.json``: it sleeps
+  (``--how stall``) or exits (``--how die``); rank 0 records the error its restore raises,
+  and when.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -93,7 +95,10 @@ def scenario_local_resume(url: str, work: Path, staging: Path, ev: Events) -> No
     mgr.close()
 
 
-def scenario_restore_stall(url: str, work: Path, ev: Events, timeout: float) -> None:
+def scenario_restore_stall(url: str, work: Path, ev: Events, timeout: float, how: str) -> None:
+    signal.signal(
+        signal.SIGTERM, lambda signum, frame: ev("sigterm")
+    )  # torchrun's, on rank 1's exit
     mgr = DistributedCheckpointManager(
         url, storage_options=OPTIONS, staging_dir=work / "staging", timeout=timeout
     )
@@ -106,6 +111,8 @@ def scenario_restore_stall(url: str, work: Path, ev: Events, timeout: float) -> 
         def stalling(work_fn, what, cancel=None):
             if "placing" in what:  # the barrier after the download: never reached
                 Path(work / "stalled.json").write_text(json.dumps({"pid": os.getpid()}))
+                if how == "die":
+                    os._exit(9)
                 time.sleep(600)
             return original(work_fn, what, cancel)
 
@@ -153,6 +160,7 @@ def main() -> int:
     parser.add_argument("--work", required=True, type=Path)
     parser.add_argument("--staging", type=Path, default=None)
     parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument("--how", choices=["stall", "die"], default="stall")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     ev = Events(args.work)
@@ -164,7 +172,7 @@ def main() -> int:
         elif args.scenario == "local-resume":
             scenario_local_resume(args.url, args.work, args.staging, ev)
         else:
-            scenario_restore_stall(args.url, args.work, ev, args.timeout)
+            scenario_restore_stall(args.url, args.work, ev, args.timeout, args.how)
     except SystemExit:
         raise
     except BaseException as exc:
