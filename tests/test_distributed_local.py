@@ -206,3 +206,22 @@ def test_a_restarted_2_rank_job_reads_nothing_from_the_bucket(moto_server, tmp_p
     assert sum(s["served_checkpoint"] for s in stale) == (
         records[1].manifest_size + records[1].total_bytes
     )
+
+
+def test_user_paths_are_taken_from_the_copy_that_holds_them(memory_target, tmp_path):
+    """``per_rank_dirs=False``: the checkpoint's paths are the ranks' own; a restart takes
+    them from the copy holding them, reading nothing of the checkpoint."""
+    first = DistributedCheckpointManager(
+        memory_target.url, staging_dir=tmp_path / "s", per_rank_dirs=False
+    )
+    with first.save(1) as d:
+        (d / "config.json").write_bytes(b'{"layers": 2}')
+        (d / "model.bin").write_bytes(payload(1, "model"))
+    first.close()
+    served = Served(open_store(memory_target.url))
+    mgr = DistributedCheckpointManager(served, staging_dir=tmp_path / "s", per_rank_dirs=False)
+    res = mgr.resume(tmp_path / "r")
+    assert (res.path / "model.bin").read_bytes() == payload(1, "model")
+    assert (res.path / "config.json").read_bytes() == b'{"layers": 2}'
+    assert served.checkpoint_bytes() == 0 and res.bytes_downloaded == 0
+    mgr.close()
