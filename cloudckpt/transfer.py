@@ -45,7 +45,8 @@ from cloudckpt.errors import (
 from cloudckpt.failpoints import hit as failpoint
 from cloudckpt.manifests import FileEntry
 from cloudckpt.retry import IDEMPOTENT_RETRY, SAFE_TO_RETRY, call_with_retries
-from cloudckpt.stores import OVERWRITE, MultipartUpload, PartInfo, Store, crc32c_text
+from cloudckpt.stores import OVERWRITE, MultipartUpload, PartInfo, Store
+from cloudckpt.stores.base import crc32c_text
 
 MiB = 1024 * 1024
 ProgressCallback = Callable[[int], None]

@@ -1750,6 +1750,55 @@ def _replica_disagreement_committed(setattr_: Callable[[Any, str, Any], None]) -
     setattr_(_replicas, "check_agreement", lambda groups, entries, step: None)
 
 
+# The local tier at N ranks (issue 30 item 3): cloudckpt.distributed._kept.
+def _rank_copy_unverified(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A node's leader keeps every file it placed from its ranks' kept copies, unverified."""
+    from cloudckpt.distributed import _kept
+
+    setattr_(
+        _kept, "verified", lambda engine, jobs, chunk_size: [j.local is not None for j in jobs]
+    )
+
+
+def _rank_copy_stale(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A rank's newest kept copy is taken for the checkpoint being restored, whatever
+    checkpoint it holds, its kept manifest trusted."""
+    from cloudckpt import localcopy, manifests
+    from cloudckpt.distributed import _kept
+
+    def newest(self, record):
+        found = {}
+        for rank, tier in self.tiers.items():
+            copies = tier.copies()
+            if copies:
+                found[rank] = copies[0]
+        return found
+
+    def kept_manifest(copies, record):
+        for copy in copies.values():
+            with contextlib.suppress(Exception):
+                return manifests.parse_manifest((copy.dir / localcopy.MANIFEST).read_bytes())
+        return None
+
+    setattr_(_kept.NodeCopies, "find", newest)
+    setattr_(_kept.NodeCopies, "manifest", staticmethod(kept_manifest))
+
+
+def _rank_copy_linked(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A node's restore hard-links its ranks' kept files, asked to or not."""
+    from cloudckpt.distributed import _kept
+
+    original = _kept.place_file
+    setattr_(
+        _kept,
+        "place_file",
+        lambda source, target, *, link=False: original(source, target, link=True),
+    )
+
+
+_RANK_LOCAL = "tests/test_distributed_local.py::"
+_NOT_SIMULATED_RANKS = "the simulation has no multi-rank saves and keeps no staging directory"
+
 MUTANTS.update(
     {
         m.name: m
@@ -1785,6 +1834,78 @@ MUTANTS.update(
                     "and_names_ranks_and_file",
                 ),
                 why_not_simulated="the simulation has no multi-rank saves",
+            ),
+            Mutant(
+                "rank-copy-unverified",
+                "a multi-rank restore takes a rank's kept file only once its bytes verify "
+                "against the committed manifest",
+                _rank_copy_unverified,
+                tuple(
+                    f"{_RANK_LOCAL}test_a_damaged_kept_copy_is_read_from_the_store[{damage}]"
+                    for damage in ("flip", "truncate")
+                ),
+                why_not_simulated=_NOT_SIMULATED_RANKS,
+            ),
+            Mutant(
+                "rank-copy-stale",
+                "a multi-rank restore uses only kept copies of the checkpoint LATEST names, "
+                "with the manifest whose digest LATEST records",
+                _rank_copy_stale,
+                (f"{_RANK_LOCAL}test_a_kept_copy_of_another_step_is_never_used",),
+                why_not_simulated=_NOT_SIMULATED_RANKS,
+            ),
+            Mutant(
+                "rank-copy-linked",
+                "files a multi-rank restore takes from kept copies are independent of them "
+                "(hard links only with link_local)",
+                _rank_copy_linked,
+                (f"{_RANK_LOCAL}test_restored_files_are_independent_of_the_kept_copy",),
+                why_not_simulated=_NOT_SIMULATED_RANKS,
+            ),
+        ]
+    }
+)
+
+
+# No collective waits forever (issue 30 item 6): cloudckpt.distributed._comm.
+def _collective_without_timeout(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The manager's gloo group is created with an hour's timeout, whatever ``timeout``
+    says (as with torch's default of 30 minutes)."""
+    from cloudckpt.distributed import _manager
+
+    original = _manager._join
+    setattr_(_manager, "_join", lambda dist, group, timeout: original(dist, group, 3600.0))
+
+
+def _collective_error_names_no_rank(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A failed collective says only that some rank died or hung."""
+    from cloudckpt.distributed import _comm
+
+    setattr_(_comm.Whereabouts, "of", classmethod(lambda cls, *args: None))
+
+
+_TIMEOUTS = (
+    "tests/test_distributed_timeouts.py::test_a_rank_that_never_reaches_the_post_restore_"
+    "barrier_is_named_within_the_timeout"
+)
+
+MUTANTS.update(
+    {
+        m.name: m
+        for m in [
+            Mutant(
+                "collective-without-timeout",
+                "every collective of the multi-rank manager gives up after its timeout",
+                _collective_without_timeout,
+                (f"{_TIMEOUTS}[stall]",),  # a dead rank's closed connection needs no timeout
+                why_not_simulated=_NOT_SIMULATED_RANKS,
+            ),
+            Mutant(
+                "collective-error-names-no-rank",
+                "a failed collective names the ranks that never reached it",
+                _collective_error_names_no_rank,
+                (f"{_TIMEOUTS}[stall]", f"{_TIMEOUTS}[die]"),
+                why_not_simulated=_NOT_SIMULATED_RANKS,
             ),
         ]
     }

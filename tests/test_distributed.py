@@ -314,6 +314,11 @@ def test_a_dead_or_hung_rank_leaves_no_commit_and_the_survivor_fails_clearly(
     failed = job.one(0, "save-failed", step=2)
     assert failed["type"] == "CollectiveError"
     assert "rank 0 lost contact with the other ranks while uploading step 2" in failed["message"]
+    # It names the rank: rank 1 never reached the heartbeat the survivor failed in (it was
+    # stopped before its first one: its last collective opened the save).
+    assert (
+        "rank 1 never reached it (its last: 'starting the save of step 2')" in (failed["message"])
+    )
     waited = failed["at"] - kills[how]["at"]  # from the signal to the survivor's error
     if how == "sigkill":  # gloo sees the closed connection at once
         assert waited < KILL_TIMEOUT / 2

@@ -39,8 +39,9 @@ A rank that fails before the commit means no commit: every rank's handle raises
 ``RankFailedError`` naming the failed ranks. A rank that dies or hangs cannot make the others
 wait forever: every collective of the group gives up after ``timeout`` seconds (gloo notices a
 dead peer's closed connection at once; ``timeout`` covers a hung process or a lost node), and
-the surviving ranks raise ``CollectiveError``. After that the group is unusable and the
-manager refuses further saves: restart the job (its last committed checkpoint is intact).
+the surviving ranks raise ``CollectiveError``, naming the ranks that never reached the
+collective. After that the group is unusable and the manager refuses further saves:
+restart the job (its last committed checkpoint is intact).
 
 Restores (``resume()`` and ``restore()``, collective): rank 0 claims (``resume`` only) and
 picks the checkpoint; one rank per node (the lowest rank among those sharing a host and
@@ -48,7 +49,10 @@ boot, or the same ``node_id``) downloads what the node's ranks need, once, verif
 the node-local ``into`` directory; the other ranks of the node wait and then read from it.
 With per-rank directories and the same world size, a node fetches only its ranks'
 ``rank-<r>/`` directories plus the shared files; otherwise (different world size, or user
-paths) every node fetches everything, unless ``select`` says otherwise.
+paths) every node fetches everything, unless ``select`` says otherwise. After each commit
+every rank keeps its files in its staging directory (``keep_local``, as on one host), and a
+restore on the same node takes them from there, every byte verified against the committed
+manifest, downloading only what is missing or damaged (``_kept``).
 
 Rules: construct, save, resume, restore and close the manager on every rank of the group, in
 the same order (saves are sequential, so the collectives line up). ``backpressure`` must be
@@ -58,7 +62,8 @@ of a crashed job are abandoned, not recovered (each rank would have to agree on 
 Where things live (private modules; this package exports what users import):
 ``_comm`` the collectives and the typed messages that carry errors between ranks,
 ``_save`` the multi-rank save, ``_chunks`` each rank's chunk index and the owners of chunks
-several ranks hold, ``_replicas`` replica agreement, ``_restore`` the multi-rank restore, ``_manager`` the
+several ranks hold, ``_replicas`` replica agreement, ``_restore`` the multi-rank restore,
+``_kept`` each rank's local copies and a node's restore from them, ``_manager`` the
 manager that queues saves and calls them. (The DCP reader streams each rank's plan on its
 own: ``cloudckpt.integrations.dcp``.)
 """

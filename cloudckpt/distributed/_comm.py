@@ -12,12 +12,19 @@ class (every error class is defined there); ``decide`` runs a function on the
 coordinator and gives every rank its result, or its error; ``run_phase`` runs this rank's
 work while the ranks exchange a small heartbeat, so that a rank that fails stops the
 others early and every rank learns who failed and why.
+
+No collective waits forever: each gives up after the group's ``timeout`` (a dead peer's
+closed connection fails it at once), and the ``CollectiveError`` names the ranks that had
+not reached it (``Whereabouts``: each rank notes, in the job's rendezvous store, the
+number and name of the last collective it entered; the survivor reads them after the
+failure).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import logging
 import socket
 import threading
 import time
@@ -26,6 +33,8 @@ from typing import Any, Generic, TypeVar
 
 from cloudckpt import errors
 from cloudckpt.errors import CloudCkptError, CollectiveError, CorruptionError, UnsafePathError
+
+log = logging.getLogger("cloudckpt.distributed")
 
 T = TypeVar("T")
 
@@ -110,6 +119,8 @@ class Comm:
         #: The first collective failure seen under ``guard``; the group is unusable after it.
         self.broken: CollectiveError | None = None
         self._helper = cf.ThreadPoolExecutor(1, thread_name_prefix="cloudckpt-rank-work")
+        self._seq = 0  # collectives entered: the same count on every rank, in lockstep
+        self.whereabouts = Whereabouts.of(dist, group, rank, world, timeout)
 
     @property
     def is_coordinator(self) -> bool:
@@ -117,6 +128,8 @@ class Comm:
 
     def close(self, wait: bool = True) -> None:
         self._helper.shutdown(wait=wait)
+        if self.whereabouts is not None:
+            self.whereabouts.close()
 
     def check_usable(self) -> None:
         """Raises the ``CollectiveError`` that broke the group, if one did."""
@@ -135,15 +148,22 @@ class Comm:
     # ---------------------------------------------------------------- the collectives
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        self._seq += 1
+        if self.whereabouts is not None:
+            self.whereabouts.entered(self._seq, what)
         started = time.monotonic()
         try:
             return fn()
         except Exception as exc:
             detail = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+            waited = time.monotonic() - started
+            who = "a rank died, hung or became unreachable"
+            if self.whereabouts is not None:
+                who = self.whereabouts.culprits(self._seq)
             raise CollectiveError(
                 f"rank {self.rank} lost contact with the other ranks while {what} "
-                f"(after {time.monotonic() - started:.1f}s; timeout={self.timeout:g}s): a rank "
-                f"died, hung or became unreachable ({type(exc).__name__}: {detail})"
+                f"(after {waited:.1f}s; timeout={self.timeout:g}s): {who} "
+                f"({type(exc).__name__}: {detail})"
             ) from exc
 
     def gather(self, obj: T, what: str) -> list[T] | None:
@@ -253,6 +273,106 @@ def _status(fut: cf.Future[Any] | None) -> int:
     if exc is None:
         return _OK
     return _DAMAGED if isinstance(exc, CorruptionError | UnsafePathError) else _FAILED
+
+
+class Whereabouts:
+    """Where each rank of a group is: the number and name of the last collective it
+    entered, noted in the job's rendezvous store (the c10d store ``init_process_group``
+    set up: torchrun's agent store, or the ``MASTER_ADDR`` TCPStore) under
+    ``cloudckpt/<group>/<rank>``. A rank notes it from a thread of its own, so a slow or
+    unreachable store never delays a collective; after a collective failed, the survivor
+    reads every rank's note (bounded: ``_LOOKUP_S``) and names the ranks that had not
+    reached it. One small write per rank and collective (heartbeats included: one a second
+    while uploads and downloads run)."""
+
+    def __init__(self, store: Any, rank: int, world: int) -> None:
+        self.store, self.rank, self.world = store, rank, world
+        self._latest: tuple[int, str] | None = None
+        self._written: tuple[int, str] | None = None
+        self._wake = threading.Condition()
+        self._closed = False
+        threading.Thread(target=self._write, name="cloudckpt-whereabouts", daemon=True).start()
+
+    @classmethod
+    def of(cls, dist: Any, group: Any, rank: int, world: int, timeout: float) -> Whereabouts | None:
+        """The group's, or None (one rank, or no store to note it in: the errors then
+        name no rank)."""
+        if world == 1 or group is None:
+            return None
+        try:
+            name = getattr(group, "group_name", None) or "default"
+            store = dist.PrefixStore(
+                f"cloudckpt/{name}/", dist.distributed_c10d._get_default_store()
+            )
+        except Exception as exc:  # private API moved, no default store: errors name no rank
+            log.debug("no rendezvous store to note where ranks are: %s", exc)
+            return None
+        return cls(store, rank, world)
+
+    def entered(self, seq: int, what: str) -> None:
+        with self._wake:
+            self._latest = (seq, what)
+            self._wake.notify()
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+
+    def _write(self) -> None:
+        while True:
+            with self._wake:
+                while not self._closed and self._latest == self._written:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                latest = self._latest
+            assert latest is not None
+            try:
+                self.store.set(str(self.rank), f"{latest[0]}\t{latest[1]}")
+            except Exception as exc:  # the store is gone: stop noting (errors name no rank)
+                log.debug("cannot note where rank %d is: %s", self.rank, exc)
+                return
+            self._written = latest
+
+    def culprits(self, seq: int) -> str:
+        """Which ranks had not reached collective ``seq`` (this rank's current one), in
+        words. Waits ``_SETTLE_S`` for the others' notes to land, then at most
+        ``_LOOKUP_S`` for the store."""
+        time.sleep(_SETTLE_S)
+        done: cf.Future[dict[int, tuple[int, str]]] = cf.Future()
+
+        def read() -> None:
+            try:
+                done.set_result(self._read())
+            except Exception as exc:
+                done.set_exception(exc)
+
+        threading.Thread(target=read, name="cloudckpt-whereabouts-read", daemon=True).start()
+        try:
+            notes = done.result(timeout=_LOOKUP_S)
+        except Exception as exc:
+            return f"a rank died, hung or became unreachable (which one is unknown: {exc!r})"
+        behind = sorted((r, n) for r, n in notes.items() if n[0] < seq and r != self.rank)
+        missing = [r for r in range(self.world) if r not in notes and r != self.rank]
+        if not behind and not missing:
+            return "every rank had entered it: a rank died or lost its connection inside it"
+        parts = [f"rank {r} never reached it (its last: {w!r})" for r, (_, w) in behind]
+        parts += [f"rank {r} never reached any" for r in missing]
+        return "; ".join(parts) + ": it died, hangs or is slower than the timeout"
+
+    def _read(self) -> dict[int, tuple[int, str]]:
+        keys = [str(r) for r in range(self.world)]
+        present = [k for k in keys if self.store.check([k])]
+        notes: dict[int, tuple[int, str]] = {}
+        for key, raw in zip(present, self.store.multi_get(present), strict=True):
+            seq, _, what = bytes(raw).decode("utf-8", "replace").partition("\t")
+            notes[int(key)] = (int(seq), what)
+        return notes
+
+
+_SETTLE_S = 1.0  # after a failure, for the other survivors' notes to land
+_LOOKUP_S = 5.0  # the most the survivor waits for the rendezvous store
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,9 @@ The manager is built from the single-host manager's parts (``cloudckpt.manager.M
 saves are staged locally and handed to the save queue's background thread) in the
 collective mode (``SaveMode``), with its own pipeline: ``RankSave`` takes part in the
 multi-rank save (``_save.save``) instead of one host's. Restores are
-``_restore.NodeReader``'s; every collective goes through ``_comm.Comm``.
+``_restore.NodeReader``'s; every collective goes through ``_comm.Comm``. After each commit
+every rank keeps its files as its local copy (``_kept``), which restores on the same node
+take, verified, instead of downloading them.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from cloudckpt.attempts import AttemptWriter, CommitInfo
-from cloudckpt.distributed import _replicas, _save
+from cloudckpt.distributed import _kept, _replicas, _save
 from cloudckpt.distributed._chunks import RankChunks
 from cloudckpt.distributed._comm import Comm, RankError, Ranks, node_key, torch_dist
 from cloudckpt.distributed._restore import (
@@ -28,11 +30,12 @@ from cloudckpt.distributed._restore import (
     rank_dir,
 )
 from cloudckpt.errors import CollectiveError, ConfigurationError
+from cloudckpt.localcopy import LocalCopies
 from cloudckpt.localsave import after_commit, fail_attempt
 from cloudckpt.manager import ManagerBase, SaveMode
 from cloudckpt.reader import check_patterns, selected
 from cloudckpt.savequeue import QueuedSave, SaveHandle
-from cloudckpt.staging import COMMITTED, DCP, DURABLE, remove_own
+from cloudckpt.staging import DCP, DURABLE, remove_own
 from cloudckpt.stores import Store
 from cloudckpt.transfer import ProgressCallback
 
@@ -43,7 +46,7 @@ DEFAULT_TIMEOUT = 600.0
 
 
 def _rank_pipeline(manager: ManagerBase) -> RankSave:
-    """The pipeline of a rank's saves (``SaveMode``); ranks keep no local copies."""
+    """The pipeline of a rank's saves (``SaveMode``)."""
     assert isinstance(manager, DistributedCheckpointManager)
     return RankSave(
         manager._comm,
@@ -51,6 +54,8 @@ def _rank_pipeline(manager: ManagerBase) -> RankSave:
         RankChunks(manager.store),
         manager.progress,
         manager._stored_path,
+        manager.local,
+        lambda: manager.is_node_leader,
         manager.replicas,
         manager.dedup,
     )
@@ -74,6 +79,9 @@ class DistributedCheckpointManager(ManagerBase):
             rank stays inside ``save()``'s block after the fastest left it, plus the
             difference in the ranks' naming passes with ``dedup``). Long uploads and
             downloads are not bounded by it: ranks exchange heartbeats meanwhile.
+            Every collective of saves, restores and the DCP reader's construction is
+            bounded by it, and its ``CollectiveError`` names the ranks that never reached
+            it (docs/integrations/distributed.md, "Failures and timeouts").
         per_rank_dirs: store rank ``r``'s files under ``rank-<r>/`` (default). With False,
             ranks write the checkpoint's paths directly (e.g. rank 0 ``config.json``, rank
             ``r`` ``model-0000r.safetensors``); two ranks writing one path is refused
@@ -93,6 +101,10 @@ class DistributedCheckpointManager(ManagerBase):
         dedup: a chunk that several ranks hold is uploaded once, by the lowest rank that
             must upload it (default True; costs each rank one hashing pass over its files
             before the save's first collective: docs/integrations/distributed.md).
+        keep_local, local_budget_bytes: as ``CheckpointManager``, per rank: after each
+            commit every rank keeps its own files under its staging directory (default:
+            the newest checkpoint with a ``staging_dir``, none without), and a restore on
+            the same node takes them, verified, instead of downloading them.
 
     Raises:
         ConfigurationError: bad arguments, or ranks that disagree about the URL or layout.
@@ -150,18 +162,26 @@ class DistributedCheckpointManager(ManagerBase):
             super().__init__(url, staging_dir=staging_dir, **kwargs)
         except Exception as exc:
             failure = exc
-        self._ranks = self._agree(failure, node_id)
+        self._ranks, kept = self._agree(failure, node_id)
         self.local_ranks: tuple[int, ...] = self._ranks.local_ranks
         self.node_leader = self._ranks.node_leader
         self.is_node_leader = self._ranks.is_node_leader
         self.num_nodes = len(self._ranks.nodes)
+        #: The kept copies of this node's ranks (``_kept``): what this node's restores use.
+        self.node_copies = _kept.NodeCopies(
+            _kept.node_tiers(self.local_ranks, kept, self.rank, self.local), self.per_rank_dirs
+        )
         self.recovery.abandon_all()  # no recovery across ranks: see the package doc
         remove_own(self.staging.root, DCP)  # a crashed DCP writer's
 
-    def _agree(self, failure: BaseException | None, node_id: str | None) -> Ranks:
+    def _agree(
+        self, failure: BaseException | None, node_id: str | None
+    ) -> tuple[Ranks, list[tuple[str, int] | None]]:
         """Every rank: learn whether every rank started, with the same URL and layout, and
-        where the ranks are. Raises this rank's own ``failure``, ConfigurationError or
+        where the ranks are and keep their local copies (staging root and ``keep_local``
+        by rank). Raises this rank's own ``failure``, ConfigurationError or
         CollectiveError (after releasing what this rank holds)."""
+        keeps = failure is None and self.local.keep > 0
         mine = _Hello(
             error=None if failure is None else RankError.of(failure, self.rank),
             node=node_id if node_id is not None else node_key(),
@@ -169,6 +189,7 @@ class DistributedCheckpointManager(ManagerBase):
             per_rank_dirs=self.per_rank_dirs,
             replicas=self.replicas,
             dedup=self.dedup,
+            kept=(str(self.staging.root), self.local.keep) if keeps else None,
         )
         try:
             everyone = self._comm.all_gather(mine, "starting the manager")
@@ -184,7 +205,8 @@ class DistributedCheckpointManager(ManagerBase):
         nodes: dict[str, list[int]] = {}
         for r, e in enumerate(everyone):
             nodes.setdefault(e.node, []).append(r)
-        return Ranks(self.rank, self.world_size, tuple(tuple(n) for n in nodes.values()))
+        ranks = Ranks(self.rank, self.world_size, tuple(tuple(n) for n in nodes.values()))
+        return ranks, [e.kept for e in everyone]
 
     def _abort_init(self, failure: BaseException | None) -> None:
         self._comm.close(wait=False)
@@ -229,14 +251,17 @@ class DistributedCheckpointManager(ManagerBase):
 
         ``select(path, rank)``: whether ``rank`` needs the checkpoint file ``path`` (a pure
         function; evaluated by each node's downloading rank for every rank of the node).
-        ``link_local`` is accepted and has no effect: multi-rank managers keep no local
-        copies.
+        The files the node's ranks kept of that checkpoint (``keep_local``) are taken from
+        their local copies where every byte verifies (reflinked or copied; hard-linked
+        with ``link_local``, as ``CheckpointManager.resume``); the rest is downloaded.
 
         Raises: as ``CheckpointManager.resume`` (on every rank), ``CollectiveError``.
         """
         into = Path(into).expanduser().absolute()
         return self._collectively(
-            lambda: self._reader().restore(into, step, overwrite, select, self.attempts.claim)
+            lambda: self._reader(link_local).restore(
+                into, step, overwrite, select, self.attempts.claim
+            )
         )
 
     def restore(
@@ -254,7 +279,7 @@ class DistributedCheckpointManager(ManagerBase):
         ``exclude``: glob patterns over the checkpoint's paths (``rank-00000/model.pt``
         with per-rank directories), as ``CheckpointManager.restore`` takes them: only the
         files they select are read (and those ``select`` gives each rank). ``link_local``:
-        no effect (as for ``resume``).
+        as for ``resume``.
 
         Raises: CheckpointNotFoundError, CorruptionError, DestinationNotEmptyError,
         StagingError, StoreError (on every rank), CollectiveError; ConfigurationError (a
@@ -264,7 +289,7 @@ class DistributedCheckpointManager(ManagerBase):
         inc, exc = check_patterns(include, "include"), check_patterns(exclude, "exclude")
         keep = (lambda path: selected(path, inc, exc)) if inc or exc else None
         result = self._collectively(
-            lambda: self._reader().restore(into, step, overwrite, select, None, keep)
+            lambda: self._reader(link_local).restore(into, step, overwrite, select, None, keep)
         )
         assert result is not None
         return result
@@ -291,9 +316,16 @@ class DistributedCheckpointManager(ManagerBase):
         self.queue.wait_idle()
         return self._comm.guard(fn)
 
-    def _reader(self) -> NodeReader:
+    def _reader(self, link_local: bool = False) -> NodeReader:
         return NodeReader(
-            self._comm, self._ranks, self.store, self.engine, self.progress, self.per_rank_dirs
+            self._comm,
+            self._ranks,
+            self.store,
+            self.engine,
+            self.progress,
+            self.per_rank_dirs,
+            self.node_copies,
+            link_local,
         )
 
     def close(self, timeout: float | None = None) -> None:
@@ -310,7 +342,9 @@ class DistributedCheckpointManager(ManagerBase):
 class RankSave:
     """This rank's part of each save (the queue's pipeline; see the package docstring):
     every rank runs it for the same saves in the same order. ``stored_path`` maps a
-    staged file's path to its path in the checkpoint."""
+    staged file's path to its path in the checkpoint; ``local`` is the rank's local tier,
+    where its files stay after the commit; ``is_node_leader()``: whether this rank also
+    keeps the committed manifest there (``_kept.keep``)."""
 
     def __init__(
         self,
@@ -319,10 +353,14 @@ class RankSave:
         rank_chunks: RankChunks,
         progress: ProgressCallback | None,
         stored_path: Callable[[str], str],
+        local: LocalCopies,
+        is_node_leader: Callable[[], bool],
         replicas: _replicas.Replicas | None = None,
         dedup: bool = True,
     ) -> None:
         self.comm = comm
+        self.local = local
+        self.is_node_leader = is_node_leader
         self.attempts = attempts
         self.rank_chunks = rank_chunks
         self.progress = progress
@@ -340,12 +378,12 @@ class RankSave:
         except Exception:
             fail_attempt(attempt)
             raise
-        # Committed: a journal write failing now (a full disk) must not fail the save (I6).
+        # Committed: nothing failing now (a full disk) may fail the save (I6).
         warnings: list[str] = []
-        after_commit(
-            info.step, "record it in the journal", lambda: attempt.set_state(COMMITTED), warnings
-        )
-        attempt.remove()
+        store = self.attempts.store if self.is_node_leader() else None
+        kept = lambda: _kept.keep(attempt, info, self.local, store)  # noqa: E731
+        if not after_commit(info.step, "keep the local copy", kept, warnings):
+            attempt.remove()
         return dataclasses.replace(info, warnings=(*info.warnings, *warnings))
 
     def _save_collectively(self, job: QueuedSave) -> CommitInfo:
@@ -388,6 +426,7 @@ class _Hello:
     per_rank_dirs: bool
     replicas: _replicas.Replicas
     dedup: bool
+    kept: tuple[str, int] | None  # (staging root, keep_local) where it keeps local copies
 
 
 def _disagreement(everyone: list[_Hello]) -> str | None:

@@ -5,22 +5,26 @@ the coordinator their destination (``RestoreStart``); it claims the run (``resum
 and picks the checkpoints to try, newest first (``Candidates``); then, for each until one
 is intact, each node's leader downloads what the node's ranks need into a temporary
 directory beside the destination while the ranks exchange heartbeats, and moves it into
-place. A damaged checkpoint on any node means the next older one, on every node.
+place. A damaged checkpoint on any node means the next older one, on every node. The
+leader takes what the node's ranks kept of that checkpoint from their local copies, every
+byte verified, and downloads only the rest (``_kept.NodeCopies``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import secrets
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from cloudckpt import attempt_layout
 from cloudckpt.distributed._comm import Comm, RankError, Ranks
+from cloudckpt.distributed._kept import RANK_DIR, NodeCopies
 from cloudckpt.distributed._save import WORLD_SIZE_KEY
+from cloudckpt.download import download
 from cloudckpt.errors import ConfigurationError
 from cloudckpt.protocol import CheckpointRecord, Latest
 from cloudckpt.reader import (
@@ -35,8 +39,8 @@ from cloudckpt.reader import (
 )
 from cloudckpt.restore import (
     RestoreResult,
+    apply_modes,
     check_space,
-    download_into,
     out_of_space,
     place,
     prepare_destination,
@@ -45,8 +49,6 @@ from cloudckpt.stores import Store
 from cloudckpt.transfer import ProgressCallback, TransferEngine
 
 log = logging.getLogger("cloudckpt.distributed")
-
-_RANK_DIR = re.compile(r"^rank-(\d{5,})/")
 
 #: ``select(path, rank)``: whether ``rank`` needs the checkpoint file ``path``.
 Select = Callable[[str, int], bool]
@@ -67,6 +69,8 @@ class DistributedRestoreResult(RestoreResult):
     directory, ``path/rank-<rank>``. ``saved_world_size``: the world size that saved the
     checkpoint (None if it was not saved by a ``DistributedCheckpointManager``); when it
     differs from the current one, every node holds every file and reshards as it likes.
+    ``bytes_downloaded`` / ``bytes_local``: on a node's leader, the bytes it read from the
+    store and took from the node's kept copies (0 on the node's other ranks).
     """
 
     rank_path: Path | None = None
@@ -116,10 +120,15 @@ class NodeReader:
         engine: TransferEngine,
         progress: ProgressCallback | None,
         per_rank_dirs: bool,
+        kept: NodeCopies | None = None,
+        link_local: bool = False,
     ) -> None:
         self.comm, self.ranks = comm, ranks
         self.store, self.engine, self.progress = store, engine, progress
         self.per_rank_dirs = per_rank_dirs
+        self.kept = kept if kept is not None else NodeCopies({}, per_rank_dirs)
+        self.link_local = link_local
+        self.bytes_downloaded = self.bytes_local = 0  # this node's leader's, last restore
 
     def restore(
         self,
@@ -256,19 +265,33 @@ class NodeReader:
         return None
 
     def _download(self, record: CheckpointRecord, wants: Select, tmp: Path) -> None:
-        """(Node leader.) Check ``record`` and download, verified, what the node's ranks
-        want into the new directory ``tmp``. Raises CorruptionError, UnsafePathError,
-        StagingError (no space), StoreError."""
-        manifest = fetch_manifest(self.store, record)
-        check_objects(self.store, record, manifest)
+        """(Node leader.) Check ``record`` and put, verified, what the node's ranks want
+        into the new directory ``tmp``: from their kept copies what verifies, the rest
+        downloaded. Raises CorruptionError, UnsafePathError, StagingError (no space),
+        StoreError."""
+        copies = self.kept.find(record)
+        manifest = self.kept.manifest(copies, record) or fetch_manifest(self.store, record)
         local = self.ranks.local_ranks
         entries = [e for e in manifest.files if any(wants(e.path, r) for r in local)]
         need = sum(e.size for e in entries)
         check_space(record.step, need, tmp.parent)
+        self.bytes_downloaded = self.bytes_local = 0
+
+        def landed(n: int) -> None:
+            self.bytes_downloaded += n
+            if self.progress is not None:
+                self.progress(n)
+
         try:
-            download_into(
-                self.store, self.engine, record, entries, tmp, manifest.chunk_size, self.progress
+            tmp.mkdir()
+            rest, self.bytes_local = self.kept.place(
+                self.engine, copies, entries, tmp, manifest.chunk_size, self.link_local
             )
+            if rest:
+                check_objects(self.store, record, manifest)
+                files = record.ckpt + attempt_layout.FILES_DIR
+                download(self.engine, self.store, files, rest, tmp, manifest.chunk_size, landed)
+            apply_modes(tmp, entries)  # after every file verified
         except OSError as exc:
             full = out_of_space(exc, record.step, need, tmp.parent)
             if full is None:
@@ -290,6 +313,8 @@ class NodeReader:
             from_commit_records=found.from_records,
             rank_path=into / rank_dir(self.comm.rank),
             saved_world_size=found.value,
+            bytes_downloaded=self.bytes_downloaded,
+            bytes_local=self.bytes_local,
         )
 
     def _reread_if_dropped(
@@ -303,7 +328,7 @@ class NodeReader:
         same_layout = self.per_rank_dirs and saved_world == self.ranks.world_size
 
         def wants(path: str, rank: int) -> bool:
-            m = _RANK_DIR.match(path)
+            m = RANK_DIR.match(path)
             if m is None or not same_layout:
                 return True  # a shared file, or another layout: every rank may need it
             return int(m.group(1)) == rank

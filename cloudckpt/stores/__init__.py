@@ -45,7 +45,6 @@ from cloudckpt.stores.base import (
     Store,
     Update,
     crc32c_b64,
-    crc32c_text,
 )
 
 __all__ = [
@@ -63,7 +62,6 @@ __all__ = [
     "Store",
     "Update",
     "crc32c_b64",
-    "crc32c_text",
     "open_store",
     "parse_url",
     "split_url",

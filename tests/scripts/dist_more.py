@@ -1,0 +1,187 @@
+"""One rank of the local-copy and restore-timeout jobs (tests/test_distributed_local.py,
+tests/test_distributed.py), under ``torchrun --nproc_per_node=2`` (gloo, CPU, one node).
+
+Scenarios (each rank appends JSON lines to ``DIR/events-<rank>.jsonl``, as dist_ckpt.py):
+
+- ``local-save``: steps 1 and 2 saved with ``--staging`` as the staging directory (each
+  rank keeps its files of the newest checkpoint: ``keep_local`` by default).
+- ``local-resume`` (a restart on the same staging directory; every rank's store is a
+  ``Served`` wrapper counting what the store served it): ``resume`` of step 2; a restore
+  after rank 1's kept shard.bin was flipped and rank 0's kept extra.bin deleted; a restore
+  of step 1 (the kept copies are step 2's). Each compares every file of its own rank with
+  what was saved and reports what the store served it.
+- ``restore-stall``: step 1 saved; in a restore, rank 1 stops before the barrier that
+  follows the download (the "placing" phase) and writes ``DIR/stalled.json``: it sleeps
+  (``--how stall``) or exits (``--how die``); rank 0 records the error its restore raises,
+  and when.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+from dist_ckpt import OPTIONS, RANK, WORLD, Events, error_fields, exit_with_parent
+from served import Served
+
+from cloudckpt.distributed import DistributedCheckpointManager, rank_dir
+from cloudckpt.stores import open_store
+
+NAMES = ("shard.bin", "extra.bin")
+
+
+def content(step: int, rank: int, name: str) -> bytes:
+    seed = hashlib.sha256(f"{step}/{rank}/{name}".encode()).digest()
+    return seed * (2000 * (rank + 1) if name == "shard.bin" else 300)
+
+
+def save(mgr: DistributedCheckpointManager, step: int) -> None:
+    with mgr.save(step) as d:
+        for name in NAMES:
+            (d / name).write_bytes(content(step, RANK, name))
+    mgr.wait()
+
+
+def report(ev: Events, what: str, res, served: Served, step: int) -> None:
+    exact = all((res.rank_path / name).read_bytes() == content(step, RANK, name) for name in NAMES)
+    ev(
+        "restored",
+        what=what,
+        step=res.step,
+        exact=exact and res.step == step,
+        served=dict(served.by_key),
+        served_checkpoint=served.checkpoint_bytes(),
+    )
+    served.reset()
+
+
+def kept_file(staging: Path, step: int, name: str) -> Path:
+    (copy,) = (staging / rank_dir(RANK) / "committed").glob(f"{step:012d}-*")
+    return copy / "files" / name
+
+
+def scenario_local_save(url: str, staging: Path, ev: Events) -> None:
+    mgr = DistributedCheckpointManager(
+        url, storage_options=OPTIONS, staging_dir=staging, timeout=60
+    )
+    for step in (1, 2):
+        save(mgr, step)
+        ev("saved", step=step)
+    mgr.close()
+
+
+def scenario_local_resume(url: str, work: Path, staging: Path, ev: Events) -> None:
+    served = Served(open_store(url, OPTIONS))
+    mgr = DistributedCheckpointManager(served, staging_dir=staging, timeout=60)
+    ev("sizes", sizes={name: len(content(2, RANK, name)) for name in NAMES})
+    report(ev, "resume", mgr.resume(work / "r1"), served, 2)
+
+    if RANK == 1:  # damage the kept copies, before this rank enters the restore
+        target = kept_file(staging, 2, "shard.bin")
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        target.write_bytes(bytes(data))
+    else:
+        kept_file(staging, 2, "extra.bin").unlink()
+    report(ev, "damaged", mgr.restore(work / "r2"), served, 2)
+    report(ev, "step-1", mgr.restore(work / "r3", step=1), served, 1)
+    mgr.close()
+
+
+def scenario_restore_stall(url: str, work: Path, ev: Events, timeout: float, how: str) -> None:
+    signal.signal(
+        signal.SIGTERM, lambda signum, frame: ev("sigterm")
+    )  # torchrun's, on rank 1's exit
+    mgr = DistributedCheckpointManager(
+        url, storage_options=OPTIONS, staging_dir=work / "staging", timeout=timeout
+    )
+    save(mgr, 1)
+    ev("saved", step=1)
+    if RANK == 1:
+        comm = mgr._comm
+        original = comm.run_phase
+
+        def stalling(work_fn, what, cancel=None):
+            if "placing" in what:  # the barrier after the download: never reached
+                Path(work / "stalled.json").write_text(json.dumps({"pid": os.getpid()}))
+                if how == "die":
+                    os._exit(9)
+                time.sleep(600)
+            return original(work_fn, what, cancel)
+
+        comm.run_phase = stalling
+    started = time.monotonic()
+    try:
+        mgr.restore(work / "r")
+        ev("unexpected-restore")
+    except Exception as exc:
+        ev(
+            "restore-failed",
+            seconds=time.monotonic() - started,
+            at=time.time(),
+            **error_fields(exc),
+        )
+    mgr.close(timeout=30)
+    ev("exit")
+    sys.exit(3)
+
+
+def apply_mutant() -> None:
+    """``CLOUDCKPT_MUTANT=<name>`` (tests/test_mutations.py runs guards with it): break the
+    rule in this rank too, as tests/conftest.py does in the pytest process."""
+    name = os.environ.get("CLOUDCKPT_MUTANT")
+    if name:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        import mutants
+
+        applied = mutants.applied(name)
+        applied.__enter__()
+        _KEEP.append(applied)  # alive: collecting it would undo the patch
+
+
+_KEEP: list = []
+
+
+def main() -> int:
+    exit_with_parent()
+    apply_mutant()
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--scenario", required=True, choices=["local-save", "local-resume", "restore-stall"]
+    )
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--work", required=True, type=Path)
+    parser.add_argument("--staging", type=Path, default=None)
+    parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument("--how", choices=["stall", "die"], default="stall")
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    ev = Events(args.work)
+    dist.init_process_group("gloo")
+    ev("start", world=WORLD, pid=os.getpid())
+    try:
+        if args.scenario == "local-save":
+            scenario_local_save(args.url, args.staging, ev)
+        elif args.scenario == "local-resume":
+            scenario_local_resume(args.url, args.work, args.staging, ev)
+        else:
+            scenario_restore_stall(args.url, args.work, ev, args.timeout, args.how)
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        ev("crashed", **error_fields(exc))
+        raise
+    ev("done")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
