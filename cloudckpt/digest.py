@@ -81,17 +81,22 @@ def hasher(algorithm: str | None = None, size_hint: int = 0) -> Hasher:
     return blake3.blake3(max_threads=threads)
 
 
-def leaf(chunk: bytes | bytearray | memoryview, algorithm: str | None = None) -> bytes:
-    """Digest of one chunk (both hashes release the GIL for large buffers). Raises
-    UnknownFormatError."""
-    h = hasher(algorithm, memoryview(chunk).nbytes)
+def leaf(
+    chunk: bytes | bytearray | memoryview, algorithm: str | None = None, *, threaded: bool = True
+) -> bytes:
+    """Digest of one chunk (both hashes release the GIL for large buffers). ``threaded``:
+    False where the caller's own workers already hash in parallel (one BLAKE3 thread: no
+    hand-off to its thread pool). Raises UnknownFormatError."""
+    h = hasher(algorithm, memoryview(chunk).nbytes if threaded else 0)
     h.update(chunk)
     return h.digest()
 
 
-def hexleaf(chunk: bytes | bytearray | memoryview, algorithm: str | None = None) -> str:
+def hexleaf(
+    chunk: bytes | bytearray | memoryview, algorithm: str | None = None, *, threaded: bool = True
+) -> str:
     """``leaf`` in hex: a chunk's name (``manifests.ChunkRef``)."""
-    return leaf(chunk, algorithm).hex()
+    return leaf(chunk, algorithm, threaded=threaded).hex()
 
 
 FUSED_BLOCK = 1 << 20  # small enough that the CRC reads each block while it is still cached
@@ -127,11 +132,18 @@ def leaves_and_crc32c(
 
 
 def leaves_of(
-    buf: bytes | bytearray | memoryview, chunk_size: int = CHUNK_SIZE, algorithm: str | None = None
+    buf: bytes | bytearray | memoryview,
+    chunk_size: int = CHUNK_SIZE,
+    algorithm: str | None = None,
+    *,
+    threaded: bool = True,
 ) -> list[bytes]:
     """Leaf digests of ``buf``, which must start on a chunk boundary of its file."""
     view = memoryview(buf)
-    return [leaf(view[i : i + chunk_size], algorithm) for i in range(0, len(view), chunk_size)]
+    return [
+        leaf(view[i : i + chunk_size], algorithm, threaded=threaded)
+        for i in range(0, len(view), chunk_size)
+    ]
 
 
 def root(

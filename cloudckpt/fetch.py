@@ -24,6 +24,11 @@ caller may use any of it:
   ``cloudckpt.localcopy``) is read first, at local-disk speed, with the same checks; what
   does not verify (a chunk, or a whole file without chunks) is then read from the store.
 
+Hashing: each unit is hashed by the worker that landed it, on that one thread, when the
+read has at least as many units as the machine has cores (the workers are the
+parallelism: handing each 8 MiB leaf to BLAKE3's own thread pool as well cost ~10% more
+CPU and no time, docs/performance.md); a read of fewer units hashes each on several cores.
+
 Memory: besides the destinations, ``concurrency`` scratch buffers of at most one range
 (16 MiB by default) each. Nothing here allocates per byte of the checkpoint.
 
@@ -249,6 +254,12 @@ class _Reader:
         self.scratch = BufferPool(sink.scratch)
         self.scratch_size = max(range_size, LEAF)
         self.range_size = range_size
+        self.threaded = True  # BLAKE3's thread pool per leaf (``hash_on_workers``)
+
+    def hash_on_workers(self, units: int) -> None:
+        """Hash each leaf on its worker's thread alone when ``units`` (the units about to
+        run) give every core one (module docstring)."""
+        self.threaded = units < (os.cpu_count() or 1)
 
     # -- one piece --------------------------------------------------------------------
 
@@ -300,10 +311,12 @@ class _Reader:
                 started = time.thread_time()
                 if piece.ref is None:
                     f = self.files[index]
-                    leaves = digest.leaves_of(view, f.leaf_size, f.entry.algorithm)
+                    leaves = digest.leaves_of(
+                        view, f.leaf_size, f.entry.algorithm, threaded=self.threaded
+                    )
                     break
                 leaves = []
-                if _chunk_ok(view, piece.ref):
+                if _chunk_ok(view, piece.ref, self.threaded):
                     break
                 if local:
                     raise _LocalRejected
@@ -333,7 +346,7 @@ class _Reader:
         f = self.files[unit.job]
         pieces = unit.pieces
         multi = pieces[0].ref is not None and len(pieces) > 1
-        leaf = digest.hasher(f.entry.algorithm, LEAF) if multi else None
+        leaf = digest.hasher(f.entry.algorithm, LEAF if self.threaded else 0) if multi else None
         leaves: list[bytes] = []
         for piece in pieces:
             leaves += self._land(f.job, unit.job, piece, local, leaf)
@@ -348,9 +361,9 @@ class _Reader:
             )
 
 
-def _chunk_ok(data: memoryview, ref: ChunkRef) -> bool:
+def _chunk_ok(data: memoryview, ref: ChunkRef, threaded: bool = True) -> bool:
     """Whether ``data`` is the chunk ``ref`` names (its leaf digest)."""
-    return digest.hexleaf(data, ref.algorithm) == ref.sha256
+    return digest.hexleaf(data, ref.algorithm, threaded=threaded) == ref.sha256
 
 
 def _pread_into(path: Path, offset: int, view: memoryview) -> bool:
@@ -393,7 +406,9 @@ def read_files(
         i for i, j in enumerate(jobs) if j.local is not None and planned[i][1] and planned[i][0]
     }
     todo = [u for i, (units, _) in enumerate(planned) if i not in local for u in units]
+    reader.hash_on_workers(sum(len(planned[i][0]) for i in local))
     todo += _run_local(reader, planned, sorted(local))
+    reader.hash_on_workers(len(todo))
     for i in {u.job for u in todo}:
         reader.files[i].expect(sum(1 for u in todo if u.job == i))
     futures = [engine.submit(reader.run_unit, u, False, planned[u.job][1]) for u in todo]
@@ -510,6 +525,7 @@ def verify_local(
     ]
     ok = [j.local is not None for j in jobs]
     with_units = [i for i, (units, _) in enumerate(planned) if units and ok[i]]
+    reader.hash_on_workers(sum(len(planned[i][0]) for i in with_units))
     for u in _run_local(reader, planned, with_units):
         ok[u.job] = False
     for i, (units, _) in enumerate(planned):

@@ -36,6 +36,8 @@ def test_quick_benchmark_runs_every_group_and_writes_its_json(tmp_path):
                      "gcs-upload", "gcs-restore", "moto-upload", "moto-restore"):  # fmt: skip
         assert expected in names, names
     assert names.count("s3-upload") == 2, "one upload group per payload-signing setting"
+    restore = next(g for g in doc["groups"] if g["name"] == "torch-restore")
+    assert "cloudckpt restore to disk" in restore["contenders"], "into memory vs to disk (issue 31)"
     for group in doc["groups"]:
         assert group["contenders"], group["name"]
         for name, contender in group["contenders"].items():

@@ -148,3 +148,46 @@ def test_place_file_copies_a_regular_file_it_does_not_link(tmp_path):
     assert localcopy.place_file(src, tmp_path / "lnk", link=True) == "link"
     assert os.path.samefile(src, tmp_path / "lnk")
     assert localcopy.place_file(tmp_path / "missing", tmp_path / "m") is None
+
+
+@pytest.mark.parametrize("cores", [2, 64])
+def test_kept_copy_hashing_threads_and_a_flipped_byte_is_still_caught(
+    memory_target, tmp_path, monkeypatch, cores
+):
+    """Issue 31, item 4: a read of at least one unit per core hashes each leaf on its
+    worker's thread alone (no hand-off to BLAKE3's pool); fewer units hash on several
+    cores. Either way every byte is checked: a flipped byte of the copy is downloaded."""
+    from cloudckpt import digest, fetch
+
+    staging = tmp_path / "staging"
+    _save(memory_target.url, staging)
+    kept = _kept(staging, 1) / "files" / "a.bin"
+    data = bytearray(kept.read_bytes())
+    data[2 * MiB + 7] ^= 0x10
+    kept.write_bytes(bytes(data))
+    hints: list[int] = []
+    checking = []  # hints are recorded while the kept copy is checked (not the download)
+    real, real_verify = digest.hasher, fetch.verify_local
+
+    def spy(algorithm=None, size_hint=0):
+        if checking:
+            hints.append(size_hint)
+        return real(algorithm, size_hint)
+
+    def verify(*args, **kwargs):
+        checking.append(1)
+        try:
+            return real_verify(*args, **kwargs)
+        finally:
+            checking.clear()
+
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(digest, "hasher", spy)
+    monkeypatch.setattr(fetch, "verify_local", verify)
+    mgr = CheckpointManager(memory_target.url, staging_dir=staging)
+    res = mgr.restore(tmp_path / "r")
+    mgr.close()
+    assert res.bytes_downloaded == 3 * MiB and res.bytes_local == MiB + 1
+    assert _read(res.path) == _files(1)
+    big = [h for h in hints if h >= digest.THREADED_MIN]
+    assert hints and (big if cores == 64 else not big)
