@@ -1914,7 +1914,7 @@ MUTANTS.update(
 
 # --------------------------------------------------------------------------- fan-out
 # Issue 30, item 5: a chunk several nodes need is read once and sent to the others, who
-# verify it (docs/design.md §6, "Read once, fan out").
+# verify it (docs/design.md §7, "Read once, fan out").
 
 
 def _fanout_receiver_trusts_bytes(setattr_: Callable[[Any, str, Any], None]) -> None:

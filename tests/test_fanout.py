@@ -8,41 +8,53 @@ from __future__ import annotations
 
 from cloudckpt import digest
 from cloudckpt.distributed import _fanout
-from cloudckpt.distributed._fanout import Need, Transfer, accept, plan, rounds
-from cloudckpt.manifests import ChunkRef
+from cloudckpt.distributed._fanout import Transfer, accept, catalog, need_of, plan, rounds
+from cloudckpt.manifests import ChunkRef, FileEntry
 
 MiB = 1 << 20
 
 
+def refs(n: int) -> list[ChunkRef]:
+    return [ChunkRef("ckpt/x/", f"{i:064x}", 8 * MiB) for i in range(n)]
+
+
+def entry(path: str, chunks: list[ChunkRef]) -> FileEntry:
+    return FileEntry(path, sum(c.size for c in chunks), "d", tuple(chunks))
+
+
 def test_each_chunk_several_nodes_need_gets_one_sender_spread_by_bytes():
     """Leaders 0 and 2 (rank 1 is not a leader) need the same 4 chunks; leader 0 alone
-    needs ``only0``. Each shared chunk has one sender, a leader that needs it, the
-    senders share the bytes evenly, and every rank derives the same plan."""
-    shared = {f"c{i}": 8 * MiB for i in range(4)}
-    needs = [Need({**shared, "only0": MiB}), None, Need(dict(shared))]
+    needs one more. Each shared chunk has one sender, a leader that needs it, the
+    senders share them evenly, and every rank derives the same plan from the bit masks
+    (one bit per chunk of the manifest)."""
+    chunks = refs(9)
+    shared, only0 = chunks[2:6], chunks[7]
+    files = [entry("rank-00000/a", [*shared, only0]), entry("rank-00002/a", list(shared))]
+    assert catalog([*files, entry("rank-00000/a", shared)]) == [*shared, only0]
+    needs = [need_of(chunks, files[:1]), None, need_of(chunks, files[1:])]
+    assert len(needs[0].mask) == 2  # type: ignore[union-attr]
     transfers = plan(needs)
-    assert [t.key for t in transfers] == sorted(shared)  # only0 is nobody else's: not sent
+    assert [t.index for t in transfers] == [2, 3, 4, 5]  # chunk 7 is nobody else's: not sent
     load = {0: 0, 2: 0}
     for t in transfers:
         assert t.sender in (0, 2) and t.receivers == tuple({0, 2} - {t.sender})
-        load[t.sender] += t.size
-    assert load == {0: 16 * MiB, 2: 16 * MiB}
+        load[t.sender] += 1
+    assert load == {0: 2, 2: 2}
     assert plan(list(needs)) == transfers  # deterministic
 
 
 def test_no_plan_without_a_chunk_two_nodes_need():
-    assert plan([Need({"a": 1}), Need({"b": 1})]) == []
-    assert plan([Need({"a": 1}), None]) == []
+    chunks = refs(2)
+    a, b = entry("a", chunks[:1]), entry("b", chunks[1:])
+    assert plan([need_of(chunks, [a]), need_of(chunks, [b])]) == []
+    assert plan([need_of(chunks, [a]), None]) == []
 
 
-def test_rounds_hold_at_most_round_bytes_and_every_transfer_once():
-    big = _fanout.ROUND_BYTES // 3
-    transfers = [Transfer(f"k{i}", big, 0, (1,)) for i in range(7)]
+def test_rounds_hold_at_most_round_chunks_and_every_transfer_once():
+    transfers = [Transfer(i, 0, (1,)) for i in range(2 * _fanout.ROUND_CHUNKS + 1)]
     cut = rounds(transfers)
     assert [t for r in cut for t in r] == transfers
-    assert all(r and sum(t.size for t in r) <= _fanout.ROUND_BYTES for r in cut)
-    huge = [Transfer("h", 2 * _fanout.ROUND_BYTES, 0, (1,))]
-    assert rounds(huge) == [huge]
+    assert [len(r) for r in cut] == [_fanout.ROUND_CHUNKS, _fanout.ROUND_CHUNKS, 1]
     assert rounds([]) == []
 
 

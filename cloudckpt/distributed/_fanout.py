@@ -1,15 +1,15 @@
 """Read once, fan out: a chunk that several nodes need is read from the store by one of
-them and sent to the others over the manager's gloo group (docs/design.md §6, "Read once,
-fan out"; docs/integrations/distributed.md, "Restores across nodes").
+them and sent to the others over the manager's gloo group (docs/design.md §7, "Read once,
+fan out"; docs/integrations/distributed.md, "Restoring: once per node").
 
 Between checking a checkpoint (kept copies placed) and downloading the rest, every node's
-leader tells the others which chunks it still needs (``Need``: one ``all_gather``). Every
-rank then derives the same ``Plan``: each chunk needed by two or more nodes gets ONE
-sender, the needing leader with the fewest bytes assigned so far (ties: the lowest rank),
-so the reads spread over the nodes. The transfers run in rounds of at most
-``ROUND_BYTES``, in the plan's order on every leader (each transfer waits only for earlier
-ones: no cycle, no deadlock); after each round every rank exchanges one heartbeat, so
-ranks that send nothing wait at most one round.
+leader tells the others which chunks it still needs (``Need``: a bit per chunk of the
+manifest's ``catalog``; one ``all_gather``). Every rank then derives the same ``plan``:
+each chunk needed by two or more nodes gets ONE sender, the needing leader with the fewest
+chunks assigned so far (ties: the lowest rank), so the reads spread over the nodes. The
+transfers run in rounds of ``ROUND_CHUNKS``, in the plan's order on every leader (each
+transfer waits only for earlier ones: no cycle, no deadlock); after each round every rank
+exchanges one heartbeat, so ranks that send nothing wait at most one round.
 
 Nothing received is trusted: a receiver keeps a chunk only if its bytes have exactly the
 digest its name (the committed manifest's) records; what fails, or what the sender could
@@ -39,23 +39,25 @@ from cloudckpt.transfer import TransferEngine
 
 log = logging.getLogger("cloudckpt.distributed")
 
-#: The most bytes one round of transfers moves (all senders together).
-ROUND_BYTES = 256 << 20
+#: The chunks one round of transfers moves (all senders together; at most 256 MiB).
+ROUND_CHUNKS = 32
 
 
 @dataclasses.dataclass(frozen=True)
 class Need:
-    """What one node's leader still needs from the store: chunk key -> size."""
+    """What one node's leader still needs from the store: bit ``i`` of ``mask`` (little
+    bit order) set for chunk ``i`` of the manifest's ``catalog``. A bit per chunk of the
+    checkpoint: 16 KB per node for 125,000 chunks, whatever each node needs."""
 
-    chunks: dict[str, int]
+    mask: bytes
 
 
 @dataclasses.dataclass(frozen=True)
 class Transfer:
-    """One chunk, read by ``sender`` (a node leader) and sent to ``receivers``."""
+    """Chunk ``index`` of the catalog, read by ``sender`` (a node leader) and sent to
+    ``receivers``."""
 
-    key: str
-    size: int
+    index: int
     sender: int
     receivers: tuple[int, ...]
 
@@ -72,44 +74,55 @@ class Shared:
 NONE = Shared({}, 0)
 
 
-def needed(entries: Sequence[FileEntry]) -> dict[str, ChunkRef]:
-    """The chunks of ``entries`` (those stored as chunks), by key."""
-    return {ref.key: ref for e in entries for ref in (e.chunks or ())}
+def catalog(files: Sequence[FileEntry]) -> list[ChunkRef]:
+    """The distinct chunks of a manifest's ``files``, in order of first appearance: the
+    same list on every node (every leader uses the manifest LATEST names)."""
+    seen: dict[str, ChunkRef] = {}
+    for entry in files:
+        for ref in entry.chunks or ():
+            seen.setdefault(ref.key, ref)
+    return list(seen.values())
+
+
+def need_of(chunks: Sequence[ChunkRef], rest: Sequence[FileEntry]) -> Need:
+    """The ``Need`` of a leader that still has ``rest`` to download."""
+    wanted = {ref.key for e in rest for ref in (e.chunks or ())}
+    mask = bytearray((len(chunks) + 7) // 8)
+    for i, ref in enumerate(chunks):
+        if ref.key in wanted:
+            mask[i >> 3] |= 1 << (i & 7)
+    return Need(bytes(mask))
 
 
 def plan(needs: Sequence[Need | None]) -> list[Transfer]:
     """(Every rank, the same.) The transfers: each chunk that two or more leaders need,
-    by key, with one sender among them (the fewest bytes assigned so far, then the
-    lowest rank)."""
-    holders: dict[str, list[int]] = {}
-    sizes: dict[str, int] = {}
-    for rank, need in enumerate(needs):
-        for key, size in (need.chunks if need is not None else {}).items():
-            holders.setdefault(key, []).append(rank)
-            sizes[key] = size
-    load: dict[int, int] = {}
+    in catalog order, with one sender among them (the fewest chunks assigned so far, then
+    the lowest rank)."""
+    masks = {r: n.mask for r, n in enumerate(needs) if n is not None}
+    once = twice = 0  # bit sets: chunks one leader needs, two or more do
+    for mask in masks.values():
+        bits = int.from_bytes(mask, "little")
+        twice |= once & bits
+        once |= bits
+    load = dict.fromkeys(masks, 0)
     out = []
-    for key in sorted(holders):
-        ranks = holders[key]
-        if len(ranks) < 2:
-            continue
-        sender = min(ranks, key=lambda r: (load.get(r, 0), r))
-        load[sender] = load.get(sender, 0) + sizes[key]
-        out.append(Transfer(key, sizes[key], sender, tuple(r for r in ranks if r != sender)))
+    width = max((len(m) for m in masks.values()), default=0)
+    for byte, value in enumerate(twice.to_bytes(width, "little")):
+        for offset in range(8) if value else ():
+            bit = 1 << offset
+            if not value & bit:
+                continue
+            holders = [r for r, m in masks.items() if byte < len(m) and m[byte] & bit]
+            sender = min(holders, key=lambda r: (load[r], r))
+            load[sender] += 1
+            others = tuple(r for r in holders if r != sender)
+            out.append(Transfer(byte * 8 + offset, sender, others))
     return out
 
 
 def rounds(transfers: Sequence[Transfer]) -> list[list[Transfer]]:
-    """``transfers`` cut into rounds of at most ``ROUND_BYTES`` (one at least)."""
-    out: list[list[Transfer]] = []
-    size = ROUND_BYTES
-    for t in transfers:
-        if size + t.size > ROUND_BYTES and (not out or out[-1]):
-            out.append([])
-            size = 0
-        out[-1].append(t)
-        size += t.size
-    return out
+    """``transfers`` cut into rounds of ``ROUND_CHUNKS`` (chunks are at most 8 MiB)."""
+    return [list(transfers[i : i + ROUND_CHUNKS]) for i in range(0, len(transfers), ROUND_CHUNKS)]
 
 
 def outgoing(data: bytes | memoryview) -> bytes:
@@ -124,26 +137,28 @@ def accept(ref: ChunkRef, data: bytes) -> bool:
 
 def exchange(
     comm: Comm,
-    refs: Mapping[str, ChunkRef] | None,
+    chunks: Sequence[ChunkRef] | None,
+    rest: Sequence[FileEntry],
     engine: TransferEngine,
     store: Store,
     what: str,
 ) -> Shared:
-    """(Every rank; collective.) Fan out the chunks several nodes need. ``refs``: on a
-    node's leader, the chunks its node still needs by key (None elsewhere). Returns, on a
+    """(Every rank; collective.) Fan out the chunks several nodes need. ``chunks``: on a
+    node's leader, the manifest's ``catalog`` (None elsewhere); ``rest``: the entries it
+    still has to download. Returns, on a
     leader, the verified bytes of the chunks it read or received (empty elsewhere).
 
     Raises CollectiveError (a peer died, hung past the timeout or became unreachable)."""
-    mine = None if refs is None else Need({k: r.size for k, r in refs.items()})
+    mine = None if chunks is None else need_of(chunks, rest)
     needs = comm.all_gather(mine, f"{what}: listing the chunks each node needs")
     transfers = plan(needs)
     got: dict[str, bytes] = {}
     read = 0
     for batch in rounds(transfers):
-        if refs is not None:
-            read += _round(comm, batch, refs, engine, store, got, what)
+        if chunks is not None:
+            read += _round(comm, batch, chunks, engine, store, got, what)
         comm.heartbeat(_OK, f"{what}: sharing chunks between nodes")
-    if transfers and refs is not None:
+    if transfers and chunks is not None:
         log.info("%s: %d chunk(s) read once and shared between nodes", what, len(transfers))
     return Shared(got, read)
 
@@ -151,7 +166,7 @@ def exchange(
 def _round(
     comm: Comm,
     batch: Sequence[Transfer],
-    refs: Mapping[str, ChunkRef],
+    chunks: Sequence[ChunkRef],
     engine: TransferEngine,
     store: Store,
     got: dict[str, bytes],
@@ -162,29 +177,30 @@ def _round(
     it read."""
     read = 0
     reads = {
-        t.key: engine.submit(fetch_chunk, engine, store, refs[t.key])
+        t.index: engine.submit(fetch_chunk, engine, store, chunks[t.index])
         for t in batch
         if t.sender == comm.rank
     }
     try:
         for t in batch:
-            if t.sender == comm.rank:
-                data = _read(reads[t.key], t.key)
+            ref = chunks[t.index] if t.index < len(chunks) else None
+            if t.sender == comm.rank and ref is not None:
+                data = _read(reads[t.index], ref.key)
                 if data is not None:
-                    got[t.key] = data
+                    got[ref.key] = data
                     read += len(data)
                 for r in t.receivers:
                     _send(comm, None if data is None else outgoing(data), r, what)
             elif comm.rank in t.receivers:
                 data = _recv(comm, t.sender, what)
-                if data is not None and accept(refs[t.key], data):
-                    got[t.key] = data
+                if ref is not None and data is not None and accept(ref, data):
+                    got[ref.key] = data
                 elif data is not None:
                     log.warning(
-                        "%s: chunk %s from rank %d does not match its digest; reading it "
+                        "%s: chunk %d from rank %d does not match its digest; reading it "
                         "from the store",
                         what,
-                        t.key,
+                        t.index,
                         t.sender,
                     )
     finally:
@@ -221,10 +237,13 @@ def _recv(comm: Comm, src: int, what: str) -> bytes | None:
     n = int(header.item())
     if n < 0:
         return None
-    payload = torch.empty(n, dtype=torch.uint8)
-    if n:
-        comm.recv(payload, src, f"{what}: receiving a chunk from rank {src}")
-    return payload.numpy().tobytes()
+    if n == 0:
+        return b""
+    buf = bytearray(n)
+    comm.recv(
+        torch.frombuffer(buf, dtype=torch.uint8), src, f"{what}: receiving a chunk from rank {src}"
+    )
+    return bytes(buf)
 
 
 class WithReceived:

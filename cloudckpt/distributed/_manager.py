@@ -105,7 +105,7 @@ class DistributedCheckpointManager(ManagerBase):
             different nodes) is read from the store by one node and sent, over the
             manager's gloo group, to the others, which verify every byte against the
             manifest (what fails is read from the store). Default True; it has no effect
-            on one node (docs/integrations/distributed.md, "Restores across nodes").
+            on one node (docs/integrations/distributed.md, "Restoring: once per node").
         keep_local, local_budget_bytes: as ``CheckpointManager``, per rank: after each
             commit every rank keeps its own files under its staging directory (default:
             the newest checkpoint with a ``staging_dir``, none without), and a restore on

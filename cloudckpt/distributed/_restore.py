@@ -27,7 +27,7 @@ from cloudckpt.distributed._kept import RANK_DIR, NodeCopies
 from cloudckpt.distributed._save import WORLD_SIZE_KEY
 from cloudckpt.download import download
 from cloudckpt.errors import ConfigurationError
-from cloudckpt.manifests import FileEntry
+from cloudckpt.manifests import ChunkRef, FileEntry
 from cloudckpt.protocol import CheckpointRecord, Latest
 from cloudckpt.reader import (
     Damaged,
@@ -117,6 +117,7 @@ class _Prepared:
     entries: list[FileEntry]
     rest: list[FileEntry]
     need: int
+    chunks: list[ChunkRef]  # the manifest's distinct chunks (``_fanout.catalog``)
 
 
 # ------------------------------------------------------------------------------ the reader
@@ -279,7 +280,8 @@ class NodeReader:
         try:
             shared = _fanout.exchange(
                 self.comm,
-                None if prep is None else _fanout.needed(prep.rest),
+                None if prep is None else prep.chunks,
+                [] if prep is None else prep.rest,
                 self.engine,
                 self.store,
                 label,
@@ -349,7 +351,8 @@ class NodeReader:
             if full is None:
                 raise
             raise full from exc
-        return _Prepared(record, manifest.chunk_size, entries, rest, need)
+        chunks = _fanout.catalog(manifest.files) if self.fans_out else []
+        return _Prepared(record, manifest.chunk_size, entries, rest, need, chunks)
 
     def _download(self, prep: _Prepared, tmp: Path, shared: _fanout.Shared) -> None:
         """(Node leader.) Download what ``prep`` left, verified, into ``tmp`` (the chunks
