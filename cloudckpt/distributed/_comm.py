@@ -211,27 +211,13 @@ class Comm:
         self._call(what, lambda: self.dist.all_reduce(t, group=self.group))
         return [int(c) for c in t.tolist()]
 
-    def isend(self, tensor: Any, dst: int, what: str) -> Any:
-        """Start sending ``tensor`` to rank ``dst`` alone (point to point); ``wait``
-        for it."""
-        return self._call(
-            what, lambda: self.dist.isend(tensor, group=self.group, group_dst=dst), False
-        )
+    def send(self, tensor: Any, dst: int, what: str) -> None:
+        """``tensor`` to rank ``dst`` alone (point to point; bounded by the timeout)."""
+        self._call(what, lambda: self.dist.send(tensor, group=self.group, group_dst=dst), False)
 
-    def irecv(self, tensor: Any, src: int, what: str) -> Any:
-        """Start filling ``tensor`` from rank ``src`` (point to point); ``wait`` for it."""
-        return self._call(
-            what, lambda: self.dist.irecv(tensor, group=self.group, group_src=src), False
-        )
-
-    def wait(self, works: list[Any], what: str) -> None:
-        """Wait for the point-to-point ``works``, each bounded by the group's timeout."""
-
-        def all_done() -> None:
-            for work in works:
-                work.wait()
-
-        self._call(what, all_done, False)
+    def recv(self, tensor: Any, src: int, what: str) -> None:
+        """Fill ``tensor`` from rank ``src`` (point to point; bounded by the timeout)."""
+        self._call(what, lambda: self.dist.recv(tensor, group=self.group, group_src=src), False)
 
     # ---------------------------------------------------------------- patterns
 

@@ -173,60 +173,40 @@ def _round(
     what: str,
 ) -> int:
     """(A leader.) This leader's part of one round: read what it sends (in parallel on
-    the engine's workers), post every receive, then every send as its chunk arrives, and
-    wait for them all (both directions at once); then check what arrived. Each transfer
-    is a header (the size, or -1: the sender could not read it) and the chunk's
-    ``size`` bytes (the receiver's manifest says how many). Returns the bytes it read."""
-    import torch
-
+    the engine's workers), then send and receive in the plan's order. Returns the bytes
+    it read."""
     read = 0
-    mine = [t for t in batch if t.sender == comm.rank and t.index < len(chunks)]
-    reads = {t.index: engine.submit(fetch_chunk, engine, store, chunks[t.index]) for t in mine}
-    works: list[Any] = []
-    arriving = []
+    reads = {
+        t.index: engine.submit(fetch_chunk, engine, store, chunks[t.index])
+        for t in batch
+        if t.sender == comm.rank
+    }
     try:
         for t in batch:
-            if comm.rank in t.receivers and t.index < len(chunks):
-                ref = chunks[t.index]
-                header, buf = torch.zeros(1, dtype=torch.int64), bytearray(ref.size)
-                works.append(comm.irecv(header, t.sender, what))
-                if ref.size:
-                    works.append(comm.irecv(_tensor(buf), t.sender, what))
-                arriving.append((t, ref, header, buf))
-        for t in mine:
-            ref = chunks[t.index]
-            data = _read(reads[t.index], ref.key)
-            if data is not None:
-                got[ref.key] = data
-                read += len(data)
-            sent = bytearray(ref.size if data is None else outgoing(data))
-            header = torch.tensor([-1 if data is None else len(sent)], dtype=torch.int64)
-            for r in t.receivers:
-                works.append(comm.isend(header, r, what))
-                if sent:
-                    works.append(comm.isend(_tensor(sent), r, what))
-        comm.wait(works, f"{what}: sending and receiving chunks between nodes")
+            ref = chunks[t.index] if t.index < len(chunks) else None
+            if t.sender == comm.rank and ref is not None:
+                data = _read(reads[t.index], ref.key)
+                if data is not None:
+                    got[ref.key] = data
+                    read += len(data)
+                for r in t.receivers:
+                    _send(comm, None if data is None else outgoing(data), r, what)
+            elif comm.rank in t.receivers:
+                data = _recv(comm, t.sender, what)
+                if ref is not None and data is not None and accept(ref, data):
+                    got[ref.key] = data
+                elif data is not None:
+                    log.warning(
+                        "%s: chunk %d from rank %d does not match its digest; reading it "
+                        "from the store",
+                        what,
+                        t.index,
+                        t.sender,
+                    )
     finally:
         for f in reads.values():
             f.cancel()
-    for t, ref, header, buf in arriving:
-        data = bytes(buf)
-        if int(header.item()) == ref.size and accept(ref, data):
-            got[ref.key] = data
-        elif int(header.item()) >= 0:
-            log.warning(
-                "%s: chunk %s from rank %d does not match its digest; reading it from the store",
-                what,
-                ref.key,
-                t.sender,
-            )
     return read
-
-
-def _tensor(buf: bytearray) -> Any:
-    import torch
-
-    return torch.frombuffer(buf, dtype=torch.uint8)
 
 
 def _read(fut: cf.Future[Any], key: str) -> bytes | None:
@@ -237,6 +217,33 @@ def _read(fut: cf.Future[Any], key: str) -> bytes | None:
     except Exception as exc:
         log.warning("cannot read chunk %s to share it: %s; each node reads it itself", key, exc)
         return None
+
+
+def _send(comm: Comm, data: bytes | None, dst: int, what: str) -> None:
+    import torch
+
+    header = torch.tensor([-1 if data is None else len(data)], dtype=torch.int64)
+    comm.send(header, dst, f"{what}: sending a chunk to rank {dst}")
+    if data:
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        comm.send(payload, dst, f"{what}: sending a chunk to rank {dst}")
+
+
+def _recv(comm: Comm, src: int, what: str) -> bytes | None:
+    import torch
+
+    header = torch.zeros(1, dtype=torch.int64)
+    comm.recv(header, src, f"{what}: receiving a chunk from rank {src}")
+    n = int(header.item())
+    if n < 0:
+        return None
+    if n == 0:
+        return b""
+    buf = bytearray(n)
+    comm.recv(
+        torch.frombuffer(buf, dtype=torch.uint8), src, f"{what}: receiving a chunk from rank {src}"
+    )
+    return bytes(buf)
 
 
 class WithReceived:
