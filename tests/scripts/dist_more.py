@@ -15,6 +15,8 @@ Scenarios (each rank appends JSON lines to ``DIR/events-<rank>.jsonl``, as dist_
   step 1 saved; a restore with fan-out (each rank reports what the store served it and
   the chunks it sent); a restore where rank 1, sending, flips a byte of every chunk it
   sends (``_fanout.outgoing``); a restore with ``fanout=False``. Each compares its files.
+- ``fanout-dead``: as ``fanout``, but rank 1 dies (``--how die``) or stalls (``stall``)
+  where it would send its first shared chunk; rank 0 records the error of its restore.
 - ``restore-stall``: step 1 saved; in a restore, rank 1 stops before the barrier that
   follows the download (the "placing" phase) and writes ``DIR/stalled.json``: it sleeps
   (``--how stall``) or exits (``--how die``); rank 0 records the error its restore raises,
@@ -158,6 +160,41 @@ def scenario_fanout(url: str, work: Path, ev: Events) -> None:
     mgr.close()
 
 
+def scenario_fanout_dead(url: str, work: Path, ev: Events, timeout: float, how: str) -> None:
+    """Rank 1, about to send its first shared chunk, dies or stalls; rank 0 (its
+    receiver) records the error its restore raises."""
+    from cloudckpt.distributed import _fanout
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: ev("sigterm"))  # torchrun's
+    mgr = DistributedCheckpointManager(
+        url,
+        storage_options=OPTIONS,
+        node_id=f"node{RANK}",
+        replica_groups=[[0, 1]],
+        keep_local=0,
+        timeout=timeout,
+    )
+    with mgr.save(1) as d:
+        for name in DP_NAMES:
+            (d / name).write_bytes(dp_content(name))
+    mgr.wait()
+    ev("saved", step=1)
+    if RANK == 1:
+
+        def stop(data):
+            Path(work / "stalled.json").write_text(json.dumps({"pid": os.getpid()}))
+            if how == "die":
+                os._exit(9)
+            time.sleep(600)
+
+        _fanout.outgoing = stop
+    try:
+        mgr.restore(work / f"node{RANK}" / "r")
+        ev("unexpected-restore")
+    except Exception as exc:
+        ev("restore-failed", **error_fields(exc))
+
+
 def scenario_restore_stall(url: str, work: Path, ev: Events, timeout: float, how: str) -> None:
     signal.signal(
         signal.SIGTERM, lambda signum, frame: ev("sigterm")
@@ -219,7 +256,7 @@ def main() -> int:
     parser.add_argument(
         "--scenario",
         required=True,
-        choices=["local-save", "local-resume", "restore-stall", "fanout"],
+        choices=["local-save", "local-resume", "restore-stall", "fanout", "fanout-dead"],
     )
     parser.add_argument("--url", required=True)
     parser.add_argument("--work", required=True, type=Path)
@@ -238,6 +275,8 @@ def main() -> int:
             scenario_local_resume(args.url, args.work, args.staging, ev)
         elif args.scenario == "fanout":
             scenario_fanout(args.url, args.work, ev)
+        elif args.scenario == "fanout-dead":
+            scenario_fanout_dead(args.url, args.work, ev, args.timeout, args.how)
         else:
             scenario_restore_stall(args.url, args.work, ev, args.timeout, args.how)
     except SystemExit:
