@@ -7,7 +7,9 @@ is intact, each node's leader downloads what the node's ranks need into a tempor
 directory beside the destination while the ranks exchange heartbeats, and moves it into
 place. A damaged checkpoint on any node means the next older one, on every node. The
 leader takes what the node's ranks kept of that checkpoint from their local copies, every
-byte verified, and downloads only the rest (``_kept.NodeCopies``).
+byte verified, and downloads only the rest (``_kept.NodeCopies``); with several nodes, a
+chunk several of them still need is read by one and sent to the others first
+(``_fanout``: checked, kept copies placed; chunks shared; the rest downloaded).
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ class DistributedRestoreResult(RestoreResult):
     checkpoint (None if it was not saved by a ``DistributedCheckpointManager``); when it
     differs from the current one, every node holds every file and reshards as it likes.
     ``bytes_downloaded`` / ``bytes_local``: on a node's leader, the bytes it read from the
-    store and took from the node's kept copies (0 on the node's other ranks).
+    store (the chunks it read for other nodes included, those it received from them not)
+    and took from the node's kept copies (0 on the node's other ranks).
     """
 
     rank_path: Path | None = None
