@@ -236,7 +236,8 @@ def test_data_parallel_replicas_on_2_nodes_read_each_chunk_once(moto_server, tmp
     the store exactly once over both nodes (counted on the store's side, ``Served``): one
     node reads it and sends it to the other. When the sender flips a byte of each chunk it
     sends, the receiver's check refuses them and it reads exactly those from the store;
-    every file is still exact. With ``fanout=False`` each node reads every chunk."""
+    every file is still exact. When the sender cannot read the chunks it is to send, it
+    says so and both nodes read them. With ``fanout=False`` each node reads every chunk."""
     bucket = f"fanout-{os.urandom(3).hex()}"
     moto_server.create_bucket(bucket)
     url, options = f"s3://{bucket}/run", moto_server.storage_options()
@@ -244,7 +245,8 @@ def test_data_parallel_replicas_on_2_nodes_read_each_chunk_once(moto_server, tmp
     assert job.wait(180) == 0, job.log_tail()
 
     runs = {
-        w: [job.one(r, "restored", what=w) for r in (0, 1)] for w in ("fanout", "corrupt", "off")
+        w: [job.one(r, "restored", what=w) for r in (0, 1)]
+        for w in ("fanout", "corrupt", "unreadable", "off")
     }
     assert all(run["exact"] for both in runs.values() for run in both)
 
@@ -268,3 +270,8 @@ def test_data_parallel_replicas_on_2_nodes_read_each_chunk_once(moto_server, tmp
     flipped = runs["corrupt"][1]["sent"]  # what rank 1 sent, every chunk flipped
     assert flipped > 0
     assert sum(served("corrupt").values()) == sum(size.values()) + flipped
+
+    # Rank 1 cannot read what it is to send: it says so, and both nodes read those chunks.
+    unread = runs["unreadable"][1]["sent"]
+    assert unread > 0 and runs["unreadable"][0]["sent"] == sum(size.values()) - unread
+    assert sum(served("unreadable").values()) == sum(size.values()) + unread

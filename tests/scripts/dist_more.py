@@ -14,7 +14,9 @@ Scenarios (each rank appends JSON lines to ``DIR/events-<rank>.jsonl``, as dist_
   ``[[0, 1]]`` saving the same files, no kept copies; every rank's store a ``Served``):
   step 1 saved; a restore with fan-out (each rank reports what the store served it and
   the chunks it sent); a restore where rank 1, sending, flips a byte of every chunk it
-  sends (``_fanout.outgoing``); a restore with ``fanout=False``. Each compares its files.
+  sends (``_fanout.outgoing``); a restore where rank 1 cannot read the chunks it is to
+  send (``_fanout.fetch_chunk`` raises ``StoreError``); a restore with ``fanout=False``.
+  Each compares its files.
 - ``fanout-dead``: as ``fanout``, but rank 1 dies (``--how die``) or stalls (``stall``)
   where it would send its first shared chunk; rank 0 records the error of its restore.
 - ``restore-stall``: step 1 saved; in a restore, rank 1 stops before the barrier that
@@ -39,6 +41,7 @@ from dist_ckpt import OPTIONS, RANK, WORLD, Events, error_fields, exit_with_pare
 from served import Served
 
 from cloudckpt.distributed import DistributedCheckpointManager, rank_dir
+from cloudckpt.errors import StoreError
 from cloudckpt.stores import open_store
 
 NAMES = ("shard.bin", "extra.bin")
@@ -136,14 +139,22 @@ def scenario_fanout(url: str, work: Path, ev: Events) -> None:
         sent.append(len(out))
         return bytes(out)
 
+    reading = _fanout.fetch_chunk
+
+    def failing(engine, store, ref, into=None):
+        sent.append(ref.size)  # what it would have sent
+        raise StoreError(f"simulated: cannot read {ref.key}")
+
     for what, patch, fanout in (
         ("fanout", counting, True),
         ("corrupt", flipping if RANK == 1 else counting, True),
+        ("unreadable", counting, True),
         ("off", counting, False),
     ):
         served.reset()
         sent.clear()
         _fanout.outgoing = patch
+        _fanout.fetch_chunk = failing if what == "unreadable" and RANK == 1 else reading
         mgr.fanout = fanout
         res = mgr.restore(work / f"node{RANK}" / what)  # each simulated node its own
         exact = all((res.rank_path / name).read_bytes() == dp_content(name) for name in DP_NAMES)
@@ -156,7 +167,7 @@ def scenario_fanout(url: str, work: Path, ev: Events) -> None:
             sent=sum(sent),
             bytes_downloaded=res.bytes_downloaded,
         )
-    _fanout.outgoing = original
+    _fanout.outgoing, _fanout.fetch_chunk = original, reading
     mgr.close()
 
 
