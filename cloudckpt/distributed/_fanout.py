@@ -145,8 +145,8 @@ def exchange(
 ) -> Shared:
     """(Every rank; collective.) Fan out the chunks several nodes need. ``chunks``: on a
     node's leader, the manifest's ``catalog`` (None elsewhere); ``rest``: the entries it
-    still has to download. Returns, on a
-    leader, the verified bytes of the chunks it read or received (empty elsewhere).
+    still has to download. Returns, on a leader, the verified chunks it read or received
+    and the bytes it read from the store (nothing elsewhere).
 
     Raises CollectiveError (a peer died, hung past the timeout or became unreachable)."""
     mine = None if chunks is None else need_of(chunks, rest)
