@@ -1910,3 +1910,59 @@ MUTANTS.update(
         ]
     }
 )
+
+
+# --------------------------------------------------------------------------- fan-out
+# Issue 30, item 5: a chunk several nodes need is read once and sent to the others, who
+# verify it (docs/design.md §7, "Read once, fan out").
+
+
+def _fanout_receiver_trusts_bytes(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A receiver keeps whatever bytes a peer sent it, unverified."""
+    from cloudckpt.distributed import _fanout
+
+    setattr_(_fanout, "accept", lambda ref, data: True)
+
+
+def _fanout_reads_on_every_node(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """No chunk is shared: every node reads every chunk it needs from the store."""
+    from cloudckpt.distributed import _fanout
+
+    setattr_(_fanout, "plan", lambda needs: [])
+
+
+_FANOUT = "tests/test_fanout.py"
+_FANOUT_RANKS = (
+    "tests/test_distributed_local.py::test_data_parallel_replicas_on_2_nodes_read_each_chunk_once"
+)
+
+MUTANTS.update(
+    {
+        m.name: m
+        for m in [
+            Mutant(
+                "fanout-receiver-trusts-bytes",
+                "a chunk received from another node is used only if it is exactly the chunk "
+                "its name names; what fails is read from the store",
+                _fanout_receiver_trusts_bytes,
+                (
+                    f"{_FANOUT}::test_a_received_chunk_is_kept_only_if_it_is_exactly_the_chunk_"
+                    "its_name_names",
+                    _FANOUT_RANKS,
+                ),
+                why_not_simulated=_NOT_SIMULATED_RANKS,
+            ),
+            Mutant(
+                "fanout-reads-on-every-node",
+                "a chunk several nodes need is read from the store once, by one of them",
+                _fanout_reads_on_every_node,
+                (
+                    f"{_FANOUT}::test_each_chunk_several_nodes_need_gets_one_sender_spread_by_"
+                    "bytes",
+                    _FANOUT_RANKS,
+                ),
+                why_not_simulated=_NOT_SIMULATED_RANKS,
+            ),
+        ]
+    }
+)

@@ -225,3 +225,53 @@ def test_user_paths_are_taken_from_the_copy_that_holds_them(memory_target, tmp_p
     assert (res.path / "config.json").read_bytes() == b'{"layers": 2}'
     assert served.checkpoint_bytes() == 0 and res.bytes_downloaded == 0
     mgr.close()
+
+
+# ------------------------------------------------------------------------------ fan-out
+
+
+def test_data_parallel_replicas_on_2_nodes_read_each_chunk_once(moto_server, tmp_path):
+    """Read once, fan out (issue 30 item 5): 2 simulated nodes (``node_id``) of one rank
+    each, data-parallel replicas saving the same files. A restore reads every chunk from
+    the store exactly once over both nodes (counted on the store's side, ``Served``): one
+    node reads it and sends it to the other. When the sender flips a byte of each chunk it
+    sends, the receiver's check refuses them and it reads exactly those from the store;
+    every file is still exact. When the sender cannot read the chunks it is to send, it
+    says so and both nodes read them. With ``fanout=False`` each node reads every chunk."""
+    bucket = f"fanout-{os.urandom(3).hex()}"
+    moto_server.create_bucket(bucket)
+    url, options = f"s3://{bucket}/run", moto_server.storage_options()
+    job = Launch("fanout", url, tmp_path / "fanout", options, script=MORE)
+    assert job.wait(180) == 0, job.log_tail()
+
+    runs = {
+        w: [job.one(r, "restored", what=w) for r in (0, 1)]
+        for w in ("fanout", "corrupt", "unreadable", "off")
+    }
+    assert all(run["exact"] for both in runs.values() for run in both)
+
+    def served(what: str) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for run in runs[what]:
+            for key, n in run["chunks"].items():
+                out[key] = out.get(key, 0) + n
+        return out
+
+    off = served("off")  # every node reads every chunk: twice each
+    assert len(off) >= 4
+    size = {key: n // 2 for key, n in off.items()}
+    assert all(runs["off"][r]["chunks"] == size for r in (0, 1))
+    assert all(run["sent"] == 0 for run in runs["off"])
+
+    assert served("fanout") == size  # each chunk read once, by one of the nodes
+    assert runs["fanout"][0]["sent"] + runs["fanout"][1]["sent"] == sum(size.values())
+    assert runs["fanout"][0]["sent"] > 0 and runs["fanout"][1]["sent"] > 0  # spread
+
+    flipped = runs["corrupt"][1]["sent"]  # what rank 1 sent, every chunk flipped
+    assert flipped > 0
+    assert sum(served("corrupt").values()) == sum(size.values()) + flipped
+
+    # Rank 1 cannot read what it is to send: it says so, and both nodes read those chunks.
+    unread = runs["unreadable"][1]["sent"]
+    assert unread > 0 and runs["unreadable"][0]["sent"] == sum(size.values()) - unread
+    assert sum(served("unreadable").values()) == sum(size.values()) + unread

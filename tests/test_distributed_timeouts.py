@@ -64,6 +64,38 @@ def test_a_rank_that_never_reaches_the_post_restore_barrier_is_named_within_the_
         assert TIMEOUT - 1.5 <= waited < TIMEOUT + 5
 
 
+@pytest.mark.parametrize("how", ["stall", "die"])
+def test_a_fan_out_sender_that_dies_or_stalls_fails_the_restore_never_hangs_it(
+    moto_server, tmp_path, how
+):
+    """Read once, fan out (issue 30 item 5): 2 simulated nodes of one rank each, DP
+    replicas. Rank 1 dies or stalls where it would send its first shared chunk: rank 0,
+    waiting to receive it, raises a ``CollectiveError`` saying so (at once for a dead
+    sender, after the timeout for a silent one), and restores nothing."""
+    bucket = f"fanout-dead-{os.urandom(3).hex()}"
+    moto_server.create_bucket(bucket)
+    job = Launch(
+        "fanout-dead",
+        f"s3://{bucket}/run",
+        tmp_path / "job",
+        moto_server.storage_options(),
+        extra=("--timeout", str(TIMEOUT), "--how", how),
+        script=MORE,
+    )
+    try:
+        job.wait_for(lambda: job.events(0, "restore-failed"), 90, "rank 0's error")
+        failed = job.one(0, "restore-failed")
+    finally:
+        job.kill()
+    assert (job.work / "stalled.json").exists()
+    assert failed["type"] == "CollectiveError"
+    assert "receiving a chunk from rank 1" in failed["message"], failed["message"]
+    assert not job.events(0, "unexpected-restore")
+    assert not (job.work / "node0" / "r").exists()  # nothing half-restored in place
+    if how == "stall":
+        assert "Timed out" in failed["message"]
+
+
 # ------------------------------------------------------------------------------ in-process
 
 

@@ -147,10 +147,14 @@ class Comm:
 
     # ---------------------------------------------------------------- the collectives
 
-    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
-        self._seq += 1
-        if self.whereabouts is not None:
-            self.whereabouts.entered(self._seq, what)
+    def _call(self, what: str, fn: Callable[[], Any], lockstep: bool = True) -> Any:
+        """``fn`` (one collective, or with ``lockstep=False`` one point-to-point message,
+        which only some ranks send: not counted, so the count stays the same on every
+        rank). Raises CollectiveError naming the ranks behind."""
+        if lockstep:
+            self._seq += 1
+            if self.whereabouts is not None:
+                self.whereabouts.entered(self._seq, what)
         started = time.monotonic()
         try:
             return fn()
@@ -206,6 +210,14 @@ class Comm:
         t[self.rank] = code
         self._call(what, lambda: self.dist.all_reduce(t, group=self.group))
         return [int(c) for c in t.tolist()]
+
+    def send(self, tensor: Any, dst: int, what: str) -> None:
+        """``tensor`` to rank ``dst`` alone (point to point; bounded by the timeout)."""
+        self._call(what, lambda: self.dist.send(tensor, group=self.group, group_dst=dst), False)
+
+    def recv(self, tensor: Any, src: int, what: str) -> None:
+        """Fill ``tensor`` from rank ``src`` (point to point; bounded by the timeout)."""
+        self._call(what, lambda: self.dist.recv(tensor, group=self.group, group_src=src), False)
 
     # ---------------------------------------------------------------- patterns
 

@@ -101,6 +101,11 @@ class DistributedCheckpointManager(ManagerBase):
         dedup: a chunk that several ranks hold is uploaded once, by the lowest rank that
             must upload it (default True; costs each rank one hashing pass over its files
             before the save's first collective: docs/integrations/distributed.md).
+        fanout: in a restore, a chunk that several nodes need (data-parallel replicas on
+            different nodes) is read from the store by one node and sent, over the
+            manager's gloo group, to the others, which verify every byte against the
+            manifest (what fails is read from the store). Default True; it has no effect
+            on one node (docs/integrations/distributed.md, "Restoring: once per node").
         keep_local, local_budget_bytes: as ``CheckpointManager``, per rank: after each
             commit every rank keeps its own files under its staging directory (default:
             the newest checkpoint with a ``staging_dir``, none without), and a restore on
@@ -125,6 +130,7 @@ class DistributedCheckpointManager(ManagerBase):
         replica_groups: Sequence[Sequence[int]] | None = None,
         replica_exclude: Sequence[str] | None = None,
         dedup: bool = True,
+        fanout: bool = True,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("backpressure", "block") != "block":
@@ -138,6 +144,7 @@ class DistributedCheckpointManager(ManagerBase):
         self.timeout = float(timeout)
         self.per_rank_dirs = bool(per_rank_dirs)
         self.dedup = bool(dedup)
+        self.fanout = bool(fanout)
         if replica_groups is not None and not self.per_rank_dirs:
             raise ConfigurationError(
                 "replica_groups needs per_rank_dirs=True",
@@ -326,6 +333,7 @@ class DistributedCheckpointManager(ManagerBase):
             self.per_rank_dirs,
             self.node_copies,
             link_local,
+            self.fanout,
         )
 
     def close(self, timeout: float | None = None) -> None:

@@ -7,7 +7,9 @@ is intact, each node's leader downloads what the node's ranks need into a tempor
 directory beside the destination while the ranks exchange heartbeats, and moves it into
 place. A damaged checkpoint on any node means the next older one, on every node. The
 leader takes what the node's ranks kept of that checkpoint from their local copies, every
-byte verified, and downloads only the rest (``_kept.NodeCopies``).
+byte verified, and downloads only the rest (``_kept.NodeCopies``); with several nodes, a
+chunk several of them still need is read by one and sent to the others first
+(``_fanout``: checked, kept copies placed; chunks shared; the rest downloaded).
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ import secrets
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from cloudckpt import attempt_layout
-from cloudckpt.distributed._comm import Comm, RankError, Ranks
+from cloudckpt.distributed import _fanout
+from cloudckpt.distributed._comm import Comm, PhaseResult, RankError, Ranks
 from cloudckpt.distributed._kept import RANK_DIR, NodeCopies
 from cloudckpt.distributed._save import WORLD_SIZE_KEY
 from cloudckpt.download import download
 from cloudckpt.errors import ConfigurationError
+from cloudckpt.manifests import ChunkRef, FileEntry
 from cloudckpt.protocol import CheckpointRecord, Latest
 from cloudckpt.reader import (
     Damaged,
@@ -70,7 +74,8 @@ class DistributedRestoreResult(RestoreResult):
     checkpoint (None if it was not saved by a ``DistributedCheckpointManager``); when it
     differs from the current one, every node holds every file and reshards as it likes.
     ``bytes_downloaded`` / ``bytes_local``: on a node's leader, the bytes it read from the
-    store and took from the node's kept copies (0 on the node's other ranks).
+    store (the chunks it read for other nodes included, those it received from them not)
+    and took from the node's kept copies (0 on the node's other ranks).
     """
 
     rank_path: Path | None = None
@@ -105,6 +110,19 @@ class Candidates:
         return [CheckpointRecord.from_dict(r) for r in self.records]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """(A node's leader.) ``record`` checked, its kept files placed: the entries its
+    ranks want, those ``rest`` still to download, their bytes ``need``."""
+
+    record: CheckpointRecord
+    chunk_size: int
+    entries: list[FileEntry]
+    rest: list[FileEntry]
+    need: int
+    chunks: list[ChunkRef]  # the manifest's distinct chunks (``_fanout.catalog``)
+
+
 # ------------------------------------------------------------------------------ the reader
 
 
@@ -122,8 +140,10 @@ class NodeReader:
         per_rank_dirs: bool,
         kept: NodeCopies | None = None,
         link_local: bool = False,
+        fanout: bool = True,
     ) -> None:
         self.comm, self.ranks = comm, ranks
+        self.fanout = fanout
         self.store, self.engine, self.progress = store, engine, progress
         self.per_rank_dirs = per_rank_dirs
         self.kept = kept if kept is not None else NodeCopies({}, per_rank_dirs)
@@ -241,19 +261,62 @@ class NodeReader:
         missing on some node. Raises the first rank's failure that is not damage."""
         tmp = dest.with_name(f".{dest.name}.cloudckpt-tmp-{secrets.token_hex(4)}")
         leader = self.ranks.is_node_leader
-        phase = self.comm.run_phase(
-            (lambda: self._download(record, wants, tmp)) if leader else None,
-            f"{what} step {record.step}",
+        label = f"{what} step {record.step}"
+        if not self.fans_out:  # one phase: check, take the kept copies, download
+            phase = self.comm.run_phase(
+                (lambda: self._download(self._prepare(record, wants, tmp), tmp, _fanout.NONE))
+                if leader
+                else None,
+                label,
+            )
+            reason = self._failed(phase, tmp)
+            if reason is None:
+                self._place(tmp, dest, what, record)
+            return reason
+        prepared = self.comm.run_phase(
+            (lambda: self._prepare(record, wants, tmp)) if leader else None, label
         )
-        if phase.failures:
+        reason = self._failed(prepared, tmp)
+        if reason is not None:
+            return reason
+        prep = prepared.result
+        try:
+            shared = _fanout.exchange(
+                self.comm,
+                None if prep is None else prep.chunks,
+                [] if prep is None else prep.rest,
+                self.engine,
+                self.store,
+                label,
+            )
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
-            fatal = [f for f in phase.failures.values() if not f.damaged]
-            if fatal:
-                own = phase.own
-                if own is not None and own.__class__.__name__ == fatal[0].cls:
-                    raise own
-                raise fatal[0].rebuild()
-            return "; ".join(f.summary for f in phase.failures.values())
+            raise
+        phase = self.comm.run_phase(
+            (lambda: self._download(prep, tmp, shared)) if prep is not None else None, label
+        )
+        reason = self._failed(phase, tmp)
+        if reason is None:
+            self._place(tmp, dest, what, record)
+        return reason
+
+    def _failed(self, phase: PhaseResult[Any], tmp: Path) -> str | None:
+        """None if no rank failed ``phase``; why the checkpoint is damaged if that is all
+        that failed. Raises the first failure that is not damage."""
+        if not phase.failures:
+            return None
+        shutil.rmtree(tmp, ignore_errors=True)
+        fatal = [f for f in phase.failures.values() if not f.damaged]
+        if fatal:
+            own = phase.own
+            if own is not None and own.__class__.__name__ == fatal[0].cls:
+                raise own
+            raise fatal[0].rebuild()
+        return "; ".join(f.summary for f in phase.failures.values())
+
+    def _place(self, tmp: Path, dest: Path, what: str, record: CheckpointRecord) -> None:
+        """Every node's leader moves ``tmp`` into ``dest``. Raises the first failure."""
+        leader = self.ranks.is_node_leader
         phase = self.comm.run_phase(
             (lambda: place(tmp, dest)) if leader else None, f"{what}: placing step {record.step}"
         )
@@ -262,13 +325,16 @@ class NodeReader:
             if phase.own is not None:
                 raise phase.own
             raise next(iter(phase.failures.values())).rebuild()
-        return None
 
-    def _download(self, record: CheckpointRecord, wants: Select, tmp: Path) -> None:
+    @property
+    def fans_out(self) -> bool:
+        """Whether chunks several nodes need are read once and shared (``_fanout``)."""
+        return self.fanout and len(self.ranks.nodes) > 1
+
+    def _prepare(self, record: CheckpointRecord, wants: Select, tmp: Path) -> _Prepared:
         """(Node leader.) Check ``record`` and put, verified, what the node's ranks want
-        into the new directory ``tmp``: from their kept copies what verifies, the rest
-        downloaded. Raises CorruptionError, UnsafePathError, StagingError (no space),
-        StoreError."""
+        and kept into the new directory ``tmp``. Returns what is left to download.
+        Raises CorruptionError, UnsafePathError, StagingError (no space), StoreError."""
         copies = self.kept.find(record)
         manifest = self.kept.manifest(copies, record) or fetch_manifest(self.store, record)
         local = self.ranks.local_ranks
@@ -276,12 +342,6 @@ class NodeReader:
         need = sum(e.size for e in entries)
         check_space(record.step, need, tmp.parent)
         self.bytes_downloaded = self.bytes_local = 0
-
-        def landed(n: int) -> None:
-            self.bytes_downloaded += n
-            if self.progress is not None:
-                self.progress(n)
-
         try:
             tmp.mkdir()
             rest, self.bytes_local = self.kept.place(
@@ -289,14 +349,39 @@ class NodeReader:
             )
             if rest:
                 check_objects(self.store, record, manifest)
-                files = record.ckpt + attempt_layout.FILES_DIR
-                download(self.engine, self.store, files, rest, tmp, manifest.chunk_size, landed)
-            apply_modes(tmp, entries)  # after every file verified
         except OSError as exc:
             full = out_of_space(exc, record.step, need, tmp.parent)
             if full is None:
                 raise
             raise full from exc
+        chunks = _fanout.catalog(manifest.files) if self.fans_out else []
+        return _Prepared(record, manifest.chunk_size, entries, rest, need, chunks)
+
+    def _download(self, prep: _Prepared, tmp: Path, shared: _fanout.Shared) -> None:
+        """(Node leader.) Download what ``prep`` left, verified, into ``tmp`` (the chunks
+        in ``got`` from memory: read by this node or received, verified, from another)
+        and apply the files' modes. Raises CorruptionError, StagingError, StoreError."""
+
+        def landed(n: int) -> None:
+            self.bytes_downloaded += n
+            if self.progress is not None:
+                self.progress(n)
+
+        source = _fanout.WithReceived(self.store, shared.got)
+        try:
+            if prep.rest:
+                files = prep.record.ckpt + attempt_layout.FILES_DIR
+                store = cast(Store, source)
+                download(self.engine, store, files, prep.rest, tmp, prep.chunk_size, landed)
+            apply_modes(tmp, prep.entries)  # after every file verified
+        except OSError as exc:
+            full = out_of_space(exc, prep.record.step, prep.need, tmp.parent)
+            if full is None:
+                raise
+            raise full from exc
+        # Bytes read from the store: those landed less those served from memory, plus
+        # the chunks this node read to share.
+        self.bytes_downloaded += shared.read - source.served
 
     def _result(self, found: Intact[int | None], into: Path) -> DistributedRestoreResult:
         record = found.record

@@ -10,6 +10,15 @@ Scenarios (each rank appends JSON lines to ``DIR/events-<rank>.jsonl``, as dist_
   after rank 1's kept shard.bin was flipped and rank 0's kept extra.bin deleted; a restore
   of step 1 (the kept copies are step 2's). Each compares every file of its own rank with
   what was saved and reports what the store served it.
+- ``fanout`` (2 simulated nodes of one rank each, ``node_id``; data-parallel replicas
+  ``[[0, 1]]`` saving the same files, no kept copies; every rank's store a ``Served``):
+  step 1 saved; a restore with fan-out (each rank reports what the store served it and
+  the chunks it sent); a restore where rank 1, sending, flips a byte of every chunk it
+  sends (``_fanout.outgoing``); a restore where rank 1 cannot read the chunks it is to
+  send (``_fanout.fetch_chunk`` raises ``StoreError``); a restore with ``fanout=False``.
+  Each compares its files.
+- ``fanout-dead``: as ``fanout``, but rank 1 dies (``--how die``) or stalls (``stall``)
+  where it would send its first shared chunk; rank 0 records the error of its restore.
 - ``restore-stall``: step 1 saved; in a restore, rank 1 stops before the barrier that
   follows the download (the "placing" phase) and writes ``DIR/stalled.json``: it sleeps
   (``--how stall``) or exits (``--how die``); rank 0 records the error its restore raises,
@@ -32,6 +41,7 @@ from dist_ckpt import OPTIONS, RANK, WORLD, Events, error_fields, exit_with_pare
 from served import Served
 
 from cloudckpt.distributed import DistributedCheckpointManager, rank_dir
+from cloudckpt.errors import StoreError
 from cloudckpt.stores import open_store
 
 NAMES = ("shard.bin", "extra.bin")
@@ -95,6 +105,107 @@ def scenario_local_resume(url: str, work: Path, staging: Path, ev: Events) -> No
     mgr.close()
 
 
+DP_NAMES = ("w1.bin", "w2.bin", "w3.bin", "big.bin")
+
+
+def dp_content(name: str) -> bytes:
+    """The same on every replica: 1 MiB files and a 9 MiB one (two chunks)."""
+    seed = hashlib.sha256(name.encode()).digest()
+    return seed * ((9 << 20 if name == "big.bin" else 1 << 20) // 32)
+
+
+def scenario_fanout(url: str, work: Path, ev: Events) -> None:
+    from cloudckpt.distributed import _fanout
+
+    served = Served(open_store(url, OPTIONS))
+    mgr = DistributedCheckpointManager(
+        served, node_id=f"node{RANK}", replica_groups=[[0, 1]], keep_local=0, timeout=60
+    )
+    with mgr.save(1) as d:
+        for name in DP_NAMES:
+            (d / name).write_bytes(dp_content(name))
+    mgr.wait()
+    original = _fanout.outgoing
+    sent: list[int] = []
+
+    def counting(data):
+        out = original(data)
+        sent.append(len(out))
+        return out
+
+    def flipping(data):
+        out = bytearray(original(data))
+        out[len(out) // 2] ^= 0x01
+        sent.append(len(out))
+        return bytes(out)
+
+    reading = _fanout.fetch_chunk
+
+    def failing(engine, store, ref, into=None):
+        sent.append(ref.size)  # what it would have sent
+        raise StoreError(f"simulated: cannot read {ref.key}")
+
+    for what, patch, fanout in (
+        ("fanout", counting, True),
+        ("corrupt", flipping if RANK == 1 else counting, True),
+        ("unreadable", counting, True),
+        ("off", counting, False),
+    ):
+        served.reset()
+        sent.clear()
+        _fanout.outgoing = patch
+        _fanout.fetch_chunk = failing if what == "unreadable" and RANK == 1 else reading
+        mgr.fanout = fanout
+        res = mgr.restore(work / f"node{RANK}" / what)  # each simulated node its own
+        exact = all((res.rank_path / name).read_bytes() == dp_content(name) for name in DP_NAMES)
+        chunks = {k: n for k, n in served.by_key.items() if "/chunks/" in k}
+        ev(
+            "restored",
+            what=what,
+            exact=exact,
+            chunks=chunks,
+            sent=sum(sent),
+            bytes_downloaded=res.bytes_downloaded,
+        )
+    _fanout.outgoing, _fanout.fetch_chunk = original, reading
+    mgr.close()
+
+
+def scenario_fanout_dead(url: str, work: Path, ev: Events, timeout: float, how: str) -> None:
+    """Rank 1, about to send its first shared chunk, dies or stalls; rank 0 (its
+    receiver) records the error its restore raises."""
+    from cloudckpt.distributed import _fanout
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: ev("sigterm"))  # torchrun's
+    mgr = DistributedCheckpointManager(
+        url,
+        storage_options=OPTIONS,
+        node_id=f"node{RANK}",
+        replica_groups=[[0, 1]],
+        keep_local=0,
+        timeout=timeout,
+    )
+    with mgr.save(1) as d:
+        for name in DP_NAMES:
+            (d / name).write_bytes(dp_content(name))
+    mgr.wait()
+    ev("saved", step=1)
+    if RANK == 1:
+
+        def stop(data):
+            Path(work / "stalled.json").write_text(json.dumps({"pid": os.getpid()}))
+            if how == "die":
+                os._exit(9)
+            time.sleep(600)
+
+        _fanout.outgoing = stop
+    try:
+        mgr.restore(work / f"node{RANK}" / "r")
+        ev("unexpected-restore")
+    except Exception as exc:
+        ev("restore-failed", **error_fields(exc))
+
+
 def scenario_restore_stall(url: str, work: Path, ev: Events, timeout: float, how: str) -> None:
     signal.signal(
         signal.SIGTERM, lambda signum, frame: ev("sigterm")
@@ -154,7 +265,9 @@ def main() -> int:
     apply_mutant()
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "--scenario", required=True, choices=["local-save", "local-resume", "restore-stall"]
+        "--scenario",
+        required=True,
+        choices=["local-save", "local-resume", "restore-stall", "fanout", "fanout-dead"],
     )
     parser.add_argument("--url", required=True)
     parser.add_argument("--work", required=True, type=Path)
@@ -171,6 +284,10 @@ def main() -> int:
             scenario_local_save(args.url, args.staging, ev)
         elif args.scenario == "local-resume":
             scenario_local_resume(args.url, args.work, args.staging, ev)
+        elif args.scenario == "fanout":
+            scenario_fanout(args.url, args.work, ev)
+        elif args.scenario == "fanout-dead":
+            scenario_fanout_dead(args.url, args.work, ev, args.timeout, args.how)
         else:
             scenario_restore_stall(args.url, args.work, ev, args.timeout, args.how)
     except SystemExit:

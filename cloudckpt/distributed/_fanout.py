@@ -1,0 +1,270 @@
+"""Read once, fan out: a chunk that several nodes need is read from the store by one of
+them and sent to the others over the manager's gloo group (docs/design.md §7, "Read once,
+fan out"; docs/integrations/distributed.md, "Restoring: once per node").
+
+Between checking a checkpoint (kept copies placed) and downloading the rest, every node's
+leader tells the others which chunks it still needs (``Need``: a bit per chunk of the
+manifest's ``catalog``; one ``all_gather``). Every rank then derives the same ``plan``:
+each chunk needed by two or more nodes gets ONE sender, the needing leader with the fewest
+chunks assigned so far (ties: the lowest rank), so the reads spread over the nodes. The
+transfers run in rounds of ``ROUND_CHUNKS``, in the plan's order on every leader (each
+transfer waits only for earlier ones: no cycle, no deadlock); after each round every rank
+exchanges one heartbeat, so ranks that send nothing wait at most one round.
+
+Nothing received is trusted: a receiver keeps a chunk only if its bytes have exactly the
+digest its name (the committed manifest's) records; what fails, or what the sender could
+not read (it sends a size of -1), is read from the store by the normal download. A
+sender that dies or hangs fails the receiver's ``recv`` within the group's timeout: a
+``CollectiveError``, never a wrong tensor, never a hang.
+
+Cost: the received chunks are held in memory until the node's download ends (at most
+the bytes of the chunks several nodes share); per transfer two point-to-point messages.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from cloudckpt import digest
+from cloudckpt.chunks import fetch_chunk
+from cloudckpt.distributed._comm import _OK, Comm
+from cloudckpt.manifests import ChunkRef, FileEntry
+from cloudckpt.stores import Store
+from cloudckpt.transfer import TransferEngine
+
+log = logging.getLogger("cloudckpt.distributed")
+
+#: The chunks one round of transfers moves (all senders together; at most 256 MiB).
+ROUND_CHUNKS = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Need:
+    """What one node's leader still needs from the store: bit ``i`` of ``mask`` (little
+    bit order) set for chunk ``i`` of the manifest's ``catalog``. A bit per chunk of the
+    checkpoint: 16 KB per node for 125,000 chunks, whatever each node needs."""
+
+    mask: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """Chunk ``index`` of the catalog, read by ``sender`` (a node leader) and sent to
+    ``receivers``."""
+
+    index: int
+    sender: int
+    receivers: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shared:
+    """On a node's leader: the verified chunks it read or received, by key, and the
+    bytes it read from the store to share."""
+
+    got: dict[str, bytes]
+    read: int
+
+
+NONE = Shared({}, 0)
+
+
+def catalog(files: Sequence[FileEntry]) -> list[ChunkRef]:
+    """The distinct chunks of a manifest's ``files``, in order of first appearance: the
+    same list on every node (every leader uses the manifest LATEST names)."""
+    seen: dict[str, ChunkRef] = {}
+    for entry in files:
+        for ref in entry.chunks or ():
+            seen.setdefault(ref.key, ref)
+    return list(seen.values())
+
+
+def need_of(chunks: Sequence[ChunkRef], rest: Sequence[FileEntry]) -> Need:
+    """The ``Need`` of a leader that still has ``rest`` to download."""
+    wanted = {ref.key for e in rest for ref in (e.chunks or ())}
+    mask = bytearray((len(chunks) + 7) // 8)
+    for i, ref in enumerate(chunks):
+        if ref.key in wanted:
+            mask[i >> 3] |= 1 << (i & 7)
+    return Need(bytes(mask))
+
+
+def plan(needs: Sequence[Need | None]) -> list[Transfer]:
+    """(Every rank, the same.) The transfers: each chunk that two or more leaders need,
+    in catalog order, with one sender among them (the fewest chunks assigned so far, then
+    the lowest rank)."""
+    masks = {r: n.mask for r, n in enumerate(needs) if n is not None}
+    once = twice = 0  # bit sets: chunks one leader needs, two or more do
+    for mask in masks.values():
+        bits = int.from_bytes(mask, "little")
+        twice |= once & bits
+        once |= bits
+    load = dict.fromkeys(masks, 0)
+    out = []
+    width = max((len(m) for m in masks.values()), default=0)
+    for byte, value in enumerate(twice.to_bytes(width, "little")):
+        for offset in range(8) if value else ():
+            bit = 1 << offset
+            if not value & bit:
+                continue
+            holders = [r for r, m in masks.items() if byte < len(m) and m[byte] & bit]
+            sender = min(holders, key=lambda r: (load[r], r))
+            load[sender] += 1
+            others = tuple(r for r in holders if r != sender)
+            out.append(Transfer(byte * 8 + offset, sender, others))
+    return out
+
+
+def rounds(transfers: Sequence[Transfer]) -> list[list[Transfer]]:
+    """``transfers`` cut into rounds of ``ROUND_CHUNKS`` (chunks are at most 8 MiB)."""
+    return [list(transfers[i : i + ROUND_CHUNKS]) for i in range(0, len(transfers), ROUND_CHUNKS)]
+
+
+def outgoing(data: bytes | memoryview) -> bytes:
+    """The bytes a sender sends for a chunk it read (a seam for fault tests)."""
+    return bytes(data)
+
+
+def accept(ref: ChunkRef, data: bytes) -> bool:
+    """Whether received ``data`` is exactly the chunk ``ref`` names (size and digest)."""
+    return len(data) == ref.size and digest.hexleaf(data, ref.algorithm) == ref.sha256
+
+
+def exchange(
+    comm: Comm,
+    chunks: Sequence[ChunkRef] | None,
+    rest: Sequence[FileEntry],
+    engine: TransferEngine,
+    store: Store,
+    what: str,
+) -> Shared:
+    """(Every rank; collective.) Fan out the chunks several nodes need. ``chunks``: on a
+    node's leader, the manifest's ``catalog`` (None elsewhere); ``rest``: the entries it
+    still has to download. Returns, on a leader, the verified chunks it read or received
+    and the bytes it read from the store (nothing elsewhere).
+
+    Raises CollectiveError (a peer died, hung past the timeout or became unreachable)."""
+    mine = None if chunks is None else need_of(chunks, rest)
+    needs = comm.all_gather(mine, f"{what}: listing the chunks each node needs")
+    transfers = plan(needs)
+    got: dict[str, bytes] = {}
+    read = 0
+    for batch in rounds(transfers):
+        if chunks is not None:
+            read += _round(comm, batch, chunks, engine, store, got, what)
+        comm.heartbeat(_OK, f"{what}: sharing chunks between nodes")
+    if transfers and chunks is not None:
+        log.info("%s: %d chunk(s) read once and shared between nodes", what, len(transfers))
+    return Shared(got, read)
+
+
+def _round(
+    comm: Comm,
+    batch: Sequence[Transfer],
+    chunks: Sequence[ChunkRef],
+    engine: TransferEngine,
+    store: Store,
+    got: dict[str, bytes],
+    what: str,
+) -> int:
+    """(A leader.) This leader's part of one round: read what it sends (in parallel on
+    the engine's workers), then send and receive in the plan's order. Returns the bytes
+    it read."""
+    read = 0
+    reads = {
+        t.index: engine.submit(fetch_chunk, engine, store, chunks[t.index])
+        for t in batch
+        if t.sender == comm.rank
+    }
+    try:
+        for t in batch:
+            ref = chunks[t.index] if t.index < len(chunks) else None
+            if t.sender == comm.rank and ref is not None:
+                data = _read(reads[t.index], ref.key)
+                if data is not None:
+                    got[ref.key] = data
+                    read += len(data)
+                for r in t.receivers:
+                    _send(comm, None if data is None else outgoing(data), r, what)
+            elif comm.rank in t.receivers:
+                data = _recv(comm, t.sender, what)
+                if ref is not None and data is not None and accept(ref, data):
+                    got[ref.key] = data
+                elif data is not None:
+                    log.warning(
+                        "%s: chunk %d from rank %d does not match its digest; reading it "
+                        "from the store",
+                        what,
+                        t.index,
+                        t.sender,
+                    )
+    finally:
+        for f in reads.values():
+            f.cancel()
+    return read
+
+
+def _read(fut: cf.Future[Any], key: str) -> bytes | None:
+    """The verified chunk the sender read, or None (it reads it again in its download;
+    its receivers read it themselves)."""
+    try:
+        return bytes(fut.result())
+    except Exception as exc:
+        log.warning("cannot read chunk %s to share it: %s; each node reads it itself", key, exc)
+        return None
+
+
+def _send(comm: Comm, data: bytes | None, dst: int, what: str) -> None:
+    import torch
+
+    header = torch.tensor([-1 if data is None else len(data)], dtype=torch.int64)
+    comm.send(header, dst, f"{what}: sending a chunk to rank {dst}")
+    if data:
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        comm.send(payload, dst, f"{what}: sending a chunk to rank {dst}")
+
+
+def _recv(comm: Comm, src: int, what: str) -> bytes | None:
+    import torch
+
+    header = torch.zeros(1, dtype=torch.int64)
+    comm.recv(header, src, f"{what}: receiving a chunk from rank {src}")
+    n = int(header.item())
+    if n < 0:
+        return None
+    if n == 0:
+        return b""
+    buf = bytearray(n)
+    comm.recv(
+        torch.frombuffer(buf, dtype=torch.uint8), src, f"{what}: receiving a chunk from rank {src}"
+    )
+    return bytes(buf)
+
+
+class WithReceived:
+    """``store`` for a download, but the chunks in ``got`` (verified bytes, by key) come
+    from memory. ``served``: the bytes it served from memory."""
+
+    def __init__(self, store: Store, got: Mapping[str, bytes]) -> None:
+        self.inner, self.got = store, got
+        self.url = store.url
+        self.served = 0
+        self._lock = threading.Lock()
+
+    def get_range_into(self, key: str, start: int, buf: Any) -> int:
+        data = self.got.get(key)
+        if data is None:
+            return int(self.inner.get_range_into(key, start, buf))
+        piece = data[start : start + len(buf)]
+        memoryview(buf)[: len(piece)] = piece
+        with self._lock:
+            self.served += len(piece)
+        return len(piece)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
