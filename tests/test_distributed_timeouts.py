@@ -56,12 +56,11 @@ def test_a_rank_that_never_reaches_the_post_restore_barrier_is_named_within_the_
     )
     assert "rank 1 never reached it (its last: 'restoring step 1')" in failed["message"]
     waited = failed["at"] - stalled_at
-    if how == "die":  # gloo sees the closed connection at once
-        assert waited < TIMEOUT / 2
-    else:  # given up after the timeout (plus the second the survivor waits for the
-        # notes), not after rank 1's 600 s sleep
+    # Bounded by the 90 s wait above, far below rank 1's 600 s sleep (what a collective
+    # without a timeout would wait); no tighter bound: a busy CI machine delays both ranks.
+    if how == "stall":  # given up by the timeout itself, never before it
         assert "Timed out" in failed["message"]
-        assert TIMEOUT - 1.5 <= waited < TIMEOUT + 5
+        assert waited >= TIMEOUT - 1.5
 
 
 @pytest.mark.parametrize("how", ["stall", "die"])
