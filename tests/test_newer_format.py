@@ -364,3 +364,22 @@ def test_runs_lists_every_run_flags_the_newer_one_and_exits_10(newer_run, memory
     table = CliRunner().invoke(cli, ["runs", parent])
     assert table.exit_code == 10 and "newer-format" in table.output and "other" in table.output
     assert "upgrade this host" in table.output
+
+
+def test_runs_json_says_its_error_as_every_command_does(newer_run):
+    """`runs --json` on a listing with a newer run: its document carries the same `error`
+    object, and stderr the same lines, as any command failing on a newer format (one
+    reporter, cli._common.report_error), here `gc --json`."""
+    parent = newer_run.url.rsplit("/", 1)[0]
+    runs = CliRunner().invoke(cli, ["runs", parent, "--json"])
+    gc = CliRunner().invoke(cli, ["gc", newer_run.url, "--json"])
+    assert runs.exit_code == gc.exit_code == 10
+    runs_error, gc_error = json.loads(runs.stdout)["error"], json.loads(gc.stdout)["error"]
+    assert set(runs_error) == set(gc_error) == {"type", "message", "hint", "exit_code"}
+    for key in ("type", "hint", "exit_code"):
+        assert runs_error[key] == gc_error[key]
+    for result, error in ((runs, runs_error), (gc, gc_error)):
+        assert result.stderr.splitlines() == [
+            f"cloudckpt: error: {error['message']}",
+            f"hint: {error['hint']}",
+        ]
