@@ -539,6 +539,44 @@ def test_a_multi_rank_commit_requires_the_sources_of_reused_chunks(
     store.close()
 
 
+def test_a_multi_rank_retry_reports_the_bytes_every_try_sent(memory_target, tmp_path, monkeypatch):
+    """A save whose commit refused its reused chunks uploads again under a new attempt:
+    ``CommitInfo.bytes_uploaded`` is what both tries put (counted from the store's objects),
+    ``bytes_reused`` what the committed try named (nothing: it uploaded in full)."""
+    from cloudckpt import chunks
+    from cloudckpt.errors import ChunkSourceDroppedError
+
+    store = open_store(memory_target.url)
+    frozen = os.urandom(100_000)
+    mgr = DistributedCheckpointManager(memory_target.url, staging_dir=tmp_path / "s", auto_gc=False)
+    with mgr.save(1) as d:
+        (d / "base.bin").write_bytes(frozen)
+    mgr.wait()
+    real = chunks.UploadStats.requires
+    refused = []
+
+    def dropped_once(self, base):
+        if self.sources and not refused:
+            refused.append(True)
+            raise ChunkSourceDroppedError("dropped meanwhile")
+        return real(self, base)
+
+    monkeypatch.setattr(chunks.UploadStats, "requires", dropped_once)
+    handle = mgr.save(2)
+    with handle as d:
+        (d / "base.bin").write_bytes(frozen)
+        (d / "new.bin").write_bytes(b"two" * 1000)
+    info = handle.result()
+    assert refused
+    tries = attempts(store, 2)
+    assert len(tries) == 2
+    sent = sum(sum(_chunk_objects(store, prefix).values()) for prefix in tries)
+    assert info.bytes_uploaded == sent == 3000 + info.total_bytes
+    assert info.bytes_reused == 0
+    mgr.close()
+    store.close()
+
+
 def test_a_multi_rank_save_refused_twice_fails_clearly(memory_target, tmp_path, monkeypatch):
     """Reused chunks missing at both tries: the save raises ReusedChunkMissingError (on
     every rank), nothing is committed, and the manager takes the next save."""
