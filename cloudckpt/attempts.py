@@ -90,7 +90,10 @@ class CommitInfo:
     ``bytes_uploaded``: bytes this save sent to the store; ``bytes_reused``: bytes it named
     where they already lay instead (chunks of earlier checkpoints, and ``bytes_resumed``
     of them: chunks an interrupted save of the same step had uploaded). ``uploaded +
-    reused = total_bytes`` (less a chunk a save names twice, uploaded once). A multi-rank
+    reused = total_bytes`` (less a chunk a save names twice, uploaded once), except after
+    a retry: a save whose commit refused its reused chunks (missing, or their checkpoint
+    dropped) uploads again under a new attempt, and ``bytes_uploaded`` counts what both
+    tries sent, ``bytes_reused`` what the committed one named. A multi-rank
     save sums its ranks' (a chunk one rank put for several counts once: there the sum can
     be well below ``total_bytes``); None where unknown (a DCP save).
     ``warnings``: what failed after the commit landed (the journal's ``committed`` write
@@ -274,16 +277,21 @@ class AttemptWriter:
         tool), everything is uploaded again in full under a new attempt, once; if reused
         chunks are missing from the store, they are uploaded again (new attempt, once); if
         an interrupted attempt whose chunks it resumed grew too old, they are uploaded
-        again (new attempt, once). ``last_upload`` holds what the upload did.
+        again (new attempt, once). ``last_upload`` holds what the upload did (after a
+        retry: chunks and bytes sent by both tries, reused by the committed one).
 
         Raises: as ``begin`` and ``finish``; StagingError, StoreError (the upload).
         """
         index: chunks.ChunkIndex | None = None  # None: the writer's own index
+        refused: chunks.UploadStats | None = None  # the try whose commit was refused
         for retry in (False, True):
             try:
                 begun = self.begin(step)
                 entries, stats = upload(begun, index)
-                self.last_upload = stats
+                if refused is not None:  # what this save sent counts every try
+                    stats.chunks_uploaded += refused.chunks_uploaded
+                    stats.bytes_uploaded += refused.bytes_uploaded
+                self.last_upload = refused = stats
                 failpoint("save.after_upload")
                 if before_commit is not None:
                     before_commit()

@@ -30,7 +30,10 @@ Plan, then execute (as restic's ``PlanPrune`` and ``Execute``; a dry run does no
   This is ``collect_garbage(dry_run=True)`` and what ``cloudckpt gc --dry-run`` prints.
 - ``execute_gc`` carries the plan out. The plan comes from one read of LATEST, but LATEST
   moves while GC runs (writers commit, a pin brings a tombstone back), so execute judges
-  again after each LATEST write of its own and only ever drops from the plan, never adds:
+  again after each LATEST write of its own and only ever drops from the plan, never adds.
+  Before its first write it reads every manifest the plan's LATEST names: a format this
+  version does not know (``UnknownFormatError``) is refused with the run untouched, never
+  after GC has marked or deleted anything (``preview_gc`` refuses it the same way). Then:
 
   * after ``gc-mark`` it deletes only the planned tombstones that the LATEST it wrote (or
     found) marks ``deleting`` (same checkpoint AND same dropping seq: a pin and an unpin in
@@ -352,6 +355,22 @@ def _protected(store: Store, latest: Latest, deleting: Iterable[str] = ()) -> se
     return keys
 
 
+def _has_work(plan: GCPlan) -> bool:
+    return bool(plan.checkpoints or plan.orphans or plan.uploads or plan.commit_records)
+
+
+def _judge(store: Store, latest: Latest) -> set[str] | None:
+    """Read every manifest the plan's LATEST names (retained and tombstoned), before GC
+    writes or deletes anything: "I do not understand this" is refused while the run is
+    still as GC found it. Returns the chunks they name (None: one was unreadable).
+
+    Raises:
+        UnknownFormatError: a manifest a newer cloudckpt wrote (nothing written).
+        StoreError: the store failed (nothing written).
+    """
+    return chunks.protected_chunk_keys(store, latest)
+
+
 def _commit_ids(items: Iterable[AttemptGarbage]) -> set[str]:
     return {a.tombstone.record.commit_id for a in items if a.tombstone is not None}
 
@@ -365,6 +384,7 @@ def preview_gc(plan: GCPlan) -> GCReport:
     Writes and deletes nothing.
 
     Raises:
+        UnknownFormatError: a manifest the run holds is a newer version's (as execute_gc).
         StoreError: the store failed while reading manifests.
     """
     report = GCReport(True, plan.grace_seconds, plan.store_now)
@@ -372,6 +392,8 @@ def preview_gc(plan: GCPlan) -> GCReport:
     if latest is None:
         return report
     report.latest_seq = latest.seq
+    if _has_work(plan):
+        _judge(plan.store, latest)  # what execute_gc refuses before its first write
     if plan.checkpoints:
         if any(a.tombstone and a.tombstone.state == "pending" for a in plan.checkpoints):
             report.latest_writes.append("gc-mark")
@@ -424,6 +446,9 @@ def execute_gc(plan: GCPlan) -> GCReport:
     what became referenced since the plan was made stays.
 
     Raises:
+        UnknownFormatError: a manifest the run holds is a newer version's; read before the
+            first write, so nothing was written or deleted (unless LATEST moved meanwhile
+            and a newer manifest arrived with it: then GC stops at its next read).
         NeedsRepairError: LATEST became missing or unreadable while GC edited it.
         CommitConflictError: LATEST kept changing under GC's edits.
         StoreError: the store failed; re-running GC continues where it stopped.
@@ -432,6 +457,11 @@ def execute_gc(plan: GCPlan) -> GCReport:
     if plan.latest is None:
         return report
     report.latest_seq = plan.latest.seq
+    if _has_work(plan):
+        # Everything GC must understand is read before its first write (a newer version's
+        # manifest stops it with the run untouched); after each LATEST write of its own it
+        # reads them again, because LATEST may have moved since the plan.
+        _judge(plan.store, plan.latest)
     deleted = _execute_tombstones(plan, report)
     fresh = read_latest(plan.store)
     latest = fresh.latest if fresh is not None else plan.latest

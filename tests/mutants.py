@@ -1135,6 +1135,14 @@ def _gc_over_unknown(setattr_: Callable[[Any, str, Any], None]) -> None:
     setattr_(chunks, "protected_chunk_keys", swallowing)
 
 
+def _gc_writes_before_judging(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """GC reads the run's manifests only after its first LATEST edit (as before): a newer
+    manifest stops it, but after it marked tombstones or deleted old records."""
+    from cloudckpt import gc
+
+    setattr_(gc, "_judge", lambda store, latest: None)
+
+
 def _writer_over_unknown(setattr_: Callable[[Any, str, Any], None]) -> None:
     """A save that cannot read the current manifest (a newer version's) uploads in full
     and commits over it, as before issue 28."""
@@ -1391,6 +1399,19 @@ MUTANTS.update(
                 "GC deletes nothing by a manifest in a newer format",
                 _gc_over_unknown,
                 (f"{_NEWER}test_gc_deletes_nothing_by_a_newer_manifest",),
+                why_not_simulated=_NOT_SIMULATED_NEWER_MANIFEST,
+            ),
+            Mutant(
+                "gc-writes-before-judging",
+                "GC reads every manifest it must understand before its first write",
+                _gc_writes_before_judging,
+                (
+                    f"{_NEWER}test_gc_deletes_nothing_by_a_newer_manifest",
+                    f"{_NEWER}test_gc_refuses_a_newer_manifest_before_its_first_write"
+                    "[False-tombstones]",
+                    f"{_NEWER}test_gc_refuses_a_newer_manifest_before_its_first_write"
+                    "[False-records]",
+                ),
                 why_not_simulated=_NOT_SIMULATED_NEWER_MANIFEST,
             ),
             Mutant(

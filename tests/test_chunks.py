@@ -283,15 +283,24 @@ def test_a_save_whose_chunk_source_was_dropped_uploads_in_full(mem, tmp_path, mo
             return real(self, base)
 
         monkeypatch.setattr(chunks.UploadStats, "requires", refuse_once)
-        with mgr.save(2) as d:
+        handle = mgr.save(2)
+        with handle as d:
             _write(d, {"shared.bin": shared, "a": b"2"})
-        mgr.wait()
+        info = handle.result()
     assert calls == [True, False]  # the retry reuses nothing
     latest = protocol.parse_latest(store.get("LATEST")[0])
     manifest = fetch_manifest(store, latest.current)
     assert {c.owner for f in manifest.files for c in f.chunks} == {latest.current.ckpt}
     attempts = {o.key.split("/")[1] for o in store.list("ckpt/") if "000000000002" in o.key}
     assert len(attempts) == 2  # the refused attempt stays for GC
+    # What the save sent counts both tries: every data object of both attempts.
+    sent = [
+        o.size
+        for o in store.list("ckpt/")
+        if "000000000002" in o.key
+        and o.key.rsplit("/", 1)[1] not in ("ATTEMPT.json", "MANIFEST.json")
+    ]
+    assert info.bytes_uploaded == sum(sent) > manifest.total_bytes
 
 
 @pytest.mark.parametrize(

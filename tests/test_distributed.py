@@ -503,7 +503,8 @@ def test_a_multi_rank_commit_requires_the_sources_of_reused_chunks(
 ):
     """The ranks report which checkpoints their reused chunks come from, and the commit
     requires them retained: a source dropped meanwhile (as by an unpin) refuses the commit
-    and every rank saves again in full, naming no older chunk."""
+    and every rank saves again in full, naming no older chunk; ``CommitInfo`` counts what
+    both tries sent."""
     from cloudckpt import chunks
     from cloudckpt.errors import ChunkSourceDroppedError
 
@@ -524,15 +525,21 @@ def test_a_multi_rank_commit_requires_the_sources_of_reused_chunks(
         return real(self, base)
 
     monkeypatch.setattr(chunks.UploadStats, "requires", dropped_once)
-    with mgr.save(2) as d:
+    handle = mgr.save(2)
+    with handle as d:
         (d / "base.bin").write_bytes(frozen)
         (d / "new.bin").write_bytes(b"two")
-    mgr.wait()
+    info = handle.result()
     record = read_latest(store).latest.current
     assert refused and record.step == 2
     owners = {c.owner for f in fetch_manifest(store, record).files for c in f.chunks}
     assert owners == {record.ckpt}  # everything uploaded again under the retry's attempt
-    assert len(attempts(store, 2)) == 2
+    tries = attempts(store, 2)
+    assert len(tries) == 2
+    # bytes_uploaded counts what both tries put (the first: new.bin; the second: all),
+    # as the store holds it; bytes_reused, what the committed try named (nothing).
+    sent = sum(sum(_chunk_objects(store, prefix).values()) for prefix in tries)
+    assert info.bytes_uploaded == sent == 3 + info.total_bytes and info.bytes_reused == 0
     res = mgr.restore(tmp_path / "out")
     assert (res.rank_path / "base.bin").read_bytes() == frozen
     mgr.close()

@@ -29,12 +29,13 @@ from cloudckpt import (
     protocol,
 )
 from cloudckpt.cli import cli
-from cloudckpt.gc import collect_garbage
+from cloudckpt.gc import collect_garbage, execute_gc, plan_gc, preview_gc
 from cloudckpt.integrations.torch import load_state
 from cloudckpt.repair import repair
-from cloudckpt.stores import OVERWRITE, open_store
+from cloudckpt.stores import CREATE, OVERWRITE, open_store
 from cloudckpt.stores.memory import ManualClock
 from cloudckpt.testing.faults import flip_bit
+from cloudckpt.testing.wrappers import ForwardingStore
 
 GRACE = 3600
 NEWER = "9.0.0"  # the version that "wrote" the relabelled records
@@ -218,16 +219,84 @@ def test_gc_deletes_nothing_by_a_newer_manifest(newer_run):
     with pytest.raises(UnknownFormatError) as exc_info:
         collect_garbage(store)
     assert exc_info.value.found == "cloudckpt.manifest/99"
-    # It stops at the first manifest it reads: after marking the expired tombstones
-    # ``deleting`` in the LATEST it reads (a format it knows), before deleting anything.
-    after = _snapshot(store)
-    assert set(before) <= set(after)
-    assert {k: v for k, v in after.items() if k in before and k != protocol.LATEST_KEY} == {
-        k: v for k, v in before.items() if k != protocol.LATEST_KEY
+    # Refused before its first write: not even the expired tombstones were marked.
+    assert _snapshot(store) == before
+
+
+class WriteLog(ForwardingStore):
+    """Records every call that changes the store, in order."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.writes: list[tuple[str, str]] = []
+
+    def put(self, key, data, *, mode=OVERWRITE):
+        self.writes.append(("put", key))
+        return self.inner.put(key, data, mode=mode)
+
+    def delete(self, key):
+        self.writes.append(("delete", key))
+        self.inner.delete(key)
+
+    def delete_many(self, keys):
+        self.writes += [("delete", k) for k in keys]
+        self.inner.delete_many(keys)
+
+    def create_multipart(self, key):
+        self.writes.append(("create_multipart", key))
+        return self.inner.create_multipart(key)
+
+    def upload_part(self, upload, number, data, *, crc32c=None):
+        self.writes.append(("upload_part", upload.key))
+        return self.inner.upload_part(upload, number, data, crc32c=crc32c)
+
+    def complete_multipart(self, upload, parts, *, mode=CREATE):
+        self.writes.append(("complete_multipart", upload.key))
+        return self.inner.complete_multipart(upload, parts, mode=mode)
+
+    def abort_multipart(self, upload):
+        self.writes.append(("abort", upload.key))
+        self.inner.abort_multipart(upload)
+
+
+@pytest.mark.parametrize("work", ["tombstones", "orphan", "upload", "records"])
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_gc_refuses_a_newer_manifest_before_its_first_write(
+    memory_target, manager_factory, work, dry_run
+):
+    """Whatever the plan holds (expired tombstones, an old orphan attempt, an old
+    incomplete upload, old commit records), GC reads every manifest of the run before it
+    writes: a newer version's is UnknownFormatError with no write at all."""
+    clock = ManualClock()
+    store = open_store(memory_target.url, {"clock": clock})
+    mgr = manager_factory(
+        store, keep_last=2 if work == "tombstones" else 10, gc_grace=GRACE, auto_gc=False
+    )
+    for step in range(1, 5):
+        _save(mgr, step)
+    mgr.close()
+    if work == "orphan":
+        store.put(attempt_layout.ckpt_prefix(9, 1, "20300101T000000009Z-deadbeef") + "x", b"x")
+    if work == "upload":
+        store.create_multipart("stray/big")
+    _newer_manifest_under_a_known_latest(store)
+    clock.advance(GRACE * 3)
+    keep = 1 if work == "records" else 100
+    plan = plan_gc(store, keep_commit_records=keep)
+    planned = {
+        "tombstones": plan.checkpoints,
+        "orphan": plan.orphans,
+        "upload": plan.uploads,
+        "records": plan.commit_records,
     }
-    marked = protocol.parse_latest(after[protocol.LATEST_KEY])
-    assert marked.retained() == latest.retained()
-    assert [t.record for t in marked.tombstones] == [t.record for t in latest.tombstones]
+    assert planned[work]  # what GC would do, if it went on
+    assert not any(v for k, v in planned.items() if k != work)
+    logged = WriteLog(store)
+    plan.store = logged
+    with pytest.raises(UnknownFormatError) as exc_info:
+        (preview_gc if dry_run else execute_gc)(plan)
+    assert exc_info.value.found == "cloudckpt.manifest/99"
+    assert logged.writes == []
 
 
 # --------------------------------------------------------------------------- writers
@@ -295,3 +364,22 @@ def test_runs_lists_every_run_flags_the_newer_one_and_exits_10(newer_run, memory
     table = CliRunner().invoke(cli, ["runs", parent])
     assert table.exit_code == 10 and "newer-format" in table.output and "other" in table.output
     assert "upgrade this host" in table.output
+
+
+def test_runs_json_says_its_error_as_every_command_does(newer_run):
+    """`runs --json` on a listing with a newer run: its document carries the same `error`
+    object, and stderr the same lines, as any command failing on a newer format (one
+    reporter, cli._common.report_error), here `gc --json`."""
+    parent = newer_run.url.rsplit("/", 1)[0]
+    runs = CliRunner().invoke(cli, ["runs", parent, "--json"])
+    gc = CliRunner().invoke(cli, ["gc", newer_run.url, "--json"])
+    assert runs.exit_code == gc.exit_code == 10
+    runs_error, gc_error = json.loads(runs.stdout)["error"], json.loads(gc.stdout)["error"]
+    assert set(runs_error) == set(gc_error) == {"type", "message", "hint", "exit_code"}
+    for key in ("type", "hint", "exit_code"):
+        assert runs_error[key] == gc_error[key]
+    for result, error in ((runs, runs_error), (gc, gc_error)):
+        assert result.stderr.splitlines() == [
+            f"cloudckpt: error: {error['message']}",
+            f"hint: {error['hint']}",
+        ]

@@ -2,10 +2,12 @@
 28 item 2): a listing shows a name and a size, not the bytes. A chunk with the right name
 and size but other bytes is uploaded again, the save restores exactly, and with
 ``keep_last=1`` nothing in the run is lost. On S3 (moto, SeaweedFS) the check is the CRC32C
-S3 recorded at the put; elsewhere the chunk is read back and hashed."""
+S3 recorded at the put, on GCS the one it keeps; elsewhere (Azure included: its Content-MD5
+is a claim, not a checksum) the chunk is read back and hashed."""
 
 from __future__ import annotations
 
+import hashlib
 import random
 from pathlib import Path
 
@@ -59,6 +61,45 @@ def target(request):
 
 
 def test_a_resumed_push_never_names_a_chunk_whose_bytes_differ(target, tmp_path):
+    store, bad = _resumed_push(target, tmp_path, _poison_interrupted_chunk)
+    if target.backend != "memory":  # the cheap check: S3 and GCS keep the object's CRC32C
+        assert store.stored_crc32c(bad) == crc32c_b64(store.get(bad)[0])
+
+
+def test_on_azure_a_resumed_chunk_is_read_back_its_content_md5_being_only_a_claim(
+    azurite_server, azurite_target, tmp_path
+):
+    """Azure keeps no whole-blob checksum the service vouches for: a block blob's
+    Content-MD5 is what Put Block List's ``x-ms-blob-content-md5`` (or Set Blob
+    Properties) said, unchecked (docs/design.md §11). Here an interrupted attempt's chunk
+    holds other bytes under a Content-MD5 of the right ones: it is still uploaded again."""
+    from azure.storage.blob import BlobBlock, ContentSettings
+
+    container = azurite_server.service_client().get_container_client(
+        azurite_target.url.split("/")[2]
+    )
+
+    def poison(store, prefix: str) -> str:
+        chunk = next(o for o in store.list(prefix + attempt_layout.CHUNKS_DIR) if o.size > 1000)
+        right = store.get(chunk.key)[0]
+        md5 = hashlib.md5(right).digest()
+        blob = container.get_blob_client("run/" + chunk.key)
+        blob.stage_block("other", bytes(b ^ 0xFF for b in right))
+        blob.commit_block_list(
+            [BlobBlock(block_id="other")], content_settings=ContentSettings(content_md5=md5)
+        )
+        claimed = blob.get_blob_properties().content_settings.content_md5
+        assert bytes(claimed) == md5 and store.get(chunk.key)[0] != right  # a false claim
+        return chunk.key
+
+    store, bad = _resumed_push(azurite_target, tmp_path, poison)
+    assert store.stored_crc32c(bad) is None  # nothing to compare: it was read back
+
+
+def _resumed_push(target, tmp_path, poison):
+    """Step 6 saved; step 7 uploaded but never committed; ``poison(store, prefix)`` gives
+    one of its chunks other bytes (returns its key); step 7 saved again resumes. Checks the
+    poisoned chunk was not named and everything restores; returns (store, its key)."""
     store = open_store(target.url, target.storage_options)
     good = _source(tmp_path, "good", seed=1)
     first = _manager(target, tmp_path, "first")
@@ -77,7 +118,7 @@ def test_a_resumed_push_never_names_a_chunk_whose_bytes_differ(target, tmp_path)
     [interrupted] = [
         p for p in store.list_dirs(attempt_layout.CKPT_PREFIX) if p.startswith(f"{7:012d}-")
     ]
-    bad = _poison_interrupted_chunk(store, attempt_layout.CKPT_PREFIX + interrupted)
+    bad = poison(store, attempt_layout.CKPT_PREFIX + interrupted)
 
     again = _manager(target, tmp_path, "again")
     info = again.save_dir(7, src).result(timeout=120)
@@ -95,8 +136,7 @@ def test_a_resumed_push_never_names_a_chunk_whose_bytes_differ(target, tmp_path)
         assert (tmp_path / "out" / name).read_bytes() == (src / name).read_bytes()
     assert verify_run(store, all=True, read_data=True).ok
     reader.close()
-    if target.backend != "memory":  # the cheap check: S3 and GCS keep the object's CRC32C
-        assert store.stored_crc32c(bad) == crc32c_b64(store.get(bad)[0])
+    return store, bad
 
 
 def test_a_resumed_copy_never_names_a_chunk_whose_bytes_differ(memory_target, tmp_path):

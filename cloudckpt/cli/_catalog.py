@@ -23,6 +23,7 @@ from cloudckpt.cli._common import (
     info,
     json_option,
     progress_bar,
+    report_error,
     stdout_console,
     store_options,
     warn,
@@ -141,22 +142,18 @@ def runs_cmd(url: RunURL, depth: int, store_args: StoreArgs, as_json: bool) -> N
         where = store.url
     doc: dict[str, Any] = {"url": where, "depth": depth, "runs": [r.to_dict() for r in runs]}
     newer = _newer_runs_error(runs)
+    if as_json and newer is not None:
+        # One document, the listing and why the exit code is 10, as every command says it.
+        report_error(newer, NEWER_FORMAT, doc)
+        raise click.exceptions.Exit(NEWER_FORMAT)
     if as_json:
-        if newer is not None:  # one document: the listing, and why the exit code is 10
-            doc["error"] = {"type": type(newer).__name__, "message": newer.message,
-                            "hint": newer.hint, "exit_code": NEWER_FORMAT}  # fmt: skip
         emit_json(doc)
     elif not runs:
         info(f"{where}: no runs at or below it (within {depth} directories)")
     else:
         _print_runs(where, runs)
-    if newer is None:
-        return
-    if as_json:
-        click.echo(click.style("cloudckpt: error: ", fg="red", bold=True) + newer.message, err=True)
-        click.echo(f"hint: {newer.hint}", err=True)
-        raise click.exceptions.Exit(NEWER_FORMAT)
-    raise newer
+    if newer is not None:
+        raise newer
 
 
 def _newer_runs_error(runs: list[Any]) -> UnknownFormatError | None:

@@ -487,22 +487,17 @@ def store_options(f: Callable) -> Callable:
 # --- the group that turns errors into exit codes -------------------------------------------
 
 
-def _report(exc: BaseException, code: int) -> None:
+def report_error(exc: BaseException, code: int, doc: dict[str, Any] | None = None) -> None:
+    """Say that the command fails with ``exc`` (exit ``code``): with ``--json``, one document
+    on stdout, ``doc`` (what the command has to show besides, e.g. ``runs``' listing) or an
+    empty one, with an ``error`` object; always the message and hint on stderr."""
     if isinstance(exc, CloudCkptError):  # the hint in the CLI's words where they differ
         message, hint = exc.message, exc.cli_hint or exc.hint
     else:
         message, hint = f"{type(exc).__name__}: {exc}", ""
     if json_mode():
-        emit_json(
-            {
-                "error": {
-                    "type": type(exc).__name__,
-                    "message": message,
-                    "hint": hint or None,
-                    "exit_code": code,
-                }
-            }
-        )
+        error = {"type": type(exc).__name__, "message": message, "hint": hint or None}
+        emit_json({**(doc or {}), "error": {**error, "exit_code": code}})
     click.echo(click.style("cloudckpt: error: ", fg="red", bold=True) + message, err=True)
     if hint:
         click.echo(f"hint: {hint}", err=True)
@@ -526,12 +521,12 @@ class CloudCkptGroup(click.Group):
             ctx.exit(INTERRUPTED)
         except CloudCkptError as exc:
             code = exit_code_for(exc)
-            _report(exc, code)
+            report_error(exc, code)
             if _root_meta().get(_VERBOSE_KEY, 0) > 1:
                 traceback.print_exc(file=sys.stderr)
             ctx.exit(code)
         except Exception as exc:
-            _report(exc, ERROR)
+            report_error(exc, ERROR)
             click.echo(
                 "this is a bug in cloudckpt or an unexpected environment problem; "
                 "re-run with -vv for the traceback",

@@ -136,7 +136,9 @@ class Committed:
 class Uploaded:
     """What a rank sends the coordinator after its upload: its files' entries, the
     committed checkpoints whose chunks they name (the commit requires them retained), and
-    the bytes it put and named where they lay (chunks other ranks put count in neither)."""
+    the bytes it put and named where they lay (chunks other ranks put count in neither).
+    ``bytes_uploaded`` counts every try of the save (a retry after reused chunks were
+    refused puts again what the refused try had put); ``bytes_reused``, this try's."""
 
     entries: tuple[FileEntry, ...]
     sources: frozenset[str]
@@ -175,6 +177,7 @@ def save(
             names = _chunks.chunk_names(attempts.engine, files, attempts.chunking)
         except Exception as exc:
             local_exc = exc  # reported in the plan: every rank fails at once
+    sent_before = 0  # what this rank put in a try whose commit was refused
     for retry in (False, True):
         plan = RankPlan(
             step,
@@ -185,13 +188,16 @@ def save(
         )
         decision, begun = _begin(comm, attempts, plan, local_exc, step)
         uploaded = _upload(comm, attempts, rank_chunks, decision, again, files, progress, step)
+        uploaded = dataclasses.replace(
+            uploaded, bytes_uploaded=uploaded.bytes_uploaded + sent_before
+        )
         outcome = _commit(
             comm, attempts, begun, uploaded, handle, step, replicas, may_retry=not retry
         )
         if isinstance(outcome, Reupload):
             if comm.is_coordinator:
                 log.error("step %d: %s; every rank uploads them again", step, outcome.reason)
-            again = outcome
+            again, sent_before = outcome, uploaded.bytes_uploaded
             continue
         rank_chunks.committed(decision.commit_id, uploaded.entries)
         return _info(comm, handle, decision, outcome)
