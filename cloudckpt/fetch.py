@@ -1,9 +1,9 @@
-"""Verified reads of a checkpoint's files straight into memory (docs/design.md §7).
+"""The one verified-read engine: every read of a checkpoint's files (docs/design.md §7).
 
 ``read_files`` lands byte ranges of a checkpoint's files where a ``Sink`` wants them (the
 memory of freshly allocated tensors, pinned staging slots on their way to a GPU, the
-buffers of a DCP plan's items), with no local file, and checks every byte before the
-caller may use any of it:
+buffers of a DCP plan's items, files of a directory: ``cloudckpt.download``, or nowhere:
+``verify_files``), and checks every byte before the caller may use any of it:
 
 - The unit of work is a **verification unit**: for a chunked file, one 8 MiB digest leaf
   (its chunks, each checked against its SHA-256 as it lands); for a whole file, one
@@ -32,8 +32,12 @@ CPU and no time, docs/performance.md); a read of fewer units hashes each on seve
 Memory: besides the destinations, ``concurrency`` scratch buffers of at most one range
 (16 MiB by default) each. Nothing here allocates per byte of the checkpoint.
 
+Order: the store's units are requested job by job, each job's in file order; the failpoint
+``restore.after_range`` is hit once a unit (a leaf, a range) landed intact.
+
 Errors: a missing or damaged object raises ``CorruptionError`` (``MissingChunkError`` for
-a chunk): the caller treats the checkpoint as damaged (``reader.first_intact`` falls back
+a chunk; a chunk that came back short or wrong is read once more first: a damaged answer
+is not a damaged object): the caller treats the checkpoint as damaged (``reader.first_intact`` falls back
 to an older one). Network failures raise ``StoreError``: never damage. Deliveries may
 repeat (a range read from a local copy that failed to verify is read again from the
 store); the last one wins, and nothing is final before ``read_files`` returns.
@@ -41,13 +45,14 @@ store); the last one wins, and nothing is final before ``read_files`` returns.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from cloudckpt import digest
 from cloudckpt.chunks import leaf_groups
@@ -60,7 +65,7 @@ from cloudckpt.errors import (
 from cloudckpt.failpoints import hit as failpoint
 from cloudckpt.manifests import ChunkRef, FileEntry
 from cloudckpt.stores import Store
-from cloudckpt.transfer import BufferPool, TransferEngine, read_into
+from cloudckpt.transfer import BufferPool, Progress, TransferEngine, read_into, round_up
 
 LEAF = digest.CHUNK_SIZE
 
@@ -245,16 +250,23 @@ class _Reader:
         sink: Sink,
         stats: ReadStats,
         leaf_size: int,
+        *,
+        buffers: BufferPool[bytearray] | None = None,
+        progress: Callable[[int], None] | None = None,
+        verified: Callable[[int], None] | None = None,
     ) -> None:
         self.engine, self.store, self.prefix, self.sink = engine, store, files_prefix, sink
         self.stats = stats
         self.files = [_File(j, LEAF if j.entry.chunks is not None else leaf_size) for j in jobs]
-        range_size = max(leaf_size, engine.config.range_size // leaf_size * leaf_size)
-        # Scratch buffers reused within one read, made by the sink (pinned for a GPU).
-        self.scratch = BufferPool(sink.scratch)
+        range_size = round_up(engine.config.range_size, leaf_size)
+        # Scratch buffers: the caller's pool (kept between reads), else reused within one
+        # read, made by the sink (pinned for a GPU).
+        self.scratch: BufferPool[Any] = buffers if buffers is not None else BufferPool(sink.scratch)
         self.scratch_size = max(range_size, LEAF)
         self.range_size = range_size
         self.threaded = True  # BLAKE3's thread pool per leaf (``hash_on_workers``)
+        self.progress = Progress(progress)
+        self.verified = verified
 
     def hash_on_workers(self, units: int) -> None:
         """Hash each leaf on its worker's thread alone when ``units`` (the units about to
@@ -267,14 +279,15 @@ class _Reader:
         self.stats._request()
         return self.engine.read_exact(self.store, key, start, view)
 
-    def _read_piece(self, job: FileJob, piece: _Piece, view: memoryview, local: bool) -> None:
-        """Fill ``view`` with the piece's bytes. Raises CorruptionError (missing, short),
-        MissingChunkError, _LocalRejected, StoreError."""
+    def _read_piece(self, job: FileJob, piece: _Piece, view: memoryview, local: bool) -> bool:
+        """Fill ``view`` with the piece's bytes; False if a chunk came back short (read
+        again, like one that does not match its name). Raises CorruptionError (missing,
+        short), MissingChunkError (missing), _LocalRejected, StoreError."""
         if local:
             assert job.local is not None
             if not _pread_into(job.local, piece.offset, view):
                 raise _LocalRejected
-            return
+            return True
         if piece.ref is not None:
             key, start, what = piece.ref.key, 0, f"chunk {piece.ref.key}"
         else:
@@ -286,12 +299,11 @@ class _Reader:
             if piece.ref is not None:
                 raise MissingChunkError(f"{what} is missing from the store") from None
             raise CorruptionError(f"{what} is missing from the store") from None
-        if got != len(view):
-            if piece.ref is not None:
-                raise MissingChunkError(f"{what} is {got} bytes, expected {piece.size}")
+        if got != len(view) and piece.ref is None:
             raise CorruptionError(
                 f"{what} is shorter than the {job.entry.size} bytes its manifest records"
             )
+        return got == len(view)
 
     def _land(
         self, job: FileJob, index: int, piece: _Piece, local: bool, leaf: digest.Hasher | None
@@ -303,11 +315,10 @@ class _Reader:
         scratch = None
         if view is None:
             scratch = self.scratch.take(self.scratch_size)
-            view = scratch[: piece.size]
+            view = memoryview(scratch)[: piece.size]
         try:
             for attempt in (1, 2):
-                self._read_piece(job, piece, view, local)
-                failpoint("restore.after_range")
+                whole = self._read_piece(job, piece, view, local)
                 started = time.thread_time()
                 if piece.ref is None:
                     f = self.files[index]
@@ -316,7 +327,7 @@ class _Reader:
                     )
                     break
                 leaves = []
-                if _chunk_ok(view, piece.ref, self.threaded):
+                if whole and _chunk_ok(view, piece.ref, self.threaded):
                     break
                 if local:
                     raise _LocalRejected
@@ -341,8 +352,8 @@ class _Reader:
 
     def run_unit(self, unit: _Unit, local: bool, check_root: bool) -> None:
         """Land every piece of ``unit``; record its leaf digests; the unit that completes
-        a whole read checks the file's digest. Raises as ``_land``, CorruptionError
-        (the file's digest), _LocalRejected."""
+        a whole read checks the file's digest (``file_done``). Raises as ``_land``,
+        CorruptionError (the file's digest), _LocalRejected."""
         f = self.files[unit.job]
         pieces = unit.pieces
         multi = pieces[0].ref is not None and len(pieces) > 1
@@ -350,15 +361,30 @@ class _Reader:
         leaves: list[bytes] = []
         for piece in pieces:
             leaves += self._land(f.job, unit.job, piece, local, leaf)
+        failpoint("restore.after_range")  # once a unit (a leaf, a range) landed intact
+        if not local:
+            self.progress(sum(p.size for p in pieces))
         if pieces[0].ref is not None:
             leaves = [leaf.digest() if leaf is not None else bytes.fromhex(pieces[0].ref.sha256)]
-        if f.add(unit.leaf, leaves) and check_root and not f.root_ok():
+        if f.add(unit.leaf, leaves) and check_root:
+            self.file_done(unit.job, local)
+
+    def file_done(self, index: int, local: bool = False) -> None:
+        """Every leaf of job ``index`` (read whole) is in: check the file's digest, then
+        tell the caller (``verified``: a directory fsyncs the file). Raises
+        CorruptionError, _LocalRejected (``local``)."""
+        f = self.files[index]
+        if not f.root_ok():
             if local:
                 raise _LocalRejected
+            if f.entry.chunks is None:
+                raise CorruptionError(f"{self.prefix}{f.entry.path} does not match its digest")
             raise CorruptionError(
-                f"{f.entry.path} does not match its digest"
-                + (": its chunks are intact but do not make up the file" if multi else "")
+                f"{f.entry.path} does not match its digest: its chunks are intact but do "
+                "not make up the file the manifest records"
             )
+        if self.verified is not None:
+            self.verified(index)
 
 
 def _chunk_ok(data: memoryview, ref: ChunkRef, threaded: bool = True) -> bool:
@@ -385,19 +411,40 @@ def read_files(
     *,
     leaf_size: int = LEAF,
     stats: ReadStats | None = None,
+    buffers: BufferPool[bytearray] | None = None,
+    progress: Callable[[int], None] | None = None,
+    verified: Callable[[int], None] | None = None,
 ) -> ReadStats:
     """Read ``jobs`` (validated manifest entries of the checkpoint whose whole files lie
     under ``files_prefix``) into ``sink``, every byte checked (module docstring): local
     copies first, then the store for everything else and for whatever a local copy failed
-    to verify. ``leaf_size``: the manifest's ``chunk_size``.
+    to verify. ``leaf_size``: the manifest's ``chunk_size``. ``buffers``: where scratch
+    buffers come from (default: ``sink.scratch``, reused within this read);
+    ``progress(n)``: n more bytes landed from the store, verified; ``verified(job)``: a
+    job read whole matched its digest (called once, by the worker that checked it).
+
+    The store's units are requested in job order (for each job: its leaves or ranges in
+    order); if several fail, a whole file's failure is raised before a chunk's.
 
     Raises:
         CorruptionError: a file or chunk is missing, short, or does not match its digest
             (MissingChunkError for a chunk); the checkpoint is damaged.
         StoreError: the store failed after retries (not damage).
+        Whatever ``sink`` or ``verified`` raise (OSError for a directory).
     """
     stats = stats if stats is not None else ReadStats()
-    reader = _Reader(engine, store, files_prefix, jobs, sink, stats, leaf_size)
+    reader = _Reader(
+        engine,
+        store,
+        files_prefix,
+        jobs,
+        sink,
+        stats,
+        leaf_size,
+        buffers=buffers,
+        progress=progress,
+        verified=verified,
+    )
     planned = [
         plan_units(i, j, reader.files[i].leaf_size, reader.range_size) for i, j in enumerate(jobs)
     ]
@@ -409,17 +456,44 @@ def read_files(
     reader.hash_on_workers(sum(len(planned[i][0]) for i in local))
     todo += _run_local(reader, planned, sorted(local))
     reader.hash_on_workers(len(todo))
-    for i in {u.job for u in todo}:
-        reader.files[i].expect(sum(1 for u in todo if u.job == i))
-    futures = [engine.submit(reader.run_unit, u, False, planned[u.job][1]) for u in todo]
     try:
-        engine.wait_all(futures)
+        _from_store(reader, planned, todo)
     finally:
         stats.finished = time.perf_counter()
-    for i, (units, whole) in enumerate(planned):  # a file without any byte: check it now
-        if whole and not units and not reader.files[i].root_ok():
-            raise CorruptionError(f"{jobs[i].entry.path} does not match its digest")
     return stats
+
+
+def _from_store(
+    reader: _Reader, planned: list[tuple[list[_Unit], bool]], todo: list[_Unit]
+) -> None:
+    """Run ``todo`` on the engine's workers, job by job (a whole file without any byte
+    checked in its turn); wait for the whole files' units, then the chunks'. On a failure
+    the rest is cancelled and, but after an interrupt, the running ones waited for (as
+    ``TransferEngine.wait_all``). Raises as ``read_files``."""
+    by_job: dict[int, list[_Unit]] = {}
+    for u in todo:
+        by_job.setdefault(u.job, []).append(u)
+    for i, units in by_job.items():
+        reader.files[i].expect(len(units))
+    engine = reader.engine
+    whole: list[cf.Future] = []
+    chunked: list[cf.Future] = []
+    try:
+        for i, (units, check_root) in enumerate(planned):
+            if check_root and not units:
+                reader.file_done(i)  # a file without any byte: check it now
+            into = chunked if reader.files[i].entry.chunks is not None else whole
+            into += [
+                engine.submit(reader.run_unit, u, False, check_root) for u in by_job.get(i, ())
+            ]
+        engine.wait_all(whole)
+    except BaseException as exc:
+        for f in chunked + whole:
+            f.cancel()
+        if isinstance(exc, Exception):
+            cf.wait(chunked + whole)
+        raise
+    engine.wait_all(chunked)
 
 
 def _run_local(

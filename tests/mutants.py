@@ -144,30 +144,26 @@ def _reused_chunks_not_listed(setattr_: Callable[[Any, str, Any], None]) -> None
 
 def _whole_file_digest_unchecked(setattr_: Callable[[Any, str, Any], None]) -> None:
     """A whole file is accepted once every range arrived, without comparing its digest."""
-    from cloudckpt import download
+    from cloudckpt import fetch
 
-    original = download._Target.finish
+    original = fetch._File.root_ok
 
-    def fsync_only(self):
-        if self.entry.chunks is not None:
-            return original(self)
-        download._fsync_path(self.target)
+    def unchecked(self):
+        return True if self.entry.chunks is None else original(self)
 
-    setattr_(download._Target, "finish", fsync_only)
+    setattr_(fetch._File, "root_ok", unchecked)
 
 
 def _chunked_file_digest_unchecked(setattr_: Callable[[Any, str, Any], None]) -> None:
     """A chunked file is accepted once each chunk matches its name, whatever their order."""
-    from cloudckpt import download
+    from cloudckpt import fetch
 
-    original = download._Target.finish
+    original = fetch._File.root_ok
 
-    def fsync_only(self):
-        if self.entry.chunks is None:
-            return original(self)
-        download._fsync_path(self.target)
+    def unchecked(self):
+        return True if self.entry.chunks is not None else original(self)
 
-    setattr_(download._Target, "finish", fsync_only)
+    setattr_(fetch._File, "root_ok", unchecked)
 
 
 def _resumed_chunks_age_unbounded(setattr_: Callable[[Any, str, Any], None]) -> None:
