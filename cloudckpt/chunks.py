@@ -611,28 +611,6 @@ def leaf_groups(entry: FileEntry) -> list[list[ChunkRef]]:
     return groups
 
 
-def read_and_check(engine, store: Store, entry: FileEntry) -> list[str]:
-    """verify --read-data: read every chunk of ``entry`` in turn (one in memory at a time),
-    check each chunk's digest and the file's digest tree. Returns the problems found."""
-    leaves = digest.LeafDigests(entry.size, entry.digest, LEAF, entry.algorithm)
-    leaf = digest.hasher(entry.algorithm)
-    filled = count = 0
-    for ref in entry.chunks or ():
-        try:
-            data = fetch_chunk(engine, store, ref)
-        except CorruptionError as exc:
-            return [f"{entry.path}: {exc.message}"]
-        leaf.update(data)  # chunks never cross a leaf: a leaf ends on a chunk boundary
-        filled += len(data)
-        if filled == LEAF:
-            leaves.add(count, [leaf.digest()])
-            leaf, filled, count = digest.hasher(entry.algorithm), 0, count + 1
-    if filled:
-        leaves.add(count, [leaf.digest()])
-    ok = leaves.root_ok()
-    return [] if ok else [f"{entry.path}: content does not match its digest"]
-
-
 # --------------------------------------------------------------------------- GC
 
 

@@ -166,6 +166,11 @@ class _LocalRejected(Exception):
     """A unit of a local copy did not verify: it is read from the store instead."""
 
 
+class FileDigestMismatch(CorruptionError):
+    """Every piece of a file arrived (each chunk matching its name) but together they are
+    not the digest its manifest records."""
+
+
 class _File(digest.LeafDigests):
     """One job's progress: its leaf digests as units land (``expect``: one piece per
     unit); the unit that completes a whole read checks the file's digest."""
@@ -267,6 +272,9 @@ class _Reader:
         self.threaded = True  # BLAKE3's thread pool per leaf (``hash_on_workers``)
         self.progress = Progress(progress)
         self.verified = verified
+        # With ``read_files(damaged=...)``: each damaged job's first failure (by unit).
+        self.damage: dict[int, tuple[int, CorruptionError]] | None = None
+        self._lock = threading.Lock()
 
     def hash_on_workers(self, units: int) -> None:
         """Hash each leaf on its worker's thread alone when ``units`` (the units about to
@@ -369,6 +377,23 @@ class _Reader:
         if f.add(unit.leaf, leaves) and check_root:
             self.file_done(unit.job, local)
 
+    def run_checked(self, unit: _Unit, check_root: bool) -> None:
+        """``run_unit`` from the store (a unit without pieces: check the digest of an empty
+        file); where damage is collected (``self.damage``), a CorruptionError is recorded
+        for its job instead of raised."""
+        try:
+            if unit.pieces:
+                self.run_unit(unit, False, check_root)
+            else:
+                self.file_done(unit.job)
+        except CorruptionError as exc:
+            if self.damage is None:
+                raise
+            with self._lock:
+                first = self.damage.get(unit.job)
+                if first is None or unit.leaf < first[0]:
+                    self.damage[unit.job] = (unit.leaf, exc)
+
     def file_done(self, index: int, local: bool = False) -> None:
         """Every leaf of job ``index`` (read whole) is in: check the file's digest, then
         tell the caller (``verified``: a directory fsyncs the file). Raises
@@ -378,8 +403,8 @@ class _Reader:
             if local:
                 raise _LocalRejected
             if f.entry.chunks is None:
-                raise CorruptionError(f"{self.prefix}{f.entry.path} does not match its digest")
-            raise CorruptionError(
+                raise FileDigestMismatch(f"{self.prefix}{f.entry.path} does not match its digest")
+            raise FileDigestMismatch(
                 f"{f.entry.path} does not match its digest: its chunks are intact but do "
                 "not make up the file the manifest records"
             )
@@ -414,6 +439,7 @@ def read_files(
     buffers: BufferPool[bytearray] | None = None,
     progress: Callable[[int], None] | None = None,
     verified: Callable[[int], None] | None = None,
+    damaged: Callable[[int, CorruptionError], None] | None = None,
 ) -> ReadStats:
     """Read ``jobs`` (validated manifest entries of the checkpoint whose whole files lie
     under ``files_prefix``) into ``sink``, every byte checked (module docstring): local
@@ -421,7 +447,9 @@ def read_files(
     to verify. ``leaf_size``: the manifest's ``chunk_size``. ``buffers``: where scratch
     buffers come from (default: ``sink.scratch``, reused within this read);
     ``progress(n)``: n more bytes landed from the store, verified; ``verified(job)``: a
-    job read whole matched its digest (called once, by the worker that checked it).
+    job read whole matched its digest (called once, by the worker that checked it);
+    ``damaged(job, error)``: when given, damage does not stop the read: it is reported
+    once per damaged job (its first unit's error, in job order) after every unit ran.
 
     The store's units are requested in job order (for each job: its leaves or ranges in
     order); if several fail, a whole file's failure is raised before a chunk's.
@@ -445,6 +473,7 @@ def read_files(
         progress=progress,
         verified=verified,
     )
+    reader.damage = {} if damaged is not None else None
     planned = [
         plan_units(i, j, reader.files[i].leaf_size, reader.range_size) for i, j in enumerate(jobs)
     ]
@@ -460,6 +489,9 @@ def read_files(
         _from_store(reader, planned, todo)
     finally:
         stats.finished = time.perf_counter()
+    for i, (_, exc) in sorted((reader.damage or {}).items()):
+        assert damaged is not None
+        damaged(i, exc)
     return stats
 
 
@@ -480,12 +512,10 @@ def _from_store(
     chunked: list[cf.Future] = []
     try:
         for i, (units, check_root) in enumerate(planned):
-            if check_root and not units:
-                reader.file_done(i)  # a file without any byte: check it now
+            if check_root and not units:  # a file without any byte: check it now
+                reader.run_checked(_Unit(i, 0, ()), True)
             into = chunked if reader.files[i].entry.chunks is not None else whole
-            into += [
-                engine.submit(reader.run_unit, u, False, check_root) for u in by_job.get(i, ())
-            ]
+            into += [engine.submit(reader.run_checked, u, check_root) for u in by_job.get(i, ())]
         engine.wait_all(whole)
     except BaseException as exc:
         for f in chunked + whole:
@@ -570,12 +600,25 @@ def verify_files(
     *,
     leaf_size: int = LEAF,
     stats: ReadStats | None = None,
+    progress: Callable[[int], None] | None = None,
+    damaged: Callable[[int, CorruptionError], None] | None = None,
 ) -> ReadStats:
     """Read ``jobs`` as ``read_files`` does, every byte checked, keeping nothing (memory:
-    the scratch buffers only): for a reader that must know its later reads are intact
-    before it applies its first ones. Raises as ``read_files``."""
+    the engine's scratch buffers only): the hash-only sink, for a reader that must know
+    its later reads are intact before it applies its first ones, and ``verify
+    --read-data`` (``damaged``: each damaged job reported, the others read on). Raises as
+    ``read_files``."""
     return read_files(
-        engine, store, files_prefix, jobs, _Discard(), leaf_size=leaf_size, stats=stats
+        engine,
+        store,
+        files_prefix,
+        jobs,
+        _Discard(),
+        leaf_size=leaf_size,
+        stats=stats,
+        buffers=engine.buffers,
+        progress=progress,
+        damaged=damaged,
     )
 
 
