@@ -59,7 +59,6 @@ from cloudckpt import attempt_layout, digest, protocol
 from cloudckpt.errors import (
     ChunkSourceDroppedError,
     CorruptionError,
-    MissingChunkError,
     ObjectNotFoundError,
     PreconditionFailedError,
     ReusedChunkMissingError,
@@ -579,23 +578,7 @@ def check_uploaded(store: Store, prefix: str, entries: Sequence[FileEntry]) -> N
         )
 
 
-# --------------------------------------------------------------------------- reading
-
-
-def fetch_chunk(engine, store: Store, ref: ChunkRef, into: memoryview | None = None):
-    """A chunk's bytes (read into ``into``, at least ``ref.size`` long, or a new buffer),
-    verified against its name (a short answer read again, ``TransferEngine.read_exact``;
-    re-read once on a mismatch: a damaged response is not a damaged object). Raises
-    MissingChunkError."""
-    view = (into if into is not None else memoryview(bytearray(ref.size)))[: ref.size]
-    for _ in range(2):
-        try:
-            data = view[: engine.read_exact(store, ref.key, 0, view)]
-        except ObjectNotFoundError:
-            raise MissingChunkError(f"chunk {ref.key} is missing from the store") from None
-        if len(data) == ref.size and digest.hexleaf(data, ref.algorithm) == ref.sha256:
-            return data
-    raise MissingChunkError(f"chunk {ref.key} does not match its digest")
+# --------------------------------------------------------------------------- a file's chunks by leaf
 
 
 def leaf_groups(entry: FileEntry) -> list[list[ChunkRef]]:

@@ -40,6 +40,7 @@ from cloudckpt.errors import (
     StaleAttemptError,
     UnsafePathError,
 )
+from cloudckpt.fetch import fetch_chunk
 from cloudckpt.manifests import ChunkRef, FileEntry, Manifest
 from cloudckpt.reader import fetch_manifest
 from cloudckpt.stores import CREATE, Store
@@ -121,7 +122,7 @@ class _Copier:
                 return bytes.fromhex(ref.sha256), [known.ref]
         datas, refs = [], []
         for ref in pieces:
-            data = bytes(chunks.fetch_chunk(self.engine, self.src, ref))
+            data = bytes(fetch_chunk(self.engine, self.src, ref))
             self._count_read(len(data))
             datas.append(data)
             refs.append(self._store(ref.sha256, data, ref.algorithm))

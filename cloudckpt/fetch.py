@@ -283,67 +283,67 @@ class _Reader:
 
     # -- one piece --------------------------------------------------------------------
 
-    def _from_store(self, key: str, start: int, view: memoryview) -> int:
+    def _read_range(self, job: FileJob, piece: _Piece, view: memoryview) -> None:
+        """Fill ``view`` with a range of a whole file from the store. Raises
+        CorruptionError (missing, short), StoreError."""
+        key = self.prefix + job.entry.path
         self.stats._request()
-        return self.engine.read_exact(self.store, key, start, view)
+        try:
+            got = self.engine.read_exact(self.store, key, piece.offset, view)
+        except ObjectNotFoundError:
+            raise CorruptionError(f"{key} is missing from the store") from None
+        if got != len(view):
+            raise CorruptionError(
+                f"{key} is shorter than the {job.entry.size} bytes its manifest records"
+            )
 
-    def _read_piece(self, job: FileJob, piece: _Piece, view: memoryview, local: bool) -> bool:
-        """Fill ``view`` with the piece's bytes; False if a chunk came back short (read
-        again, like one that does not match its name). Raises CorruptionError (missing,
-        short), MissingChunkError (missing), _LocalRejected, StoreError."""
+    def _fill(
+        self, job: FileJob, index: int, piece: _Piece, view: memoryview, local: bool
+    ) -> tuple[list[bytes], float]:
+        """Fill ``view`` with the piece's bytes and check them: a chunk against its name
+        (``fetch_chunk``), a whole file's range by its leaf digests, returned. Returns
+        them (or []) and the thread CPU time spent hashing. Raises as ``fetch_chunk``,
+        CorruptionError (missing, short), _LocalRejected (``local``), StoreError."""
+        ref, hashed = piece.ref, [0.0]
+
+        def check(data: memoryview, ref: ChunkRef) -> bool:
+            started = time.thread_time()
+            ok = _chunk_ok(data, ref, self.threaded)
+            hashed[0] += time.thread_time() - started
+            return ok
+
         if local:
             assert job.local is not None
             if not _pread_into(job.local, piece.offset, view):
                 raise _LocalRejected
-            return True
-        if piece.ref is not None:
-            key, start, what = piece.ref.key, 0, f"chunk {piece.ref.key}"
+            if ref is not None and not check(view, ref):
+                raise _LocalRejected
+        elif ref is not None:
+            fetch_chunk(self.engine, self.store, ref, view, check, self.stats._request)
         else:
-            key = self.prefix + job.entry.path
-            start, what = piece.offset, key
-        try:
-            got = self._from_store(key, start, view)
-        except ObjectNotFoundError:
-            if piece.ref is not None:
-                raise MissingChunkError(f"{what} is missing from the store") from None
-            raise CorruptionError(f"{what} is missing from the store") from None
-        if got != len(view) and piece.ref is None:
-            raise CorruptionError(
-                f"{what} is shorter than the {job.entry.size} bytes its manifest records"
-            )
-        return got == len(view)
+            self._read_range(job, piece, view)
+        if ref is not None:
+            return [], hashed[0]
+        started, f = time.thread_time(), self.files[index]
+        leaves = digest.leaves_of(view, f.leaf_size, f.entry.algorithm, threaded=self.threaded)
+        return leaves, time.thread_time() - started
 
     def _land(
         self, job: FileJob, index: int, piece: _Piece, local: bool, leaf: digest.Hasher | None
     ) -> list[bytes]:
-        """Read one piece to where the sink wants it, check it (a chunk against its name,
-        re-read once from the store on a mismatch: a damaged response is not a damaged
-        object), and return its leaf digests (a whole file's range) or []."""
+        """Read one piece to where the sink wants it, check it (``_fill``), and return its
+        leaf digests (a whole file's range) or []."""
         view = self.sink.direct(index, piece.offset, piece.size)
         scratch = None
         if view is None:
             scratch = self.scratch.take(self.scratch_size)
             view = memoryview(scratch)[: piece.size]
         try:
-            for attempt in (1, 2):
-                whole = self._read_piece(job, piece, view, local)
-                started = time.thread_time()
-                if piece.ref is None:
-                    f = self.files[index]
-                    leaves = digest.leaves_of(
-                        view, f.leaf_size, f.entry.algorithm, threaded=self.threaded
-                    )
-                    break
-                leaves = []
-                if whole and _chunk_ok(view, piece.ref, self.threaded):
-                    break
-                if local:
-                    raise _LocalRejected
-                if attempt == 2:
-                    raise MissingChunkError(f"chunk {piece.ref.key} does not match its digest")
+            leaves, hashed = self._fill(job, index, piece, view, local)
             if leaf is not None:
+                started = time.thread_time()
                 leaf.update(view)
-            hashed = time.thread_time() - started
+                hashed += time.thread_time() - started
             self.stats._landed(piece.size, local, scratch is not None, hashed)
             if scratch is None:
                 self.sink.landed(index, piece.offset, piece.size)
@@ -415,6 +415,34 @@ class _Reader:
 def _chunk_ok(data: memoryview, ref: ChunkRef, threaded: bool = True) -> bool:
     """Whether ``data`` is the chunk ``ref`` names (its leaf digest)."""
     return digest.hexleaf(data, ref.algorithm, threaded=threaded) == ref.sha256
+
+
+def fetch_chunk(
+    engine: TransferEngine,
+    store: Store,
+    ref: ChunkRef,
+    into: memoryview | None = None,
+    check: Callable[[memoryview, ChunkRef], bool] | None = None,
+    requested: Callable[[], None] | None = None,
+) -> memoryview:
+    """A chunk's bytes (read into ``into``, at least ``ref.size`` long, or a new buffer),
+    verified against its name (``check``, default ``_chunk_ok``): the one chunk read of
+    every reader (this engine, ``cp``, the distributed fan-out). A short answer is read
+    again (``TransferEngine.read_exact``), and a short or wrong chunk once more: a
+    damaged response is not a damaged object. ``requested()``: called per GET.
+
+    Raises MissingChunkError (missing, or wrong twice), StoreError."""
+    view = (into if into is not None else memoryview(bytearray(ref.size)))[: ref.size]
+    for _ in range(2):
+        if requested is not None:
+            requested()
+        try:
+            got = engine.read_exact(store, ref.key, 0, view)
+        except ObjectNotFoundError:
+            raise MissingChunkError(f"chunk {ref.key} is missing from the store") from None
+        if got == ref.size and (check(view, ref) if check is not None else _chunk_ok(view, ref)):
+            return view
+    raise MissingChunkError(f"chunk {ref.key} does not match its digest")
 
 
 def _pread_into(path: Path, offset: int, view: memoryview) -> bool:
