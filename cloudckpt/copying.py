@@ -35,12 +35,11 @@ from cloudckpt.attempts import AttemptWriter, BegunAttempt
 from cloudckpt.errors import (
     CloudCkptError,
     CorruptionError,
-    ObjectNotFoundError,
     PreconditionFailedError,
     StaleAttemptError,
     UnsafePathError,
 )
-from cloudckpt.fetch import fetch_chunk
+from cloudckpt.fetch import fetch_chunk, read_range
 from cloudckpt.manifests import ChunkRef, FileEntry, Manifest
 from cloudckpt.reader import fetch_manifest
 from cloudckpt.stores import CREATE, Store
@@ -139,12 +138,7 @@ class _Copier:
         key = self.source_ckpt + attempt_layout.FILES_DIR + entry.path
         length = min(LEAF, entry.size - offset)
         buf = bytearray(length)
-        try:
-            got = self.engine.read_exact(self.src, key, offset, memoryview(buf))
-        except ObjectNotFoundError:
-            raise CorruptionError(f"{key} is missing from the store") from None
-        if got != length:
-            raise CorruptionError(f"{key} is shorter than the {entry.size} bytes recorded")
+        read_range(self.engine, self.src, key, offset, memoryview(buf), entry.size)
         data = bytes(buf)
         self._count_read(length)
         leaf = digest.leaf(data, entry.algorithm)

@@ -283,20 +283,6 @@ class _Reader:
 
     # -- one piece --------------------------------------------------------------------
 
-    def _read_range(self, job: FileJob, piece: _Piece, view: memoryview) -> None:
-        """Fill ``view`` with a range of a whole file from the store. Raises
-        CorruptionError (missing, short), StoreError."""
-        key = self.prefix + job.entry.path
-        self.stats._request()
-        try:
-            got = self.engine.read_exact(self.store, key, piece.offset, view)
-        except ObjectNotFoundError:
-            raise CorruptionError(f"{key} is missing from the store") from None
-        if got != len(view):
-            raise CorruptionError(
-                f"{key} is shorter than the {job.entry.size} bytes its manifest records"
-            )
-
     def _fill(
         self, job: FileJob, index: int, piece: _Piece, view: memoryview, local: bool
     ) -> tuple[list[bytes], float]:
@@ -321,7 +307,9 @@ class _Reader:
         elif ref is not None:
             fetch_chunk(self.engine, self.store, ref, view, check, self.stats._request)
         else:
-            self._read_range(job, piece, view)
+            self.stats._request()
+            key = self.prefix + job.entry.path
+            read_range(self.engine, self.store, key, piece.offset, view, job.entry.size)
         if ref is not None:
             return [], hashed[0]
         started, f = time.thread_time(), self.files[index]
@@ -415,6 +403,21 @@ class _Reader:
 def _chunk_ok(data: memoryview, ref: ChunkRef, threaded: bool = True) -> bool:
     """Whether ``data`` is the chunk ``ref`` names (its leaf digest)."""
     return digest.hexleaf(data, ref.algorithm, threaded=threaded) == ref.sha256
+
+
+def read_range(
+    engine: TransferEngine, store: Store, key: str, offset: int, view: memoryview, size: int
+) -> None:
+    """Fill ``view`` with the bytes at ``offset`` of ``key``, a file stored whole whose
+    manifest records ``size`` bytes (a short answer is read again:
+    ``TransferEngine.read_exact``). Raises CorruptionError (the object is missing or
+    shorter), StoreError."""
+    try:
+        got = engine.read_exact(store, key, offset, view)
+    except ObjectNotFoundError:
+        raise CorruptionError(f"{key} is missing from the store") from None
+    if got != len(view):
+        raise CorruptionError(f"{key} is shorter than the {size} bytes its manifest records")
 
 
 def fetch_chunk(
