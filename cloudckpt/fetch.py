@@ -37,10 +37,11 @@ Order: the store's units are requested job by job, each job's in file order; the
 
 Errors: a missing or damaged object raises ``CorruptionError`` (``MissingChunkError`` for
 a chunk; a chunk that came back short or wrong is read once more first: a damaged answer
-is not a damaged object): the caller treats the checkpoint as damaged (``reader.first_intact`` falls back
-to an older one). Network failures raise ``StoreError``: never damage. Deliveries may
-repeat (a range read from a local copy that failed to verify is read again from the
-store); the last one wins, and nothing is final before ``read_files`` returns.
+is not a damaged object): the caller treats the checkpoint as damaged
+(``reader.first_intact`` falls back to an older one). Network failures raise
+``StoreError``: never damage. Deliveries may repeat (a range read from a local copy that
+failed to verify is read again from the store); the last one wins, and nothing is final
+before ``read_files`` returns.
 """
 
 from __future__ import annotations
@@ -166,11 +167,6 @@ class _LocalRejected(Exception):
     """A unit of a local copy did not verify: it is read from the store instead."""
 
 
-class FileDigestMismatch(CorruptionError):
-    """Every piece of a file arrived (each chunk matching its name) but together they are
-    not the digest its manifest records."""
-
-
 class _File(digest.LeafDigests):
     """One job's progress: its leaf digests as units land (``expect``: one piece per
     unit); the unit that completes a whole read checks the file's digest."""
@@ -272,8 +268,9 @@ class _Reader:
         self.threaded = True  # BLAKE3's thread pool per leaf (``hash_on_workers``)
         self.progress = Progress(progress)
         self.verified = verified
-        # With ``read_files(damaged=...)``: each damaged job's first failure (by unit).
-        self.damage: dict[int, tuple[int, CorruptionError]] | None = None
+        # With ``read_files(damaged=...)``: each damaged job's first failure (by unit), and
+        # whether it is the file's digest (every unit landed intact).
+        self.damage: dict[int, tuple[int, CorruptionError, bool]] | None = None
         self._lock = threading.Lock()
 
     def hash_on_workers(self, units: int) -> None:
@@ -377,10 +374,11 @@ class _Reader:
         except CorruptionError as exc:
             if self.damage is None:
                 raise
+            whole = self.files[unit.job].missing == 0  # a failed unit is never added
             with self._lock:
                 first = self.damage.get(unit.job)
                 if first is None or unit.leaf < first[0]:
-                    self.damage[unit.job] = (unit.leaf, exc)
+                    self.damage[unit.job] = (unit.leaf, exc, whole)
 
     def file_done(self, index: int, local: bool = False) -> None:
         """Every leaf of job ``index`` (read whole) is in: check the file's digest, then
@@ -391,8 +389,8 @@ class _Reader:
             if local:
                 raise _LocalRejected
             if f.entry.chunks is None:
-                raise FileDigestMismatch(f"{self.prefix}{f.entry.path} does not match its digest")
-            raise FileDigestMismatch(
+                raise CorruptionError(f"{self.prefix}{f.entry.path} does not match its digest")
+            raise CorruptionError(
                 f"{f.entry.path} does not match its digest: its chunks are intact but do "
                 "not make up the file the manifest records"
             )
@@ -470,7 +468,7 @@ def read_files(
     buffers: BufferPool[bytearray] | None = None,
     progress: Callable[[int], None] | None = None,
     verified: Callable[[int], None] | None = None,
-    damaged: Callable[[int, CorruptionError], None] | None = None,
+    damaged: Callable[[int, CorruptionError, bool], None] | None = None,
 ) -> ReadStats:
     """Read ``jobs`` (validated manifest entries of the checkpoint whose whole files lie
     under ``files_prefix``) into ``sink``, every byte checked (module docstring): local
@@ -479,8 +477,10 @@ def read_files(
     buffers come from (default: ``sink.scratch``, reused within this read);
     ``progress(n)``: n more bytes landed from the store, verified; ``verified(job)``: a
     job read whole matched its digest (called once, by the worker that checked it);
-    ``damaged(job, error)``: when given, damage does not stop the read: it is reported
-    once per damaged job (its first unit's error, in job order) after every unit ran.
+    ``damaged(job, error, digest)``: when given, damage does not stop the read: it is
+    reported once per damaged job (its first unit's error; ``digest``: every piece was
+    intact but the file's digest is not the recorded one), in job order, once every unit
+    ran.
 
     The store's units are requested in job order (for each job: its leaves or ranges in
     order); if several fail, a whole file's failure is raised before a chunk's.
@@ -520,9 +520,9 @@ def read_files(
         _from_store(reader, planned, todo)
     finally:
         stats.finished = time.perf_counter()
-    for i, (_, exc) in sorted((reader.damage or {}).items()):
+    for i, (_, exc, whole) in sorted((reader.damage or {}).items()):
         assert damaged is not None
-        damaged(i, exc)
+        damaged(i, exc, whole)
     return stats
 
 
@@ -632,7 +632,7 @@ def verify_files(
     leaf_size: int = LEAF,
     stats: ReadStats | None = None,
     progress: Callable[[int], None] | None = None,
-    damaged: Callable[[int, CorruptionError], None] | None = None,
+    damaged: Callable[[int, CorruptionError, bool], None] | None = None,
 ) -> ReadStats:
     """Read ``jobs`` as ``read_files`` does, every byte checked, keeping nothing (memory:
     the engine's scratch buffers only): the hash-only sink, for a reader that must know

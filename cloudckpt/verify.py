@@ -195,7 +195,7 @@ class _Hasher:
         """Every byte of ``manifest``'s files read back and checked; each damaged file
         recorded in ``check``. Raises StoreError."""
         files = manifest.files
-        damaged: dict[int, CorruptionError] = {}
+        damaged: dict[int, tuple[CorruptionError, bool]] = {}
         fetch.verify_files(
             self._engine,
             store,
@@ -203,16 +203,15 @@ class _Hasher:
             [fetch.FileJob(e) for e in files],
             leaf_size=manifest.chunk_size,
             progress=self._progress,
-            damaged=damaged.__setitem__,
+            damaged=lambda i, exc, whole: damaged.__setitem__(i, (exc, whole)),
         )
         for i, entry in enumerate(files):
-            exc = damaged.get(i)
-            if exc is None:
+            if i not in damaged:
                 check.bytes_read += entry.size
-            elif isinstance(exc, fetch.FileDigestMismatch):
+            elif damaged[i][1]:  # every piece intact, the file's digest not the recorded one
                 check.damaged(f"{entry.path}: content does not match its digest")
             else:
-                check.damaged(f"{entry.path}: {exc.message}")
+                check.damaged(f"{entry.path}: {damaged[i][0].message}")
 
 
 def verify_run(
