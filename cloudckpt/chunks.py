@@ -59,7 +59,6 @@ from cloudckpt import attempt_layout, digest, protocol
 from cloudckpt.errors import (
     ChunkSourceDroppedError,
     CorruptionError,
-    MissingChunkError,
     ObjectNotFoundError,
     PreconditionFailedError,
     ReusedChunkMissingError,
@@ -579,23 +578,7 @@ def check_uploaded(store: Store, prefix: str, entries: Sequence[FileEntry]) -> N
         )
 
 
-# --------------------------------------------------------------------------- reading
-
-
-def fetch_chunk(engine, store: Store, ref: ChunkRef, into: memoryview | None = None):
-    """A chunk's bytes (read into ``into``, at least ``ref.size`` long, or a new buffer),
-    verified against its name (a short answer read again, ``TransferEngine.read_exact``;
-    re-read once on a mismatch: a damaged response is not a damaged object). Raises
-    MissingChunkError."""
-    view = (into if into is not None else memoryview(bytearray(ref.size)))[: ref.size]
-    for _ in range(2):
-        try:
-            data = view[: engine.read_exact(store, ref.key, 0, view)]
-        except ObjectNotFoundError:
-            raise MissingChunkError(f"chunk {ref.key} is missing from the store") from None
-        if len(data) == ref.size and digest.hexleaf(data, ref.algorithm) == ref.sha256:
-            return data
-    raise MissingChunkError(f"chunk {ref.key} does not match its digest")
+# --------------------------------------------------------------------------- a file's chunks by leaf
 
 
 def leaf_groups(entry: FileEntry) -> list[list[ChunkRef]]:
@@ -609,28 +592,6 @@ def leaf_groups(entry: FileEntry) -> list[list[ChunkRef]]:
         groups[-1].append(ref)
         offset += ref.size
     return groups
-
-
-def read_and_check(engine, store: Store, entry: FileEntry) -> list[str]:
-    """verify --read-data: read every chunk of ``entry`` in turn (one in memory at a time),
-    check each chunk's digest and the file's digest tree. Returns the problems found."""
-    leaves = digest.LeafDigests(entry.size, entry.digest, LEAF, entry.algorithm)
-    leaf = digest.hasher(entry.algorithm)
-    filled = count = 0
-    for ref in entry.chunks or ():
-        try:
-            data = fetch_chunk(engine, store, ref)
-        except CorruptionError as exc:
-            return [f"{entry.path}: {exc.message}"]
-        leaf.update(data)  # chunks never cross a leaf: a leaf ends on a chunk boundary
-        filled += len(data)
-        if filled == LEAF:
-            leaves.add(count, [leaf.digest()])
-            leaf, filled, count = digest.hasher(entry.algorithm), 0, count + 1
-    if filled:
-        leaves.add(count, [leaf.digest()])
-    ok = leaves.root_ok()
-    return [] if ok else [f"{entry.path}: content does not match its digest"]
 
 
 # --------------------------------------------------------------------------- GC

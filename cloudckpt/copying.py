@@ -35,11 +35,11 @@ from cloudckpt.attempts import AttemptWriter, BegunAttempt
 from cloudckpt.errors import (
     CloudCkptError,
     CorruptionError,
-    ObjectNotFoundError,
     PreconditionFailedError,
     StaleAttemptError,
     UnsafePathError,
 )
+from cloudckpt.fetch import fetch_chunk, read_range
 from cloudckpt.manifests import ChunkRef, FileEntry, Manifest
 from cloudckpt.reader import fetch_manifest
 from cloudckpt.stores import CREATE, Store
@@ -121,7 +121,7 @@ class _Copier:
                 return bytes.fromhex(ref.sha256), [known.ref]
         datas, refs = [], []
         for ref in pieces:
-            data = bytes(chunks.fetch_chunk(self.engine, self.src, ref))
+            data = bytes(fetch_chunk(self.engine, self.src, ref))
             self._count_read(len(data))
             datas.append(data)
             refs.append(self._store(ref.sha256, data, ref.algorithm))
@@ -138,12 +138,7 @@ class _Copier:
         key = self.source_ckpt + attempt_layout.FILES_DIR + entry.path
         length = min(LEAF, entry.size - offset)
         buf = bytearray(length)
-        try:
-            got = self.engine.read_exact(self.src, key, offset, memoryview(buf))
-        except ObjectNotFoundError:
-            raise CorruptionError(f"{key} is missing from the store") from None
-        if got != length:
-            raise CorruptionError(f"{key} is shorter than the {entry.size} bytes recorded")
+        read_range(self.engine, self.src, key, offset, memoryview(buf), entry.size)
         data = bytes(buf)
         self._count_read(length)
         leaf = digest.leaf(data, entry.algorithm)

@@ -1,9 +1,9 @@
-"""Verified reads of a checkpoint's files straight into memory (docs/design.md §7).
+"""The one verified-read engine: every read of a checkpoint's files (docs/design.md §7).
 
 ``read_files`` lands byte ranges of a checkpoint's files where a ``Sink`` wants them (the
 memory of freshly allocated tensors, pinned staging slots on their way to a GPU, the
-buffers of a DCP plan's items), with no local file, and checks every byte before the
-caller may use any of it:
+buffers of a DCP plan's items, files of a directory: ``cloudckpt.download``, or nowhere:
+``verify_files``), and checks every byte before the caller may use any of it:
 
 - The unit of work is a **verification unit**: for a chunked file, one 8 MiB digest leaf
   (its chunks, each checked against its SHA-256 as it lands); for a whole file, one
@@ -32,22 +32,28 @@ CPU and no time, docs/performance.md); a read of fewer units hashes each on seve
 Memory: besides the destinations, ``concurrency`` scratch buffers of at most one range
 (16 MiB by default) each. Nothing here allocates per byte of the checkpoint.
 
+Order: the store's units are requested job by job, each job's in file order; the failpoint
+``restore.after_range`` is hit once a unit (a leaf, a range) landed intact.
+
 Errors: a missing or damaged object raises ``CorruptionError`` (``MissingChunkError`` for
-a chunk): the caller treats the checkpoint as damaged (``reader.first_intact`` falls back
-to an older one). Network failures raise ``StoreError``: never damage. Deliveries may
-repeat (a range read from a local copy that failed to verify is read again from the
-store); the last one wins, and nothing is final before ``read_files`` returns.
+a chunk; a chunk that came back short or wrong is read once more first: a damaged answer
+is not a damaged object): the caller treats the checkpoint as damaged
+(``reader.first_intact`` falls back to an older one). Network failures raise
+``StoreError``: never damage. Deliveries may repeat (a range read from a local copy that
+failed to verify is read again from the store); the last one wins, and nothing is final
+before ``read_files`` returns.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from cloudckpt import digest
 from cloudckpt.chunks import leaf_groups
@@ -60,7 +66,7 @@ from cloudckpt.errors import (
 from cloudckpt.failpoints import hit as failpoint
 from cloudckpt.manifests import ChunkRef, FileEntry
 from cloudckpt.stores import Store
-from cloudckpt.transfer import BufferPool, TransferEngine, read_into
+from cloudckpt.transfer import BufferPool, Progress, TransferEngine, read_into, round_up
 
 LEAF = digest.CHUNK_SIZE
 
@@ -245,16 +251,27 @@ class _Reader:
         sink: Sink,
         stats: ReadStats,
         leaf_size: int,
+        *,
+        buffers: BufferPool[bytearray] | None = None,
+        progress: Callable[[int], None] | None = None,
+        verified: Callable[[int], None] | None = None,
     ) -> None:
         self.engine, self.store, self.prefix, self.sink = engine, store, files_prefix, sink
         self.stats = stats
         self.files = [_File(j, LEAF if j.entry.chunks is not None else leaf_size) for j in jobs]
-        range_size = max(leaf_size, engine.config.range_size // leaf_size * leaf_size)
-        # Scratch buffers reused within one read, made by the sink (pinned for a GPU).
-        self.scratch = BufferPool(sink.scratch)
+        range_size = round_up(engine.config.range_size, leaf_size)
+        # Scratch buffers: the caller's pool (kept between reads), else reused within one
+        # read, made by the sink (pinned for a GPU).
+        self.scratch: BufferPool[Any] = buffers if buffers is not None else BufferPool(sink.scratch)
         self.scratch_size = max(range_size, LEAF)
         self.range_size = range_size
         self.threaded = True  # BLAKE3's thread pool per leaf (``hash_on_workers``)
+        self.progress = Progress(progress)
+        self.verified = verified
+        # With ``read_files(damaged=...)``: each damaged job's first failure (by unit), and
+        # whether it is the file's digest (every unit landed intact).
+        self.damage: dict[int, tuple[int, CorruptionError, bool]] | None = None
+        self._lock = threading.Lock()
 
     def hash_on_workers(self, units: int) -> None:
         """Hash each leaf on its worker's thread alone when ``units`` (the units about to
@@ -263,68 +280,55 @@ class _Reader:
 
     # -- one piece --------------------------------------------------------------------
 
-    def _from_store(self, key: str, start: int, view: memoryview) -> int:
-        self.stats._request()
-        return self.engine.read_exact(self.store, key, start, view)
+    def _fill(
+        self, job: FileJob, index: int, piece: _Piece, view: memoryview, local: bool
+    ) -> tuple[list[bytes], float]:
+        """Fill ``view`` with the piece's bytes and check them: a chunk against its name
+        (``fetch_chunk``), a whole file's range by its leaf digests, returned. Returns
+        them (or []) and the thread CPU time spent hashing. Raises as ``fetch_chunk``,
+        CorruptionError (missing, short), _LocalRejected (``local``), StoreError."""
+        ref, hashed = piece.ref, [0.0]
 
-    def _read_piece(self, job: FileJob, piece: _Piece, view: memoryview, local: bool) -> None:
-        """Fill ``view`` with the piece's bytes. Raises CorruptionError (missing, short),
-        MissingChunkError, _LocalRejected, StoreError."""
+        def check(data: memoryview, ref: ChunkRef) -> bool:
+            started = time.thread_time()
+            ok = _chunk_ok(data, ref, self.threaded)
+            hashed[0] += time.thread_time() - started
+            return ok
+
         if local:
             assert job.local is not None
             if not _pread_into(job.local, piece.offset, view):
                 raise _LocalRejected
-            return
-        if piece.ref is not None:
-            key, start, what = piece.ref.key, 0, f"chunk {piece.ref.key}"
+            if ref is not None and not check(view, ref):
+                raise _LocalRejected
+        elif ref is not None:
+            fetch_chunk(self.engine, self.store, ref, view, check, self.stats._request)
         else:
+            self.stats._request()
             key = self.prefix + job.entry.path
-            start, what = piece.offset, key
-        try:
-            got = self._from_store(key, start, view)
-        except ObjectNotFoundError:
-            if piece.ref is not None:
-                raise MissingChunkError(f"{what} is missing from the store") from None
-            raise CorruptionError(f"{what} is missing from the store") from None
-        if got != len(view):
-            if piece.ref is not None:
-                raise MissingChunkError(f"{what} is {got} bytes, expected {piece.size}")
-            raise CorruptionError(
-                f"{what} is shorter than the {job.entry.size} bytes its manifest records"
-            )
+            read_range(self.engine, self.store, key, piece.offset, view, job.entry.size)
+        if ref is not None:
+            return [], hashed[0]
+        started, f = time.thread_time(), self.files[index]
+        leaves = digest.leaves_of(view, f.leaf_size, f.entry.algorithm, threaded=self.threaded)
+        return leaves, time.thread_time() - started
 
     def _land(
         self, job: FileJob, index: int, piece: _Piece, local: bool, leaf: digest.Hasher | None
     ) -> list[bytes]:
-        """Read one piece to where the sink wants it, check it (a chunk against its name,
-        re-read once from the store on a mismatch: a damaged response is not a damaged
-        object), and return its leaf digests (a whole file's range) or []."""
+        """Read one piece to where the sink wants it, check it (``_fill``), and return its
+        leaf digests (a whole file's range) or []."""
         view = self.sink.direct(index, piece.offset, piece.size)
         scratch = None
         if view is None:
             scratch = self.scratch.take(self.scratch_size)
-            view = scratch[: piece.size]
+            view = memoryview(scratch)[: piece.size]
         try:
-            for attempt in (1, 2):
-                self._read_piece(job, piece, view, local)
-                failpoint("restore.after_range")
-                started = time.thread_time()
-                if piece.ref is None:
-                    f = self.files[index]
-                    leaves = digest.leaves_of(
-                        view, f.leaf_size, f.entry.algorithm, threaded=self.threaded
-                    )
-                    break
-                leaves = []
-                if _chunk_ok(view, piece.ref, self.threaded):
-                    break
-                if local:
-                    raise _LocalRejected
-                if attempt == 2:
-                    raise MissingChunkError(f"chunk {piece.ref.key} does not match its digest")
+            leaves, hashed = self._fill(job, index, piece, view, local)
             if leaf is not None:
+                started = time.thread_time()
                 leaf.update(view)
-            hashed = time.thread_time() - started
+                hashed += time.thread_time() - started
             self.stats._landed(piece.size, local, scratch is not None, hashed)
             if scratch is None:
                 self.sink.landed(index, piece.offset, piece.size)
@@ -341,8 +345,8 @@ class _Reader:
 
     def run_unit(self, unit: _Unit, local: bool, check_root: bool) -> None:
         """Land every piece of ``unit``; record its leaf digests; the unit that completes
-        a whole read checks the file's digest. Raises as ``_land``, CorruptionError
-        (the file's digest), _LocalRejected."""
+        a whole read checks the file's digest (``file_done``). Raises as ``_land``,
+        CorruptionError (the file's digest), _LocalRejected."""
         f = self.files[unit.job]
         pieces = unit.pieces
         multi = pieces[0].ref is not None and len(pieces) > 1
@@ -350,20 +354,96 @@ class _Reader:
         leaves: list[bytes] = []
         for piece in pieces:
             leaves += self._land(f.job, unit.job, piece, local, leaf)
+        failpoint("restore.after_range")  # once a unit (a leaf, a range) landed intact
+        if not local:
+            self.progress(sum(p.size for p in pieces))
         if pieces[0].ref is not None:
             leaves = [leaf.digest() if leaf is not None else bytes.fromhex(pieces[0].ref.sha256)]
-        if f.add(unit.leaf, leaves) and check_root and not f.root_ok():
+        if f.add(unit.leaf, leaves) and check_root:
+            self.file_done(unit.job, local)
+
+    def run_checked(self, unit: _Unit, check_root: bool) -> None:
+        """``run_unit`` from the store (a unit without pieces: check the digest of an empty
+        file); where damage is collected (``self.damage``), a CorruptionError is recorded
+        for its job instead of raised."""
+        try:
+            if unit.pieces:
+                self.run_unit(unit, False, check_root)
+            else:
+                self.file_done(unit.job)
+        except CorruptionError as exc:
+            if self.damage is None:
+                raise
+            whole = self.files[unit.job].missing == 0  # a failed unit is never added
+            with self._lock:
+                first = self.damage.get(unit.job)
+                if first is None or unit.leaf < first[0]:
+                    self.damage[unit.job] = (unit.leaf, exc, whole)
+
+    def file_done(self, index: int, local: bool = False) -> None:
+        """Every leaf of job ``index`` (read whole) is in: check the file's digest, then
+        tell the caller (``verified``: a directory fsyncs the file). Raises
+        CorruptionError, _LocalRejected (``local``)."""
+        f = self.files[index]
+        if not f.root_ok():
             if local:
                 raise _LocalRejected
+            if f.entry.chunks is None:
+                raise CorruptionError(f"{self.prefix}{f.entry.path} does not match its digest")
             raise CorruptionError(
-                f"{f.entry.path} does not match its digest"
-                + (": its chunks are intact but do not make up the file" if multi else "")
+                f"{f.entry.path} does not match its digest: its chunks are intact but do "
+                "not make up the file the manifest records"
             )
+        if self.verified is not None:
+            self.verified(index)
 
 
 def _chunk_ok(data: memoryview, ref: ChunkRef, threaded: bool = True) -> bool:
     """Whether ``data`` is the chunk ``ref`` names (its leaf digest)."""
     return digest.hexleaf(data, ref.algorithm, threaded=threaded) == ref.sha256
+
+
+def read_range(
+    engine: TransferEngine, store: Store, key: str, offset: int, view: memoryview, size: int
+) -> None:
+    """Fill ``view`` with the bytes at ``offset`` of ``key``, a file stored whole whose
+    manifest records ``size`` bytes (a short answer is read again:
+    ``TransferEngine.read_exact``). Raises CorruptionError (the object is missing or
+    shorter), StoreError."""
+    try:
+        got = engine.read_exact(store, key, offset, view)
+    except ObjectNotFoundError:
+        raise CorruptionError(f"{key} is missing from the store") from None
+    if got != len(view):
+        raise CorruptionError(f"{key} is shorter than the {size} bytes its manifest records")
+
+
+def fetch_chunk(
+    engine: TransferEngine,
+    store: Store,
+    ref: ChunkRef,
+    into: memoryview | None = None,
+    check: Callable[[memoryview, ChunkRef], bool] | None = None,
+    requested: Callable[[], None] | None = None,
+) -> memoryview:
+    """A chunk's bytes (read into ``into``, at least ``ref.size`` long, or a new buffer),
+    verified against its name (``check``, default ``_chunk_ok``): the one chunk read of
+    every reader (this engine, ``cp``, the distributed fan-out). A short answer is read
+    again (``TransferEngine.read_exact``), and a short or wrong chunk once more: a
+    damaged response is not a damaged object. ``requested()``: called per GET.
+
+    Raises MissingChunkError (missing, or wrong twice), StoreError."""
+    view = (into if into is not None else memoryview(bytearray(ref.size)))[: ref.size]
+    for _ in range(2):
+        if requested is not None:
+            requested()
+        try:
+            got = engine.read_exact(store, ref.key, 0, view)
+        except ObjectNotFoundError:
+            raise MissingChunkError(f"chunk {ref.key} is missing from the store") from None
+        if got == ref.size and (check(view, ref) if check is not None else _chunk_ok(view, ref)):
+            return view
+    raise MissingChunkError(f"chunk {ref.key} does not match its digest")
 
 
 def _pread_into(path: Path, offset: int, view: memoryview) -> bool:
@@ -385,19 +465,46 @@ def read_files(
     *,
     leaf_size: int = LEAF,
     stats: ReadStats | None = None,
+    buffers: BufferPool[bytearray] | None = None,
+    progress: Callable[[int], None] | None = None,
+    verified: Callable[[int], None] | None = None,
+    damaged: Callable[[int, CorruptionError, bool], None] | None = None,
 ) -> ReadStats:
     """Read ``jobs`` (validated manifest entries of the checkpoint whose whole files lie
     under ``files_prefix``) into ``sink``, every byte checked (module docstring): local
     copies first, then the store for everything else and for whatever a local copy failed
-    to verify. ``leaf_size``: the manifest's ``chunk_size``.
+    to verify. ``leaf_size``: the manifest's ``chunk_size``. ``buffers``: where scratch
+    buffers come from (default: ``sink.scratch``, reused within this read);
+    ``progress(n)``: n more bytes landed from the store, verified; ``verified(job)``: a
+    job read whole matched its digest (called once, by the worker that checked it);
+    ``damaged(job, error, digest)``: when given, damage does not stop the read: it is
+    reported once per damaged job (its first unit's error; ``digest``: every piece was
+    intact but the file's digest is not the recorded one), in job order, once every unit
+    ran.
+
+    The store's units are requested in job order (for each job: its leaves or ranges in
+    order); if several fail, a whole file's failure is raised before a chunk's.
 
     Raises:
         CorruptionError: a file or chunk is missing, short, or does not match its digest
             (MissingChunkError for a chunk); the checkpoint is damaged.
         StoreError: the store failed after retries (not damage).
+        Whatever ``sink`` or ``verified`` raise (OSError for a directory).
     """
     stats = stats if stats is not None else ReadStats()
-    reader = _Reader(engine, store, files_prefix, jobs, sink, stats, leaf_size)
+    reader = _Reader(
+        engine,
+        store,
+        files_prefix,
+        jobs,
+        sink,
+        stats,
+        leaf_size,
+        buffers=buffers,
+        progress=progress,
+        verified=verified,
+    )
+    reader.damage = {} if damaged is not None else None
     planned = [
         plan_units(i, j, reader.files[i].leaf_size, reader.range_size) for i, j in enumerate(jobs)
     ]
@@ -409,17 +516,45 @@ def read_files(
     reader.hash_on_workers(sum(len(planned[i][0]) for i in local))
     todo += _run_local(reader, planned, sorted(local))
     reader.hash_on_workers(len(todo))
-    for i in {u.job for u in todo}:
-        reader.files[i].expect(sum(1 for u in todo if u.job == i))
-    futures = [engine.submit(reader.run_unit, u, False, planned[u.job][1]) for u in todo]
     try:
-        engine.wait_all(futures)
+        _from_store(reader, planned, todo)
     finally:
         stats.finished = time.perf_counter()
-    for i, (units, whole) in enumerate(planned):  # a file without any byte: check it now
-        if whole and not units and not reader.files[i].root_ok():
-            raise CorruptionError(f"{jobs[i].entry.path} does not match its digest")
+    for i, (_, exc, whole) in sorted((reader.damage or {}).items()):
+        assert damaged is not None
+        damaged(i, exc, whole)
     return stats
+
+
+def _from_store(
+    reader: _Reader, planned: list[tuple[list[_Unit], bool]], todo: list[_Unit]
+) -> None:
+    """Run ``todo`` on the engine's workers, job by job (a whole file without any byte
+    checked in its turn); wait for the whole files' units, then the chunks'. On a failure
+    the rest is cancelled and, but after an interrupt, the running ones waited for (as
+    ``TransferEngine.wait_all``). Raises as ``read_files``."""
+    by_job: dict[int, list[_Unit]] = {}
+    for u in todo:
+        by_job.setdefault(u.job, []).append(u)
+    for i, units in by_job.items():
+        reader.files[i].expect(len(units))
+    engine = reader.engine
+    whole: list[cf.Future] = []
+    chunked: list[cf.Future] = []
+    try:
+        for i, (units, check_root) in enumerate(planned):
+            if check_root and not units:  # a file without any byte: check it now
+                reader.run_checked(_Unit(i, 0, ()), True)
+            into = chunked if reader.files[i].entry.chunks is not None else whole
+            into += [engine.submit(reader.run_checked, u, check_root) for u in by_job.get(i, ())]
+        engine.wait_all(whole)
+    except BaseException as exc:
+        for f in chunked + whole:
+            f.cancel()
+        if isinstance(exc, Exception):
+            cf.wait(chunked + whole)
+        raise
+    engine.wait_all(chunked)
 
 
 def _run_local(
@@ -496,12 +631,25 @@ def verify_files(
     *,
     leaf_size: int = LEAF,
     stats: ReadStats | None = None,
+    progress: Callable[[int], None] | None = None,
+    damaged: Callable[[int, CorruptionError, bool], None] | None = None,
 ) -> ReadStats:
     """Read ``jobs`` as ``read_files`` does, every byte checked, keeping nothing (memory:
-    the scratch buffers only): for a reader that must know its later reads are intact
-    before it applies its first ones. Raises as ``read_files``."""
+    the engine's scratch buffers only): the hash-only sink, for a reader that must know
+    its later reads are intact before it applies its first ones, and ``verify
+    --read-data`` (``damaged``: each damaged job reported, the others read on). Raises as
+    ``read_files``."""
     return read_files(
-        engine, store, files_prefix, jobs, _Discard(), leaf_size=leaf_size, stats=stats
+        engine,
+        store,
+        files_prefix,
+        jobs,
+        _Discard(),
+        leaf_size=leaf_size,
+        stats=stats,
+        buffers=engine.buffers,
+        progress=progress,
+        damaged=damaged,
     )
 
 

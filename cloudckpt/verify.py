@@ -24,13 +24,12 @@ damaged, so a blip never makes a good checkpoint look bad.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Any, TypeAlias
+from typing import Any
 
-from cloudckpt import attempt_layout, chunks, digest, protocol
+from cloudckpt import attempt_layout, fetch, protocol
 from cloudckpt.committer import read_latest, run_has_data
 from cloudckpt.errors import (
     CheckpointNotFoundError,
@@ -38,12 +37,12 @@ from cloudckpt.errors import (
     ObjectNotFoundError,
     UnsafePathError,
 )
-from cloudckpt.manifests import FileEntry, Manifest
+from cloudckpt.manifests import Manifest
 from cloudckpt.protocol import CheckpointRecord, CorruptRecordError, Latest
 from cloudckpt.reader import check_chunk_objects, fetch_manifest, load_latest_for_reading
 from cloudckpt.retention import unranked
 from cloudckpt.stores import Store
-from cloudckpt.transfer import Progress, TransferConfig, TransferEngine
+from cloudckpt.transfer import TransferConfig, TransferEngine
 
 log = logging.getLogger("cloudckpt.verify")
 
@@ -177,114 +176,42 @@ def _check_listing(
             check.damaged(f"{entry.path} is {size} bytes, the manifest says {entry.size}")
 
 
-# A file being read back: a chunked file's one task (its problems), or a plain file's
-# range reads (each range's leaf digests), in order.
-_Job: TypeAlias = cf.Future[list[str]] | list[cf.Future[list[bytes]]]
-
-
-def _check_ranges(
-    entry: FileEntry, ranges: list[cf.Future[list[bytes]]], chunk: int, check: CheckpointCheck
-) -> None:
-    """Wait for a plain file's range reads; record what is missing, short or wrong."""
-    leaves = digest.LeafDigests(entry.size, entry.digest, chunk, entry.algorithm, len(ranges))
-    first = 0
-    try:
-        for f in ranges:
-            got = f.result()
-            leaves.add(first, got)
-            first += len(got)
-    except ObjectNotFoundError:
-        check.damaged(f"{entry.path} is missing")
-        return
-    except _Short:
-        check.damaged(f"{entry.path} is shorter than its recorded {entry.size} bytes")
-        return
-    check.bytes_read += entry.size
-    if not leaves.root_ok():
-        check.damaged(f"{entry.path}: content does not match its digest")
-
-
 class _Hasher:
-    """Reads files back in chunk-aligned ranges and checks their digests, keeping nothing,
-    on a transfer engine of its own: the workers, retries, short-read rule
-    (``transfer.read_exact``) and reused buffers every verified read uses."""
+    """Reads files back through the one verified-read engine (``fetch.verify_files``),
+    keeping nothing, on a transfer engine of its own: the workers, retries, short-read
+    rule (``transfer.read_exact``) and reused buffers every verified read uses."""
 
     def __init__(self, concurrency: int, range_size: int, progress: Callable[[int], None] | None):
         config = TransferConfig(concurrency=concurrency, range_size=range_size)
         self._engine = TransferEngine(config)
-        self._range_size = range_size
-        self._progress = Progress(progress)
+        self._progress = progress
 
     def close(self) -> None:
         self._engine.close()
 
-    def _read(
-        self, store: Store, key: str, offset: int, length: int, chunk: int, algorithm: str
-    ) -> list[bytes]:
-        """The leaf digests of ``length`` bytes of ``key`` at ``offset``. Raises _Short,
-        ObjectNotFoundError, StoreError."""
-        step = max(chunk, self._range_size // chunk * chunk)
-        buf = self._engine.buffers.take(step)
-        try:
-            view = memoryview(buf)[:length]
-            got = self._engine.read_exact(store, key, offset, view)
-            if got != length:
-                raise _Short(got)
-            leaves = digest.leaves_of(view, chunk, algorithm)
-            view.release()
-        finally:
-            self._engine.buffers.give(buf)
-        self._progress(length)
-        return leaves
-
     def check(
         self, store: Store, record: CheckpointRecord, manifest: Manifest, check: CheckpointCheck
     ) -> None:
-        chunk = manifest.chunk_size
-        step = max(chunk, self._range_size // chunk * chunk)
-        prefix = record.ckpt + attempt_layout.FILES_DIR
-        jobs: list[tuple[FileEntry, _Job]] = []
-        for entry in manifest.files:
-            if entry.chunks is not None:
-                jobs.append((entry, self._engine.submit(self._chunked, store, entry)))
-                continue
-            ranges = [
-                self._engine.submit(
-                    self._read,
-                    store,
-                    prefix + entry.path,
-                    off,
-                    min(step, entry.size - off),
-                    chunk,
-                    entry.algorithm,
-                )
-                for off in range(0, entry.size, step)
-            ]
-            jobs.append((entry, ranges))
-        try:
-            for entry, job in jobs:
-                if isinstance(job, list):
-                    _check_ranges(entry, job, chunk, check)
-                    continue
-                for problem in job.result():  # a chunked file: its chunks' problems
-                    check.damaged(problem)
+        """Every byte of ``manifest``'s files read back and checked; each damaged file
+        recorded in ``check``. Raises StoreError."""
+        files = manifest.files
+        damaged: dict[int, tuple[CorruptionError, bool]] = {}
+        fetch.verify_files(
+            self._engine,
+            store,
+            record.ckpt + attempt_layout.FILES_DIR,
+            [fetch.FileJob(e) for e in files],
+            leaf_size=manifest.chunk_size,
+            progress=self._progress,
+            damaged=lambda i, exc, whole: damaged.__setitem__(i, (exc, whole)),
+        )
+        for i, entry in enumerate(files):
+            if i not in damaged:
                 check.bytes_read += entry.size
-        except BaseException:
-            for _, job in jobs:
-                for f in job if isinstance(job, list) else [job]:
-                    f.cancel()
-            raise
-
-    def _chunked(self, store: Store, entry: FileEntry) -> list[str]:
-        """Every chunk of a chunked file read back and checked (one at a time: this runs
-        on a pool worker itself)."""
-        problems = chunks.read_and_check(self._engine, store, entry)
-        self._progress(entry.size)
-        return problems
-
-
-class _Short(Exception):
-    """A ranged read returned fewer bytes than asked for (the object is too short)."""
+            elif damaged[i][1]:  # every piece intact, the file's digest not the recorded one
+                check.damaged(f"{entry.path}: content does not match its digest")
+            else:
+                check.damaged(f"{entry.path}: {damaged[i][0].message}")
 
 
 def verify_run(

@@ -144,30 +144,26 @@ def _reused_chunks_not_listed(setattr_: Callable[[Any, str, Any], None]) -> None
 
 def _whole_file_digest_unchecked(setattr_: Callable[[Any, str, Any], None]) -> None:
     """A whole file is accepted once every range arrived, without comparing its digest."""
-    from cloudckpt import download
+    from cloudckpt import fetch
 
-    original = download._Target.finish
+    original = fetch._File.root_ok
 
-    def fsync_only(self):
-        if self.entry.chunks is not None:
-            return original(self)
-        download._fsync_path(self.target)
+    def unchecked(self):
+        return True if self.entry.chunks is None else original(self)
 
-    setattr_(download._Target, "finish", fsync_only)
+    setattr_(fetch._File, "root_ok", unchecked)
 
 
 def _chunked_file_digest_unchecked(setattr_: Callable[[Any, str, Any], None]) -> None:
     """A chunked file is accepted once each chunk matches its name, whatever their order."""
-    from cloudckpt import download
+    from cloudckpt import fetch
 
-    original = download._Target.finish
+    original = fetch._File.root_ok
 
-    def fsync_only(self):
-        if self.entry.chunks is None:
-            return original(self)
-        download._fsync_path(self.target)
+    def unchecked(self):
+        return True if self.entry.chunks is not None else original(self)
 
-    setattr_(download._Target, "finish", fsync_only)
+    setattr_(fetch._File, "root_ok", unchecked)
 
 
 def _resumed_chunks_age_unbounded(setattr_: Callable[[Any, str, Any], None]) -> None:
@@ -644,10 +640,9 @@ MUTANTS = {
                 "caller[fixed]",
                 f"{_DCP}::test_the_reader_verifies_what_it_reads[tensor]",
             ),
-            why_not_simulated=(
-                "the simulation's readers restore into directories; the in-memory and DCP "
-                "readers are guarded by the fast tests"
-            ),
+            # The one read engine (issue 29): a restore into a directory reads the same way.
+            range(0, 20),
+            "bytes that are not its checkpoint's",
         ),
         Mutant(
             "memory-file-digest-unchecked",
@@ -658,10 +653,8 @@ MUTANTS = {
                 "caller[off]",
                 f"{_DCP}::test_the_reader_verifies_what_it_reads[off]",
             ),
-            why_not_simulated=(
-                "the simulation's readers restore into directories; the in-memory and DCP "
-                "readers are guarded by the fast tests"
-            ),
+            range(0, 20),
+            "bytes that are not its checkpoint's",
         ),
         Mutant(
             "local-copy-trusted",
@@ -1983,6 +1976,51 @@ MUTANTS.update(
                     _FANOUT_RANKS,
                 ),
                 why_not_simulated=_NOT_SIMULATED_RANKS,
+            ),
+        ]
+    }
+)
+
+
+# --------------------------------------------------------------------------- one read engine
+# Issue 29, item 2: every verified read is ``fetch.read_files``; ``verify --read-data`` is
+# its hash-only sink, with the damage of each file reported and the others read on.
+
+
+def _verify_drops_damage(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """Where the engine collects damage per file (``verify --read-data``), a failed unit
+    is dropped instead of recorded: the file counts as read and intact."""
+    from cloudckpt import fetch
+    from cloudckpt.errors import CorruptionError
+
+    original = fetch._Reader.run_checked
+
+    def dropping(self, unit, check_root):
+        if self.damage is None:
+            return original(self, unit, check_root)
+        with contextlib.suppress(CorruptionError):
+            if unit.pieces:
+                self.run_unit(unit, False, check_root)
+            else:
+                self.file_done(unit.job)
+        return None
+
+    setattr_(fetch._Reader, "run_checked", dropping)
+
+
+MUTANTS.update(
+    {
+        m.name: m
+        for m in [
+            Mutant(
+                "verify-drops-damage",
+                "verify --read-data reports every file whose bytes do not verify",
+                _verify_drops_damage,
+                (
+                    "tests/test_verify.py::test_bit_flip_in_data_is_found_only_by_reading_it",
+                    "tests/test_digest_algorithms.py::test_a_damaged_byte_is_detected_under_blake3",
+                ),
+                why_not_simulated="the simulation does not run verify; restores raise on damage",
             ),
         ]
     }

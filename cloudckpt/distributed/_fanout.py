@@ -31,8 +31,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cloudckpt import digest
-from cloudckpt.chunks import fetch_chunk
 from cloudckpt.distributed._comm import _OK, Comm
+from cloudckpt.fetch import fetch_chunk
 from cloudckpt.manifests import ChunkRef, FileEntry
 from cloudckpt.stores import Store
 from cloudckpt.transfer import TransferEngine
