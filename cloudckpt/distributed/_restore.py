@@ -26,6 +26,7 @@ from cloudckpt import attempt_layout
 from cloudckpt.distributed import _fanout
 from cloudckpt.distributed._comm import Comm, PhaseResult, RankError, Ranks
 from cloudckpt.distributed._kept import RANK_DIR, NodeCopies
+from cloudckpt.distributed._peers import Holdings, PeerStore, node_chunks
 from cloudckpt.distributed._save import WORLD_SIZE_KEY
 from cloudckpt.download import download
 from cloudckpt.errors import ConfigurationError
@@ -121,6 +122,7 @@ class _Prepared:
     rest: list[FileEntry]
     need: int
     chunks: list[ChunkRef]  # the manifest's distinct chunks (``_fanout.catalog``)
+    holdings: Holdings | None = None  # what it can send from local bytes (peer copies on)
 
 
 # ------------------------------------------------------------------------------ the reader
@@ -141,9 +143,14 @@ class NodeReader:
         kept: NodeCopies | None = None,
         link_local: bool = False,
         fanout: bool = True,
+        peers: PeerStore | None = None,
+        peer_reads: bool = False,
     ) -> None:
         self.comm, self.ranks = comm, ranks
         self.fanout = fanout
+        # ``peer_reads``: the same on every rank (peer copies on, several nodes);
+        # ``peers``: this node leader's own peer copies.
+        self.peers, self.peer_reads = peers, peer_reads
         self.store, self.engine, self.progress = store, engine, progress
         self.per_rank_dirs = per_rank_dirs
         self.kept = kept if kept is not None else NodeCopies({}, per_rank_dirs)
@@ -288,6 +295,8 @@ class NodeReader:
                 self.engine,
                 self.store,
                 label,
+                None if prep is None else prep.holdings,
+                self.fanout,
             )
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -328,8 +337,9 @@ class NodeReader:
 
     @property
     def fans_out(self) -> bool:
-        """Whether chunks several nodes need are read once and shared (``_fanout``)."""
-        return self.fanout and len(self.ranks.nodes) > 1
+        """Whether chunks several nodes need are read once and shared, or sent from peer
+        copies (``_fanout``, ``_peers``)."""
+        return (self.fanout or self.peer_reads) and len(self.ranks.nodes) > 1
 
     def _prepare(self, record: CheckpointRecord, wants: Select, tmp: Path) -> _Prepared:
         """(Node leader.) Check ``record`` and put, verified, what the node's ranks want
@@ -355,7 +365,14 @@ class NodeReader:
                 raise
             raise full from exc
         chunks = _fanout.catalog(manifest.files) if self.fans_out else []
-        return _Prepared(record, manifest.chunk_size, entries, rest, need, chunks)
+        holdings = None
+        if self.fans_out and self.peer_reads:
+            skip = {e.path for e in rest}
+            placed = {
+                e.path: tmp.joinpath(*e.path.split("/")) for e in entries if e.path not in skip
+            }
+            holdings = Holdings(node_chunks(entries, placed), self.peers)
+        return _Prepared(record, manifest.chunk_size, entries, rest, need, chunks, holdings)
 
     def _download(self, prep: _Prepared, tmp: Path, shared: _fanout.Shared) -> None:
         """(Node leader.) Download what ``prep`` left, verified, into ``tmp`` (the chunks
