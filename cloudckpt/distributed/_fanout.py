@@ -27,7 +27,8 @@ import concurrent.futures as cf
 import dataclasses
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 from cloudckpt import digest
@@ -66,16 +67,63 @@ class Transfer:
     held: bool = False  # sent from the sender's local bytes, not read from the store
 
 
+class Received:
+    """On a node's leader: the verified chunks it read, received or held itself for its
+    download, by key; each in a file of its own under ``spill`` (so a node that receives
+    most of its checkpoint holds at most a round of it in memory), or in memory (None).
+    A chunk that cannot be written there is dropped: the download reads it."""
+
+    def __init__(self, spill: Path | None = None) -> None:
+        self.spill = spill
+        self.items: dict[str, bytes | Path] = {}
+
+    def add(self, ref: ChunkRef, data: bytes) -> None:
+        if self.spill is None:
+            self.items[ref.key] = bytes(data)
+            return
+        path = self.spill / ref.name  # a digest: never a path
+        try:
+            self.spill.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        except OSError as exc:
+            log.warning("cannot keep chunk %s for the download (%s): reading it", ref.key, exc)
+            return
+        self.items[ref.key] = path
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def read_into(self, key: str, start: int, buf: Any) -> int | None:
+        """Bytes of chunk ``key`` from ``start`` into ``buf``; None if it is not here."""
+        item = self.items.get(key)
+        if item is None:
+            return None
+        view = memoryview(buf).cast("B")
+        if isinstance(item, bytes):
+            piece = item[start : start + len(view)]
+            view[: len(piece)] = piece
+            return len(piece)
+        try:
+            with open(item, "rb") as f:
+                f.seek(start)
+                return f.readinto(view)
+        except OSError:
+            return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Shared:
-    """On a node's leader: the verified chunks it read or received, by key, and the
-    bytes it read from the store to share."""
+    """On a node's leader: the verified chunks it read or received (``Received``) and
+    the bytes it read from the store to share."""
 
-    got: dict[str, bytes]
+    got: Received
     read: int
 
 
-NONE = Shared({}, 0)
+NONE = Shared(Received(), 0)
 
 
 def catalog(files: Sequence[FileEntry]) -> list[ChunkRef]:
@@ -179,22 +227,23 @@ def exchange(
     what: str,
     local: Local | None = None,
     fanout: bool = True,
+    spill: Path | None = None,
 ) -> Shared:
     """(Every rank; collective.) Fan out the chunks several nodes need, and send those
     a node needs and another holds (``local``: a leader's local bytes, with peer
     copies). ``chunks``: on a node's leader, the manifest's ``catalog`` (None
     elsewhere); ``rest``: the entries it still has to download. Returns, on a leader,
     the verified chunks it read, received or held itself and the bytes it read from the
-    store (nothing elsewhere).
+    store (nothing elsewhere); ``spill``: a new directory for them (None: in memory).
 
     Raises CollectiveError (a peer died, hung past the timeout or became unreachable)."""
-    got: dict[str, bytes] = {}
+    got = Received(spill)
     mine = None
     if chunks is not None:
         held = b"" if local is None else local.mask(chunks)
         if local is not None:
-            got.update(_own(chunks, rest, local, held))
-        mine = need_of(chunks, rest, held, got)
+            _own(chunks, rest, local, held, got)
+        mine = need_of(chunks, rest, held, got.items)
     needs = comm.all_gather(mine, f"{what}: listing the chunks each node needs and holds")
     sizes = None if chunks is None else [ref.size for ref in chunks]
     transfers = plan(needs, sizes=sizes, fanout=fanout)
@@ -215,18 +264,20 @@ def exchange(
 
 
 def _own(
-    chunks: Sequence[ChunkRef], rest: Sequence[FileEntry], local: Local, held: bytes
-) -> dict[str, bytes]:
-    """(A leader.) The chunks of ``rest`` it holds itself (peer copies of another
-    node's replica), verified."""
+    chunks: Sequence[ChunkRef],
+    rest: Sequence[FileEntry],
+    local: Local,
+    held: bytes,
+    got: Received,
+) -> None:
+    """(A leader.) Add to ``got`` the chunks of ``rest`` it holds itself (a peer copy of
+    another node's replica), verified."""
     wanted = {ref.key for e in rest for ref in (e.chunks or ())}
-    out = {}
     for i, ref in enumerate(chunks):
         if ref.key in wanted and i >> 3 < len(held) and held[i >> 3] >> (i & 7) & 1:
             data = local.read(ref)
             if data is not None and accept(ref, data):
-                out[ref.key] = data
-    return out
+                got.add(ref, data)
 
 
 def _round(
@@ -235,7 +286,7 @@ def _round(
     chunks: Sequence[ChunkRef],
     engine: TransferEngine,
     store: Store,
-    got: dict[str, bytes],
+    got: Received,
     what: str,
     local: Local | None = None,
 ) -> int:
@@ -258,14 +309,14 @@ def _round(
                 elif ref is not None:
                     data = _read(reads[t.index], ref.key)
                     if data is not None:
-                        got[ref.key] = data
+                        got.add(ref, data)
                         read += len(data)
                 for r in t.receivers:
                     send_chunk(comm, None if data is None else outgoing(data), r, what)
             elif comm.rank in t.receivers:
                 data = recv_chunk(comm, t.sender, what)
                 if ref is not None and data is not None and accept(ref, data):
-                    got[ref.key] = data
+                    got.add(ref, data)
                 elif data is not None:
                     log.warning(
                         "%s: chunk %d from rank %d does not match its digest; reading it "
@@ -320,24 +371,22 @@ def recv_chunk(comm: Comm, src: int, what: str) -> bytes | None:
 
 
 class WithReceived:
-    """``store`` for a download, but the chunks in ``got`` (verified bytes, by key) come
-    from memory. ``served``: the bytes it served from memory."""
+    """``store`` for a download, but the chunks in ``got`` (verified, by key) come from
+    there. ``served``: the bytes it served from them."""
 
-    def __init__(self, store: Store, got: Mapping[str, bytes]) -> None:
+    def __init__(self, store: Store, got: Received) -> None:
         self.inner, self.got = store, got
         self.url = store.url
         self.served = 0
         self._lock = threading.Lock()
 
     def get_range_into(self, key: str, start: int, buf: Any) -> int:
-        data = self.got.get(key)
-        if data is None:
+        n = self.got.read_into(key, start, buf)
+        if n is None:
             return int(self.inner.get_range_into(key, start, buf))
-        piece = data[start : start + len(buf)]
-        memoryview(buf)[: len(piece)] = piece
         with self._lock:
-            self.served += len(piece)
-        return len(piece)
+            self.served += n
+        return n
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -445,12 +445,16 @@ class RankSave:
         kept = lambda: _kept.keep(attempt, info, self.local, store)  # noqa: E731
         if not after_commit(info.step, "keep the local copy", kept, warnings):
             attempt.remove()
-        if self.share is not None:
-            share = self.share
-            after_commit(
-                info.step, "make its peer copies", lambda: warnings.extend(share(info)), warnings
-            )
+        self._peer_copies(info, warnings)
         return dataclasses.replace(info, warnings=(*info.warnings, *warnings))
+
+    def _peer_copies(self, info: CommitInfo, warnings: list[str]) -> None:
+        """Peer copies of the committed ``info`` (every rank): whatever fails, even a
+        dead peer (CollectiveError), is a warning, never the save's failure (I6)."""
+        share = self.share
+        if share is not None:
+            what = "make its peer copies"
+            after_commit(info.step, what, lambda: warnings.extend(share(info)), warnings)
 
     def _save_collectively(self, job: QueuedSave) -> CommitInfo:
         """Make this rank's staged files durable and take part in the save with them (or

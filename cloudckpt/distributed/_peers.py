@@ -305,7 +305,7 @@ def share(
     if node is not None and offer is not None:
         incoming = {t.index for t in copy_plan(offers, leaders, k) if comm.rank in t.receivers}
         need = sum(node.chunks[i].size for i in incoming)
-        accept = need <= offer.room
+        accept = fits(need, offer.room)
         if not accept:
             warnings.append(
                 f"{what}: rank {comm.rank} holds no peer copy of this step: it needs "
@@ -335,6 +335,16 @@ def share(
     return warnings
 
 
+def holdable(ref: ChunkRef, data: bytes) -> bool:
+    """Whether received ``data`` may be held as ``ref``: exactly its size and digest."""
+    return _fanout.accept(ref, data)
+
+
+def fits(need: int, room: int) -> bool:
+    """Whether a copy of ``need`` bytes fits a receiver's ``room`` (``PeerStore.room``)."""
+    return need <= room
+
+
 def _round(comm: Comm, batch: Sequence[Transfer], node: _Node, store: PeerStore, what: str) -> int:
     """(A leader.) Its part of one round of a peer copy. Returns the chunks it was to
     hold and does not (wrong bytes, not sent, not written)."""
@@ -348,7 +358,7 @@ def _round(comm: Comm, batch: Sequence[Transfer], node: _Node, store: PeerStore,
                 _fanout.send_chunk(comm, None if data is None else _fanout.outgoing(data), r, what)
         elif comm.rank in t.receivers:
             data = _fanout.recv_chunk(comm, t.sender, what)
-            if ref is None or data is None or not _fanout.accept(ref, data):
+            if ref is None or data is None or not holdable(ref, data):
                 failed += 1
                 if data is not None:
                     log.warning(

@@ -287,6 +287,24 @@ class NodeReader:
         if reason is not None:
             return reason
         prep = prepared.result
+        spill = tmp.with_name(f"{tmp.name}.received")  # beside: never in the restore
+        try:
+            return self._share_and_download(record, prep, tmp, dest, spill, what, label)
+        finally:
+            shutil.rmtree(spill, ignore_errors=True)
+
+    def _share_and_download(
+        self,
+        record: CheckpointRecord,
+        prep: _Prepared | None,
+        tmp: Path,
+        dest: Path,
+        spill: Path,
+        what: str,
+        label: str,
+    ) -> str | None:
+        """(Every rank.) The chunks shared between nodes (``_fanout``), then each node's
+        download and placing, as ``_fetch``."""
         try:
             shared = _fanout.exchange(
                 self.comm,
@@ -297,6 +315,7 @@ class NodeReader:
                 label,
                 None if prep is None else prep.holdings,
                 self.fanout,
+                spill,
             )
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
