@@ -269,3 +269,26 @@ def test_a_failed_peer_transfer_is_a_warning_on_the_committed_save(
         assert mgr.restore(tmp_path / "r").step == 1
     finally:
         mgr.close()
+
+
+def test_a_leader_uses_its_own_peer_chunk_only_if_it_verifies(tmp_path):
+    """A leader needing a chunk its peer store holds (a replica's, or any step's under the
+    same name) takes it only if the bytes are exactly the committed manifest's: a wrong
+    one (another step's bytes under that name) stays needed, read from the store."""
+    refs, data = chunks("own", 2)
+    store = PeerStore(tmp_path, None)
+    store.put(refs[0], data[0])
+    store.put(refs[1], data[0][: refs[1].size])  # forged: another chunk's bytes
+    entry = FileEntry("rank-00000/f", refs[0].size + refs[1].size, "d", tuple(refs))
+    comm = FakeComm(Hub(1), 0)
+    shared = _fanout.exchange(
+        comm, refs, [entry], None, None, "t", Holdings({}, store), spill=tmp_path / "spill"
+    )  # type: ignore[arg-type]
+    assert refs[0].key in shared.got and refs[1].key not in shared.got
+    buf = bytearray(refs[0].size)
+    assert shared.got.read_into(refs[0].key, 0, buf) == refs[0].size and bytes(buf) == data[0]
+
+
+def test_a_chunk_held_only_by_the_node_that_needs_it_is_not_sent():
+    assert plan([Need(b"\x01", b"\x01"), Need(b"\x00", b"\x00")]) == []
+    assert plan([Need(b"\x01", b"\x01"), Need(b"\x01")]) == [_fanout.Transfer(0, 0, (1,))]

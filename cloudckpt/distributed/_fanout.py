@@ -183,6 +183,8 @@ def plan(
             index = byte * 8 + offset
             needers = [r for r, m in masks.items() if byte < len(m) and m[byte] & bit]
             holders = [r for r, h in helds.items() if h >> index & 1 and r not in needers]
+            if not holders and not (fanout and len(needers) > 1):
+                continue  # held only by the one node that needs it: its own download
             pick = holders or needers
             sender = min(pick, key=lambda r: (load[r], r))
             load[sender] += sizes[index] if sizes is not None and index < len(sizes) else 1
