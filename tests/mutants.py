@@ -2070,7 +2070,8 @@ MUTANTS.update(
                 _peer_copy_dropped_before_newer_complete,
                 (
                     f"{_PEERS}::test_an_older_copy_goes_only_once_a_newer_one_is_complete",
-                    f"{_PEERS_RANKS}::test_a_replacement_host_restores_from_its_peer",
+                    f"{_PEERS_RANKS}::test_peer_copies_are_held_verified_and_a_failed_transfer_"
+                    "leaves_the_commit",
                 ),
                 why_not_simulated=_NOT_SIMULATED_RANKS,
             ),
