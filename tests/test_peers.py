@@ -292,3 +292,30 @@ def test_a_leader_uses_its_own_peer_chunk_only_if_it_verifies(tmp_path):
 def test_a_chunk_held_only_by_the_node_that_needs_it_is_not_sent():
     assert plan([Need(b"\x01", b"\x01"), Need(b"\x00", b"\x00")]) == []
     assert plan([Need(b"\x01", b"\x01"), Need(b"\x01")]) == [_fanout.Transfer(0, 0, (1,))]
+
+
+def test_a_leader_that_fails_locally_takes_no_part_and_the_others_go_on(monkeypatch, pair):
+    """Reading its node's copy raises on leader 1 (a bug, a broken disk): it offers
+    nothing, joins every collective all the same, and leader 0 completes its part."""
+    leaders, catalog, owned = pair
+    nodes = {ld.rank: node(ld, catalog, own) for ld, own in zip(leaders, owned, strict=True)}
+
+    def load(copies, commit_id):
+        if copies == 1:
+            raise RuntimeError("simulated: cannot read the kept copy")
+        return nodes[copies]
+
+    monkeypatch.setattr(_peers, "_load", load)
+    hub = Hub(2)
+    out: dict[int, list[str]] = {}
+
+    def run(ld: Leader) -> None:
+        out[ld.rank] = _peers.share(FakeComm(hub, ld.rank), ld.ranks, 1, "c1", ld.rank, ld.store, 1)  # type: ignore[arg-type]
+
+    threads = [threading.Thread(target=run, args=(ld,)) for ld in leaders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out == {0: [], 1: []}  # nobody waited for a collective that never came
+    assert leaders[0].store.holds() == set() and leaders[1].store.holds() == set()

@@ -269,6 +269,30 @@ def _load(copies: NodeCopies, commit_id: str) -> _Node | None:
     return _Node(_fanout.catalog(manifest.files), node_chunks(manifest.files, source))
 
 
+def _offer(
+    copies: NodeCopies | None, store: PeerStore | None, commit_id: str, what: str
+) -> tuple[_Node | None, Offer | None]:
+    """(A leader.) Its node's copy of the commit and its ``Offer``; (None, None) when it
+    has none, or anything local fails (it then takes no part, and the others go on)."""
+    if copies is None or store is None:
+        return None, None
+    try:
+        node = _load(copies, commit_id)
+        if node is None:
+            return None, None
+        n = len(node.chunks)
+        own = [i for i, ref in enumerate(node.chunks) if ref.key in node.local]
+        held = store.holds()
+        has = set(own) | {i for i, ref in enumerate(node.chunks) if ref.name in held}
+        room = 0
+        with contextlib.suppress(OSError):
+            room = store.room()
+        return node, Offer(_mask(own, n), _mask(has, n), room)
+    except Exception as exc:  # a local failure must not leave the others waiting
+        log.warning("%s: this node takes no part: %s", what, exc)
+        return None, None
+
+
 def share(
     comm: Comm,
     ranks: Ranks,
@@ -285,18 +309,8 @@ def share(
     what = f"step {step}: peer copies"
     # Every rank of a node has kept its files before its leader reads them.
     comm.heartbeat(_OK, f"{what}: local copies kept")
-    node = _load(copies, commit_id) if copies is not None and store is not None else None
-    offer = None
-    if node is not None and store is not None:
-        n = len(node.chunks)
-        own = [i for i, ref in enumerate(node.chunks) if ref.key in node.local]
-        held = store.holds()
-        has = set(own) | {i for i, ref in enumerate(node.chunks) if ref.name in held}
-        room = 0
-        with contextlib.suppress(OSError):
-            room = store.room()
-        offer = Offer(_mask(own, n), _mask(has, n), room)
-    elif ranks.is_node_leader:
+    node, offer = _offer(copies, store, commit_id, what)
+    if offer is None and ranks.is_node_leader:
         log.warning("%s: this node keeps no copy of the commit to send to its peers", what)
     offers = comm.all_gather(offer, f"{what}: listing what each node holds")
     leaders = [r for r in range(comm.world) if offers[r] is not None]
