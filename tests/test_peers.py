@@ -19,7 +19,7 @@ from cloudckpt import digest
 from cloudckpt.distributed import DistributedCheckpointManager, _fanout, _peers
 from cloudckpt.distributed._fanout import Need, plan
 from cloudckpt.distributed._peers import Holdings, PeerStore, copy_plan, targets
-from cloudckpt.errors import CollectiveError
+from cloudckpt.errors import CollectiveError, ConfigurationError
 from cloudckpt.manifests import ChunkRef, FileEntry
 
 # ------------------------------------------------------------------------------ plans
@@ -319,3 +319,22 @@ def test_a_leader_that_fails_locally_takes_no_part_and_the_others_go_on(monkeypa
         t.join(30)
     assert out == {0: [], 1: []}  # nobody waited for a collective that never came
     assert leaders[0].store.holds() == set() and leaders[1].store.holds() == set()
+
+
+@pytest.mark.parametrize("bad", [{"peer_copies": -1}, {"peer_copies": 1.5},
+                                 {"peer_copies": True}, {"peer_budget_bytes": -1}])  # fmt: skip
+def test_bad_peer_arguments_are_refused(memory_target, tmp_path, bad):
+    with pytest.raises(ConfigurationError):
+        DistributedCheckpointManager(memory_target.url, staging_dir=tmp_path / "s", **bad)
+
+
+def test_one_node_makes_no_peer_copies(memory_target, tmp_path):
+    mgr = DistributedCheckpointManager(memory_target.url, staging_dir=tmp_path / "s")
+    try:
+        assert not mgr.peers_active and mgr.peer_store is None
+        with mgr.save(1) as d:
+            (d / "a.bin").write_bytes(b"x")
+        mgr.wait()
+        assert not (tmp_path / "s" / "rank-00000" / "peers").exists()
+    finally:
+        mgr.close()

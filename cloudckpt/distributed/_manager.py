@@ -196,17 +196,7 @@ class DistributedCheckpointManager(ManagerBase):
         self.node_copies = _kept.NodeCopies(
             _kept.node_tiers(self.local_ranks, kept, self.rank, self.local), self.per_rank_dirs
         )
-        leaders = {n[0] for n in self._ranks.nodes}
-        #: Whether peer copies are made and read (the same on every rank: ``_peers``).
-        self.peers_active = (
-            self.peer_copies > 0 and self.num_nodes > 1 and all(kept[r] for r in leaders)
-        )
-        #: This node leader's peer copies (None elsewhere, or peer copies off).
-        self.peer_store = (
-            _peers.PeerStore(self.staging.root, peer_budget_bytes)
-            if self.peers_active and self.is_node_leader
-            else None
-        )
+        self._start_peers(kept, peer_budget_bytes)
         self.recovery.abandon_all()  # no recovery across ranks: see the package doc
         remove_own(self.staging.root, DCP)  # a crashed DCP writer's
 
@@ -244,6 +234,21 @@ class DistributedCheckpointManager(ManagerBase):
             nodes.setdefault(e.node, []).append(r)
         ranks = Ranks(self.rank, self.world_size, tuple(tuple(n) for n in nodes.values()))
         return ranks, [e.kept for e in everyone]
+
+    def _start_peers(self, kept: list[tuple[str, int] | None], budget: int | None) -> None:
+        """Whether peer copies are made and read (the same on every rank: 2 or more nodes,
+        every node's leader keeping local copies), and this leader's ``PeerStore``."""
+        leaders = {n[0] for n in self._ranks.nodes}
+        #: Whether peer copies are made and read (``_peers``).
+        self.peers_active = (
+            self.peer_copies > 0 and self.num_nodes > 1 and all(kept[r] for r in leaders)
+        )
+        #: This node leader's peer copies (None elsewhere, or peer copies off).
+        self.peer_store = (
+            _peers.PeerStore(self.staging.root, budget)
+            if self.peers_active and self.is_node_leader
+            else None
+        )
 
     def _abort_init(self, failure: BaseException | None) -> None:
         self._comm.close(wait=False)
