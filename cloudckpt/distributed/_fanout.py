@@ -163,14 +163,14 @@ def plan(
     far (``sizes``: the catalog's chunk sizes, on leaders; chunks elsewhere, where only
     the number of transfers matters), then the lowest rank."""
     masks = {r: n.mask for r, n in enumerate(needs) if n is not None}
-    helds = {r: _int(n.held) for r, n in enumerate(needs) if n is not None and n.held}
+    helds = {r: n.held for r, n in enumerate(needs) if n is not None and n.held}
     once = twice = held_any = 0  # bit sets: chunks one leader needs, two or more do
     for mask in masks.values():
         bits = _int(mask)
         twice |= once & bits
         once |= bits
-    for bits in helds.values():
-        held_any |= bits
+    for held in helds.values():
+        held_any |= _int(held)
     todo = (once & held_any) | (twice if fanout else 0)
     load = dict.fromkeys(masks, 0)
     out = []
@@ -182,7 +182,9 @@ def plan(
                 continue
             index = byte * 8 + offset
             needers = [r for r, m in masks.items() if byte < len(m) and m[byte] & bit]
-            holders = [r for r, h in helds.items() if h >> index & 1 and r not in needers]
+            holders = [
+                r for r, h in helds.items() if byte < len(h) and h[byte] & bit and r not in needers
+            ]
             if not holders and not (fanout and len(needers) > 1):
                 continue  # held only by the one node that needs it: its own download
             pick = holders or needers
@@ -195,6 +197,16 @@ def plan(
 
 def _int(mask: bytes) -> int:
     return int.from_bytes(mask, "little")
+
+
+def indices(bits: int) -> list[int]:
+    """The positions of the set bits of ``bits``, ascending (a byte at a time: linear in
+    the mask's length, where shifting a 125,000-bit integer bit by bit is quadratic)."""
+    out: list[int] = []
+    for byte, value in enumerate(bits.to_bytes((bits.bit_length() + 7) // 8, "little")):
+        if value:
+            out.extend(byte * 8 + offset for offset in range(8) if value >> offset & 1)
+    return out
 
 
 def rounds(transfers: Sequence[Transfer]) -> list[list[Transfer]]:

@@ -199,14 +199,10 @@ def copy_plan(
             theirs = offers[t]
             if theirs is None or (accepts is not None and not accepts[t]):
                 continue
-            todo = own & ~_bits(theirs.has)
-            i = 0
-            while todo:
-                if todo & 1 and (i, t) not in taken:
+            for i in _fanout.indices(own & ~_bits(theirs.has)):
+                if (i, t) not in taken:
                     taken.add((i, t))
                     wanted.setdefault((i, sender), []).append(t)
-                todo >>= 1
-                i += 1
     return [Transfer(i, s, tuple(r)) for (i, s), r in sorted(wanted.items())]
 
 
