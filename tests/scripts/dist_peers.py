@@ -7,9 +7,9 @@ Scenarios (each rank appends JSON lines to ``DIR/events-<rank>.jsonl``, as dist_
 
 - ``save``: steps 1 and 2 saved (peer copies on by default). In step 2's post-commit peer
   transfer rank 0 flips a byte of the first chunk it sends (``_fanout.outgoing``): rank 2
-  must not hold it. Each leader then reports what its peer store holds. Step 3: rank 2,
-  about to send its first chunk of the peer transfer, dies (``os._exit``); every other
-  rank reports step 3's save result (committed, with a warning) and exits.
+  must not hold it. Each leader then reports what its peer store holds. Step 3: host 1
+  dies in the peer transfer: rank 2, about to send its first chunk, SIGKILLs rank 3 and
+  exits; ranks 0 and 1 report step 3's save result (committed, with a warning) and exit.
 - ``restore`` (host 1 replaced: the harness deleted its directory; every rank's store a
   ``Served`` wrapper counting what the store served it): a resume (step 3: host 0 holds
   no complete copy of host 1's step 3, so host 1 reads its files from the store); a
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import signal
 import sys
@@ -102,9 +103,12 @@ def scenario_save(url: str, root: Path, ev: Events) -> None:
     _fanout.outgoing = original
     ev("saved", step=2, warnings=list(info.warnings), pool=pool_report(mgr), flipped=flipped)
 
-    if RANK == 2:
+    if RANK == 2:  # host 1 dies: rank 3 (SIGKILL, by its pid), then rank 2 itself
 
         def die(data):
+            lines = ev.path.with_name("events-3.jsonl").read_text().splitlines()
+            (pid,) = [json.loads(x)["pid"] for x in lines if '"start"' in x]
+            os.kill(pid, signal.SIGKILL)
             os._exit(9)
 
         _fanout.outgoing = die
