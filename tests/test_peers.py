@@ -353,3 +353,18 @@ def test_plans_over_a_large_catalog_stay_linear():
     got = plan(needs)
     assert len(got) == n and all(t.held and t.receivers == ((t.sender - 1) % nodes,) for t in got)
     assert _fanout.indices(0b1010_0000_0001) == [0, 9, 11] and _fanout.indices(0) == []
+
+
+def test_a_budget_of_one_copy_replaces_the_older_copy_first(monkeypatch, tmp_path, pair):
+    """peer_budget_bytes holding one copy: a new copy whose chunks all changed fits only
+    without the older one, which goes first (else the old copy would stay forever)."""
+    leaders, catalog, owned = pair
+    leaders[0] = Leader(tmp_path, 0, budget=8192)  # node 1's copy: 2 chunks of 4096
+    share(monkeypatch, leaders, catalog, owned, 1)
+    assert leaders[0].store.used() == 8192
+    new_refs, new_data = chunks("b-new", 2)
+    cat2 = [*catalog[:2], *new_refs]
+    owned2 = [owned[0], dict(zip([r.key for r in new_refs], new_data, strict=True))]
+    assert share(monkeypatch, leaders, cat2, owned2, 2) == {0: [], 1: []}
+    assert leaders[0].store.holds() == {r.name for r in new_refs}
+    assert [p.name[:12] for p in leaders[0].store.root.glob("*.json")] == ["000000000002"]

@@ -86,23 +86,39 @@ class PeerStore:
         except (OSError, ValueError):
             return None
 
-    def used(self) -> int:
+    def used(self, only: set[str] | None = None) -> int:
+        """The bytes of the chunks held (of those named in ``only``, if given)."""
         total = 0
         with contextlib.suppress(OSError):
             for p in self.chunks.iterdir():
-                with contextlib.suppress(OSError):
-                    total += p.stat().st_size
+                if only is None or p.name in only:
+                    with contextlib.suppress(OSError):
+                        total += p.stat().st_size
         return total
 
-    def room(self) -> int:
+    def room(self, keep: set[str] | None = None) -> int:
         """The bytes a new copy may take: the budget less what is held, and the free disk
-        less ``RESERVE_FRACTION`` of it (older copies stay until the new one is complete)."""
+        less ``RESERVE_FRACTION`` of it. Older copies stay until the new one is complete;
+        with ``keep`` (the new commit's chunk names), counting the room ``reclaim`` would
+        make by dropping them first."""
         self.root.mkdir(parents=True, exist_ok=True)
         usage = shutil.disk_usage(self.root)
-        room = usage.free - int(usage.total * RESERVE_FRACTION)
+        freed = 0 if keep is None else self.used() - self.used(keep)
+        room = usage.free + freed - int(usage.total * RESERVE_FRACTION)
         if self.budget is not None:
-            room = min(room, self.budget - self.used())
+            room = min(room, self.budget - self.used() + freed)
         return max(0, room)
+
+    def reclaim(self, keep: set[str]) -> None:
+        """Drop every copy and chunk but the chunks named in ``keep``: a new copy that
+        fits only without the older ones (``room(keep)``) goes in their place."""
+        log.warning("dropping the older peer copies to make room for the new one")
+        for path in self.root.iterdir():
+            if INDEX_NAME.match(path.name) is not None:
+                path.unlink(missing_ok=True)
+        for name in self.holds() - keep:
+            with contextlib.suppress(OSError):
+                (self.chunks / name).unlink()
 
     def put(self, ref: ChunkRef, data: bytes) -> None:
         """Hold ``data`` (verified by the caller) under ``ref``'s name. Raises OSError."""
@@ -282,7 +298,7 @@ def _offer(
         has = set(own) | {i for i, ref in enumerate(node.chunks) if ref.name in held}
         room = 0
         with contextlib.suppress(OSError):
-            room = store.room()
+            room = store.room({ref.name for ref in node.chunks})
         return node, Offer(_mask(own, n), _mask(has, n), room)
     except Exception as exc:  # a local failure must not leave the others waiting
         log.warning("%s: this node takes no part: %s", what, exc)
@@ -323,6 +339,8 @@ def share(
             )
             log.warning("%s", warnings[-1])
     accepts = comm.all_gather(accept, f"{what}: agreeing on the room each node has")
+    if accept and node is not None and store is not None:
+        _make_room(store, node, need, what)
     transfers = copy_plan(offers, leaders, k, accepts)
     mine = [t for t in transfers if comm.rank in t.receivers]
     failed = 0
@@ -343,6 +361,16 @@ def share(
         elif mine:
             log.info("%s: holding %d chunk(s) of peer nodes", what, len(mine))
     return warnings
+
+
+def _make_room(store: PeerStore, node: _Node, need: int, what: str) -> None:
+    """(A receiver that accepted.) Drop the older copies first if the new one fits only
+    without them (a budget of one copy). Never raises."""
+    try:
+        if not fits(need, store.room()):
+            store.reclaim({ref.name for ref in node.chunks})
+    except OSError as exc:
+        log.warning("%s: cannot make room: %s", what, exc)
 
 
 def holdable(ref: ChunkRef, data: bytes) -> bool:
