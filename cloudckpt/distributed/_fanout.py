@@ -11,14 +11,20 @@ transfers run in rounds of ``ROUND_CHUNKS``, in the plan's order on every leader
 transfer waits only for earlier ones: no cycle, no deadlock); after each round every rank
 exchanges one heartbeat, so ranks that send nothing wait at most one round.
 
+With peer copies (``_peers``), each leader's ``Need`` also says which chunks it holds
+(``Need.held``: its kept files placed, its peer copies): a chunk a leader needs and
+another holds is sent by a holder from its local bytes, whoever else needs it, and is
+never read from the store.
+
 Nothing received is trusted: a receiver keeps a chunk only if its bytes have exactly the
 digest its name (the committed manifest's) records; what fails, or what the sender could
 not read (it sends a size of -1), is read from the store by the normal download. A
 sender that dies or hangs fails the receiver's ``recv`` within the group's timeout: a
 ``CollectiveError``, never a wrong tensor, never a hang.
 
-Cost: the received chunks are held in memory until the node's download ends (at most
-the bytes of the chunks several nodes share); per transfer two point-to-point messages.
+Cost: the received chunks wait on disk beside the restore (``Received``: one file per
+chunk) until the node's download ends; memory holds at most a round of them; per transfer
+two point-to-point messages.
 """
 
 from __future__ import annotations

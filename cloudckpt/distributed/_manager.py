@@ -6,7 +6,9 @@ collective mode (``SaveMode``), with its own pipeline: ``RankSave`` takes part i
 multi-rank save (``_save.save``) instead of one host's. Restores are
 ``_restore.NodeReader``'s; every collective goes through ``_comm.Comm``. After each commit
 every rank keeps its files as its local copy (``_kept``), which restores on the same node
-take, verified, instead of downloading them.
+take, verified, instead of downloading them; with several nodes, each node's kept files are
+then also sent to ``peer_copies`` other nodes, from which a replacement host restores
+(``_peers``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ place. A damaged checkpoint on any node means the next older one, on every node.
 leader takes what the node's ranks kept of that checkpoint from their local copies, every
 byte verified, and downloads only the rest (``_kept.NodeCopies``); with several nodes, a
 chunk several of them still need is read by one and sent to the others first
-(``_fanout``: checked, kept copies placed; chunks shared; the rest downloaded).
+(``_fanout``: checked, kept copies placed; chunks shared; the rest downloaded), and, with
+peer copies, a chunk a node lacks and another holds (its kept files, its peer copies) is
+sent by a holder (``_peers.Holdings``), verified on receipt.
 """
 
 from __future__ import annotations
