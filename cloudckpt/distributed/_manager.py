@@ -121,8 +121,9 @@ class DistributedCheckpointManager(ManagerBase):
             2 or more nodes and local copies kept on every node (a ``staging_dir``,
             ``keep_local`` >= 1); costs: docs/integrations/distributed.md, "Peer copies".
         peer_budget_bytes: the most bytes each node's leader holds for its peers (default
-            None: no cap but 95% of its disk); a copy that does not fit is not held (a
-            warning in ``CommitInfo.warnings``).
+            None: no cap but its free disk, of which 5% of the disk stays free); a copy
+            that does not fit is not held (a warning in ``CommitInfo.warnings``), one that
+            fits only without the older copy replaces it.
 
     Raises:
         ConfigurationError: bad arguments, or ranks that disagree about the URL or layout.
