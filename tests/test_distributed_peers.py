@@ -23,6 +23,7 @@ from cloudckpt.committer import read_latest
 from cloudckpt.stores import open_store
 
 PEERS = Path(__file__).parent / "scripts" / "dist_peers.py"
+pytestmark = pytest.mark.timeout(600)  # two 4-rank torchrun jobs in the first test's setup
 _cache: dict = {}
 
 
