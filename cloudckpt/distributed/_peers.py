@@ -12,7 +12,9 @@ receiver says whether that fits its room (``peer_budget_bytes``, free disk; a se
 fan-out's (``_fanout``). Every chunk received is kept only if its size and digest are
 exactly the committed manifest's (the receiver's own copy, read from the store by its
 node); a copy is ``complete`` when every chunk it was to receive arrived, and only then
-are the older copies dropped. Nothing here can fail the committed save: a failure is a
+are the older copies dropped (unless the new one fits the budget only without them: then
+they go first, ``PeerStore.reclaim``). A leader whose own part fails locally offers
+nothing and still joins every collective, so the others go on. Nothing here can fail the committed save: a failure is a
 warning in ``CommitInfo.warnings`` (issue 28's rule), a dead peer a ``CollectiveError``
 within the manager's timeout (the group is then unusable, as after any such error).
 
