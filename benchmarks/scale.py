@@ -19,7 +19,11 @@ host 0 the same way (a job restart; host 0's directory stays).
 Job 2 (``--phase restore``), with host 1 a replacement with an empty directory: every rank
 resumes the first round's cloudckpt checkpoint and compares its tensors exactly, then the
 timed rounds restore both checkpoints (cloudckpt ``restore`` + safetensors load vs DCP
-``load`` + ``S3StorageReader``), every one checked exactly (after its timing).
+``load`` + ``S3StorageReader``), every one checked exactly (after its timing). Each cloudckpt
+run stages under a directory of its own on each host, so host 0 restores from its kept copy
+and sends host 1 the chunks it holds (peer copies; the replicas' chunks are the same, so
+the post-commit peer transfer had nothing to send): the cloudckpt restores read almost
+nothing from the store.
 
 Every byte figure is the endpoint's own request accounting (bytes of PUT bodies it
 received, object bytes its GETs sent, per key prefix and per door), never a client's
@@ -110,7 +114,10 @@ class _Rank:
         return DistributedCheckpointManager(
             self.cfg["url"] + sub,
             storage_options={**self.cfg["options"], "endpoint_url": self.endpoint},
-            staging_dir=self.dir / "staging",
+            # A staging directory per run: each keeps its own newest copy (keep_local=1).
+            # One shared by every run kept only the last save's (retention counts copies,
+            # whatever run they belong to), so host 0 read dp2-r0 from the store.
+            staging_dir=self.dir / "staging" / sub.strip("/"),
             node_id=f"host{self.host}",
             auto_gc=False,
             timeout=120,
@@ -458,6 +465,18 @@ def figures(saved: dict[str, Any], restored: dict[str, Any], nbytes: int) -> dic
     }
 
 
+def restart(restored: dict[str, Any]) -> dict[str, Any]:
+    """Where each host's resume read from: GET bytes through its door / its ranks'
+    restored bytes (host 0: a restart on the same host, its kept copy; host 1: the
+    replacement, served by host 0 over gloo)."""
+    resume = _minus(restored["after"], restored["before"])
+    out = {}
+    for host, name in ((0, "same_host"), (1, "replaced_host")):
+        mine = sum(r["restored"] for r in restored["ranks"] if r["host"] == host)
+        out[f"{name}_store_bytes_ratio"] = sent(resume, door=host) / mine
+    return out
+
+
 def scale_group(bench: Any, s3: Any, signing: str) -> None:
     """Run the two jobs (see the module docstring) and record the ``scale`` group."""
     from benchmarks.harness import Comparison, Contender, Group
@@ -516,6 +535,7 @@ def scale_group(bench: Any, s3: Any, signing: str) -> None:
         servers={"server": s3.pid},
         info={
             "figures": figures(saved, restored, nbytes),
+            "restart": restart(restored),
             "bytes": {
                 "state": nbytes,
                 "lora_state": saved["lora_bytes"],
@@ -538,7 +558,8 @@ def scale_group(bench: Any, s3: Any, signing: str) -> None:
             "save of the same state (replica 1's ranks write nothing); second_save: PUT bytes "
             "of the LoRA-like state's second save / its first (one manager); dp2_restore: GET "
             "bytes of the resume, all hosts / the state's bytes (each shard once); "
-            "replaced_host: GET bytes through host 1's door / the bytes its ranks restored; "
+            "replaced_host: GET bytes through host 1's door / the bytes its ranks restored "
+            "(host 0 sends it the chunks its kept copy holds: peer copies, issue 30 item 4); "
             "exact: every restore (resume, every timed round, both contenders) compared",
             "hosts": HOSTS,
             "ranks_per_host": PER_HOST,

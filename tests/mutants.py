@@ -1942,7 +1942,7 @@ def _fanout_reads_on_every_node(setattr_: Callable[[Any, str, Any], None]) -> No
     """No chunk is shared: every node reads every chunk it needs from the store."""
     from cloudckpt.distributed import _fanout
 
-    setattr_(_fanout, "plan", lambda needs: [])
+    setattr_(_fanout, "plan", lambda needs, **kw: [])
 
 
 _FANOUT = "tests/test_fanout.py"
@@ -2008,6 +2008,71 @@ def _verify_drops_damage(setattr_: Callable[[Any, str, Any], None]) -> None:
     setattr_(fetch._Reader, "run_checked", dropping)
 
 
+# --------------------------------------------------------------------------- peer copies
+# Issue 30, item 4: each node's kept files are also held by k other nodes; a replacement
+# host restores from them, every chunk verified (docs/design.md §7, "Peer copies").
+
+
+def _peer_chunk_held_unverified(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A node holds whatever bytes a peer sent it as its copy, unverified."""
+    from cloudckpt.distributed import _peers
+
+    setattr_(_peers, "holdable", lambda ref, data: True)
+
+
+def _peer_send_failure_fails_committed_save(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A peer transfer that fails after the commit fails the (committed) save."""
+    from cloudckpt.distributed._manager import RankSave
+
+    def raising(self: Any, info: Any, warnings: list[str]) -> None:
+        if self.share is not None:
+            warnings.extend(self.share(info))
+
+    setattr_(RankSave, "_peer_copies", raising)
+
+
+def _peer_copy_dropped_before_newer_complete(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A new peer copy replaces the older ones even when some of its chunks never came."""
+    from cloudckpt.distributed._peers import PeerStore
+
+    original = PeerStore.record
+
+    def always(self: Any, step: int, commit_id: str, names: Any, complete: bool) -> None:
+        original(self, step, commit_id, names, True)
+
+    setattr_(PeerStore, "record", always)
+
+
+def _peer_budget_ignored(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A node takes a peer copy whatever its budget and free disk."""
+    from cloudckpt.distributed import _peers
+
+    setattr_(_peers, "fits", lambda need, room: True)
+
+
+def _peer_holdings_ignored(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A restore never asks a peer: what a node lacks is read from the store."""
+    from cloudckpt.distributed._peers import Holdings
+
+    setattr_(Holdings, "mask", lambda self, chunks: bytes((len(chunks) + 7) // 8))
+
+
+def _peer_copy_of_other_step_used(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A leader takes the chunk its peer store holds under a name, unverified (another
+    step's bytes, a damaged file)."""
+    from cloudckpt.distributed import _fanout
+
+    def trusting(chunks: Any, rest: Any, local: Any, held: bytes, got: Any) -> None:
+        wanted = {ref.key for e in rest for ref in (e.chunks or ())}
+        for i, ref in enumerate(chunks):
+            if ref.key in wanted and i >> 3 < len(held) and held[i >> 3] >> (i & 7) & 1:
+                data = local.read(ref)
+                if data is not None:
+                    got.add(ref, data)
+
+    setattr_(_fanout, "_own", trusting)
+
+
 MUTANTS.update(
     {
         m.name: m
@@ -2021,6 +2086,79 @@ MUTANTS.update(
                     "tests/test_digest_algorithms.py::test_a_damaged_byte_is_detected_under_blake3",
                 ),
                 why_not_simulated="the simulation does not run verify; restores raise on damage",
+            ),
+        ]
+    }
+)
+
+
+_PEERS = "tests/test_peers.py"
+_PEERS_RANKS = "tests/test_distributed_peers.py"
+
+MUTANTS.update(
+    {
+        m.name: m
+        for m in [
+            Mutant(
+                "peer-chunk-held-unverified",
+                "a node holds a chunk of a peer copy only if it is exactly the committed "
+                "manifest's chunk (size and digest)",
+                _peer_chunk_held_unverified,
+                (
+                    f"{_PEERS}::test_a_chunk_that_does_not_verify_is_not_held",
+                    f"{_PEERS_RANKS}::test_peer_copies_are_held_verified_and_a_failed_transfer_"
+                    "leaves_the_commit",
+                ),
+                why_not_simulated=_NOT_SIMULATED_RANKS,
+            ),
+            Mutant(
+                "peer-send-failure-fails-committed-save",
+                "a peer transfer that fails after the commit is a warning on the committed "
+                "save, never its failure",
+                _peer_send_failure_fails_committed_save,
+                (
+                    f"{_PEERS}::test_a_failed_peer_transfer_is_a_warning_on_the_committed_save",
+                    f"{_PEERS_RANKS}::test_peer_copies_are_held_verified_and_a_failed_transfer_"
+                    "leaves_the_commit",
+                ),
+                why_not_simulated=_NOT_SIMULATED_RANKS,
+            ),
+            Mutant(
+                "peer-copy-dropped-before-newer-complete",
+                "an older peer copy is dropped only once a newer one is complete",
+                _peer_copy_dropped_before_newer_complete,
+                (
+                    f"{_PEERS}::test_an_older_copy_goes_only_once_a_newer_one_is_complete",
+                    f"{_PEERS_RANKS}::test_peer_copies_are_held_verified_and_a_failed_transfer_"
+                    "leaves_the_commit",
+                ),
+                why_not_simulated=_NOT_SIMULATED_RANKS,
+            ),
+            Mutant(
+                "peer-budget-ignored",
+                "a peer copy that does not fit peer_budget_bytes (or the free disk) is not "
+                "held, and the save says so",
+                _peer_budget_ignored,
+                (f"{_PEERS}::test_a_copy_that_does_not_fit_the_budget_is_not_held",),
+                why_not_simulated=_NOT_SIMULATED_RANKS,
+            ),
+            Mutant(
+                "peer-holdings-ignored",
+                "a chunk a node lacks and a peer holds comes from the peer, not the store",
+                _peer_holdings_ignored,
+                (
+                    f"{_PEERS}::test_holdings_are_the_placed_files_and_the_peer_store",
+                    f"{_PEERS_RANKS}::test_a_replacement_host_restores_from_its_peer",
+                ),
+                why_not_simulated=_NOT_SIMULATED_RANKS,
+            ),
+            Mutant(
+                "peer-copy-of-other-step-used",
+                "a chunk a node holds as a peer copy is used only if its bytes are exactly "
+                "the committed manifest's",
+                _peer_copy_of_other_step_used,
+                (f"{_PEERS}::test_a_leader_uses_its_own_peer_chunk_only_if_it_verifies",),
+                why_not_simulated=_NOT_SIMULATED_RANKS,
             ),
         ]
     }

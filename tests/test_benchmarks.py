@@ -79,8 +79,10 @@ def test_quick_scale_benchmark_replaces_a_killed_host_and_counts_bytes_at_the_st
     degree 2 through cloudckpt and DCP + s3torchconnector; host 1 is SIGKILLed (agent and
     ranks) and its directory deleted; the restarted job (host 1 empty) resumes and every
     rank compares its tensors exactly. The byte counts come from the endpoint's request
-    accounting (one door per host). Figures are recorded, not held to the issue's goals
-    (peer copies and cross-rank dedup are not built yet)."""
+    accounting (one door per host). Figures are recorded; the replacement host's, a byte
+    count, is held to the issue's goal: host 0 sends it the chunks its kept copy holds
+    (peer copies, item 4), so it reads little more than the manifest from the store, and
+    host 0, restarted on its own directory, reads nothing of the checkpoint."""
     out = tmp_path / "scale.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
@@ -96,6 +98,8 @@ def test_quick_scale_benchmark_replaces_a_killed_host_and_counts_bytes_at_the_st
                                       "dp2_restore_bytes_ratio",
                                       "replaced_host_store_bytes_ratio", "exact"])  # fmt: skip
     assert figures["exact"] is True
+    assert figures["replaced_host_store_bytes_ratio"] <= 0.05
+    assert group["restart"]["same_host_store_bytes_ratio"] <= 0.05
     assert group["replacement"] == {"ranks_killed_by_host": [2, 2], "host1_dir_gone": True,
                                     "host0_staging_kept": True}  # fmt: skip
     for name, value in figures.items():

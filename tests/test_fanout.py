@@ -69,7 +69,7 @@ def test_a_received_chunk_is_kept_only_if_it_is_exactly_the_chunk_its_name_names
     assert not accept(ref, data + b"\0")
 
 
-def test_received_chunks_are_served_from_memory_and_the_rest_from_the_store():
+def test_received_chunks_are_served_from_memory_and_the_rest_from_the_store(tmp_path):
     class Inner:
         url = "memory://x/"
 
@@ -77,8 +77,12 @@ def test_received_chunks_are_served_from_memory_and_the_rest_from_the_store():
             buf[: len(buf)] = b"s" * len(buf)
             return len(buf)
 
-    source = _fanout.WithReceived(Inner(), {"k": b"0123456789"})  # type: ignore[arg-type]
-    buf = bytearray(4)
-    assert source.get_range_into("k", 3, buf) == 4 and bytes(buf) == b"3456"
-    assert source.get_range_into("other", 0, buf) == 4 and bytes(buf) == b"ssss"
-    assert source.served == 4 and source.url == "memory://x/"
+    for spill in (None, tmp_path / "spill"):  # in memory, or on disk beside the restore
+        got = _fanout.Received(spill)
+        got.add(ChunkRef("o/", "ab" * 32, 10), b"0123456789")
+        source = _fanout.WithReceived(Inner(), got)  # type: ignore[arg-type]
+        buf = bytearray(4)
+        key = ChunkRef("o/", "ab" * 32, 10).key
+        assert source.get_range_into(key, 3, buf) == 4 and bytes(buf) == b"3456"
+        assert source.get_range_into("other", 0, buf) == 4 and bytes(buf) == b"ssss"
+        assert source.served == 4 and source.url == "memory://x/"

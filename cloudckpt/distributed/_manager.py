@@ -6,7 +6,9 @@ collective mode (``SaveMode``), with its own pipeline: ``RankSave`` takes part i
 multi-rank save (``_save.save``) instead of one host's. Restores are
 ``_restore.NodeReader``'s; every collective goes through ``_comm.Comm``. After each commit
 every rank keeps its files as its local copy (``_kept``), which restores on the same node
-take, verified, instead of downloading them.
+take, verified, instead of downloading them; with several nodes, each node's kept files are
+then also sent to ``peer_copies`` other nodes, from which a replacement host restores
+(``_peers``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from cloudckpt.attempts import AttemptWriter, CommitInfo
-from cloudckpt.distributed import _kept, _replicas, _save
+from cloudckpt.distributed import _kept, _peers, _replicas, _save
 from cloudckpt.distributed._chunks import RankChunks
 from cloudckpt.distributed._comm import Comm, RankError, Ranks, node_key, torch_dist
 from cloudckpt.distributed._restore import (
@@ -58,6 +60,7 @@ def _rank_pipeline(manager: ManagerBase) -> RankSave:
         lambda: manager.is_node_leader,
         manager.replicas,
         manager.dedup,
+        manager._share_peers,
     )
 
 
@@ -110,6 +113,17 @@ class DistributedCheckpointManager(ManagerBase):
             commit every rank keeps its own files under its staging directory (default:
             the newest checkpoint with a ``staging_dir``, none without), and a restore on
             the same node takes them, verified, instead of downloading them.
+        peer_copies: after each commit, each node's leader sends its node's kept files
+            to this many other nodes (default 1; 0: off), which hold them under their
+            leader's staging directory; a restore on a node that lacks its files (a
+            replacement host) takes them from a peer, every chunk verified against the
+            committed manifest, and reads from the store only the rest. Active only with
+            2 or more nodes and local copies kept on every node (a ``staging_dir``,
+            ``keep_local`` >= 1); costs: docs/integrations/distributed.md, "Peer copies".
+        peer_budget_bytes: the most bytes each node's leader holds for its peers (default
+            None: no cap but its free disk, of which 5% of the disk stays free); a copy
+            that does not fit is not held (a warning in ``CommitInfo.warnings``), one that
+            fits only without the older copy replaces it.
 
     Raises:
         ConfigurationError: bad arguments, or ranks that disagree about the URL or layout.
@@ -131,6 +145,8 @@ class DistributedCheckpointManager(ManagerBase):
         replica_exclude: Sequence[str] | None = None,
         dedup: bool = True,
         fanout: bool = True,
+        peer_copies: int = 1,
+        peer_budget_bytes: int | None = None,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("backpressure", "block") != "block":
@@ -145,6 +161,11 @@ class DistributedCheckpointManager(ManagerBase):
         self.per_rank_dirs = bool(per_rank_dirs)
         self.dedup = bool(dedup)
         self.fanout = bool(fanout)
+        if isinstance(peer_copies, bool) or not isinstance(peer_copies, int) or peer_copies < 0:
+            raise ConfigurationError("peer_copies must be a whole number >= 0")
+        if peer_budget_bytes is not None and peer_budget_bytes < 0:
+            raise ConfigurationError("peer_budget_bytes must be >= 0 (or None)")
+        self.peer_copies = peer_copies
         if replica_groups is not None and not self.per_rank_dirs:
             raise ConfigurationError(
                 "replica_groups needs per_rank_dirs=True",
@@ -178,6 +199,7 @@ class DistributedCheckpointManager(ManagerBase):
         self.node_copies = _kept.NodeCopies(
             _kept.node_tiers(self.local_ranks, kept, self.rank, self.local), self.per_rank_dirs
         )
+        self._start_peers(kept, peer_budget_bytes)
         self.recovery.abandon_all()  # no recovery across ranks: see the package doc
         remove_own(self.staging.root, DCP)  # a crashed DCP writer's
 
@@ -197,6 +219,7 @@ class DistributedCheckpointManager(ManagerBase):
             replicas=self.replicas,
             dedup=self.dedup,
             kept=(str(self.staging.root), self.local.keep) if keeps else None,
+            peer_copies=self.peer_copies,
         )
         try:
             everyone = self._comm.all_gather(mine, "starting the manager")
@@ -214,6 +237,21 @@ class DistributedCheckpointManager(ManagerBase):
             nodes.setdefault(e.node, []).append(r)
         ranks = Ranks(self.rank, self.world_size, tuple(tuple(n) for n in nodes.values()))
         return ranks, [e.kept for e in everyone]
+
+    def _start_peers(self, kept: list[tuple[str, int] | None], budget: int | None) -> None:
+        """Whether peer copies are made and read (the same on every rank: 2 or more nodes,
+        every node's leader keeping local copies), and this leader's ``PeerStore``."""
+        leaders = {n[0] for n in self._ranks.nodes}
+        #: Whether peer copies are made and read (``_peers``).
+        self.peers_active = (
+            self.peer_copies > 0 and self.num_nodes > 1 and all(kept[r] for r in leaders)
+        )
+        #: This node leader's peer copies (None elsewhere, or peer copies off).
+        self.peer_store = (
+            _peers.PeerStore(self.staging.root, budget)
+            if self.peers_active and self.is_node_leader
+            else None
+        )
 
     def _abort_init(self, failure: BaseException | None) -> None:
         self._comm.close(wait=False)
@@ -334,6 +372,27 @@ class DistributedCheckpointManager(ManagerBase):
             self.node_copies,
             link_local,
             self.fanout,
+            self.peer_store,
+            self.peers_active,
+        )
+
+    def _share_peers(self, info: CommitInfo) -> list[str]:
+        """(Every rank, on the save's thread, after the commit and the local copies.)
+        Peer copies of this commit (``_peers.share``). Returns warnings; raises
+        CollectiveError (the caller makes it a warning: the save is committed)."""
+        if not self.peers_active:
+            return []
+        leader = self.is_node_leader
+        return self._comm.guard(
+            lambda: _peers.share(
+                self._comm,
+                self._ranks,
+                info.step,
+                info.commit_id,
+                self.node_copies if leader else None,
+                self.peer_store,
+                self.peer_copies,
+            )
         )
 
     def close(self, timeout: float | None = None) -> None:
@@ -365,7 +424,9 @@ class RankSave:
         is_node_leader: Callable[[], bool],
         replicas: _replicas.Replicas | None = None,
         dedup: bool = True,
+        share: Callable[[CommitInfo], list[str]] | None = None,
     ) -> None:
+        self.share = share  # peer copies after each commit (None: off)
         self.comm = comm
         self.local = local
         self.is_node_leader = is_node_leader
@@ -392,7 +453,16 @@ class RankSave:
         kept = lambda: _kept.keep(attempt, info, self.local, store)  # noqa: E731
         if not after_commit(info.step, "keep the local copy", kept, warnings):
             attempt.remove()
+        self._peer_copies(info, warnings)
         return dataclasses.replace(info, warnings=(*info.warnings, *warnings))
+
+    def _peer_copies(self, info: CommitInfo, warnings: list[str]) -> None:
+        """Peer copies of the committed ``info`` (every rank): whatever fails, even a
+        dead peer (CollectiveError), is a warning, never the save's failure (I6)."""
+        share = self.share
+        if share is not None:
+            what = "make its peer copies"
+            after_commit(info.step, what, lambda: warnings.extend(share(info)), warnings)
 
     def _save_collectively(self, job: QueuedSave) -> CommitInfo:
         """Make this rank's staged files durable and take part in the save with them (or
@@ -435,6 +505,7 @@ class _Hello:
     replicas: _replicas.Replicas
     dedup: bool
     kept: tuple[str, int] | None  # (staging root, keep_local) where it keeps local copies
+    peer_copies: int = 1
 
 
 def _disagreement(everyone: list[_Hello]) -> str | None:
@@ -452,6 +523,8 @@ def _disagreement(everyone: list[_Hello]) -> str | None:
         return "ranks disagree about replica_groups or replica_exclude"
     if len({e.dedup for e in everyone}) > 1:
         return "ranks disagree about dedup"
+    if len({e.peer_copies for e in everyone}) > 1:
+        return "ranks disagree about peer_copies"
     return None
 
 

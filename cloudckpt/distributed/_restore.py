@@ -9,7 +9,9 @@ place. A damaged checkpoint on any node means the next older one, on every node.
 leader takes what the node's ranks kept of that checkpoint from their local copies, every
 byte verified, and downloads only the rest (``_kept.NodeCopies``); with several nodes, a
 chunk several of them still need is read by one and sent to the others first
-(``_fanout``: checked, kept copies placed; chunks shared; the rest downloaded).
+(``_fanout``: checked, kept copies placed; chunks shared; the rest downloaded), and, with
+peer copies, a chunk a node lacks and another holds (its kept files, its peer copies) is
+sent by a holder (``_peers.Holdings``), verified on receipt.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from cloudckpt import attempt_layout
 from cloudckpt.distributed import _fanout
 from cloudckpt.distributed._comm import Comm, PhaseResult, RankError, Ranks
 from cloudckpt.distributed._kept import RANK_DIR, NodeCopies
+from cloudckpt.distributed._peers import Holdings, PeerStore, node_chunks
 from cloudckpt.distributed._save import WORLD_SIZE_KEY
 from cloudckpt.download import download
 from cloudckpt.errors import ConfigurationError
@@ -121,6 +124,7 @@ class _Prepared:
     rest: list[FileEntry]
     need: int
     chunks: list[ChunkRef]  # the manifest's distinct chunks (``_fanout.catalog``)
+    holdings: Holdings | None = None  # what it can send from local bytes (peer copies on)
 
 
 # ------------------------------------------------------------------------------ the reader
@@ -141,9 +145,14 @@ class NodeReader:
         kept: NodeCopies | None = None,
         link_local: bool = False,
         fanout: bool = True,
+        peers: PeerStore | None = None,
+        peer_reads: bool = False,
     ) -> None:
         self.comm, self.ranks = comm, ranks
         self.fanout = fanout
+        # ``peer_reads``: the same on every rank (peer copies on, several nodes);
+        # ``peers``: this node leader's own peer copies.
+        self.peers, self.peer_reads = peers, peer_reads
         self.store, self.engine, self.progress = store, engine, progress
         self.per_rank_dirs = per_rank_dirs
         self.kept = kept if kept is not None else NodeCopies({}, per_rank_dirs)
@@ -280,6 +289,24 @@ class NodeReader:
         if reason is not None:
             return reason
         prep = prepared.result
+        spill = tmp.with_name(f"{tmp.name}.received")  # beside: never in the restore
+        try:
+            return self._share_and_download(record, prep, tmp, dest, spill, what, label)
+        finally:
+            shutil.rmtree(spill, ignore_errors=True)
+
+    def _share_and_download(
+        self,
+        record: CheckpointRecord,
+        prep: _Prepared | None,
+        tmp: Path,
+        dest: Path,
+        spill: Path,
+        what: str,
+        label: str,
+    ) -> str | None:
+        """(Every rank.) The chunks shared between nodes (``_fanout``), then each node's
+        download and placing, as ``_fetch``."""
         try:
             shared = _fanout.exchange(
                 self.comm,
@@ -288,6 +315,9 @@ class NodeReader:
                 self.engine,
                 self.store,
                 label,
+                None if prep is None else prep.holdings,
+                self.fanout,
+                spill,
             )
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -328,8 +358,9 @@ class NodeReader:
 
     @property
     def fans_out(self) -> bool:
-        """Whether chunks several nodes need are read once and shared (``_fanout``)."""
-        return self.fanout and len(self.ranks.nodes) > 1
+        """Whether chunks several nodes need are read once and shared, or sent from peer
+        copies (``_fanout``, ``_peers``)."""
+        return (self.fanout or self.peer_reads) and len(self.ranks.nodes) > 1
 
     def _prepare(self, record: CheckpointRecord, wants: Select, tmp: Path) -> _Prepared:
         """(Node leader.) Check ``record`` and put, verified, what the node's ranks want
@@ -355,7 +386,14 @@ class NodeReader:
                 raise
             raise full from exc
         chunks = _fanout.catalog(manifest.files) if self.fans_out else []
-        return _Prepared(record, manifest.chunk_size, entries, rest, need, chunks)
+        holdings = None
+        if self.fans_out and self.peer_reads:
+            skip = {e.path for e in rest}
+            placed = {
+                e.path: tmp.joinpath(*e.path.split("/")) for e in entries if e.path not in skip
+            }
+            holdings = Holdings(node_chunks(entries, placed), self.peers)
+        return _Prepared(record, manifest.chunk_size, entries, rest, need, chunks, holdings)
 
     def _download(self, prep: _Prepared, tmp: Path, shared: _fanout.Shared) -> None:
         """(Node leader.) Download what ``prep`` left, verified, into ``tmp`` (the chunks
