@@ -1066,6 +1066,7 @@ def applied(name: str) -> Iterator[Mutant]:
 # (docs/design.md §3, "Format changes: the policy").
 
 _NEWER = "tests/test_newer_format.py::"
+_NEWER_GC_ATTEMPT = f"{_NEWER}test_gc_never_collects_what_a_newer_attempt_holds_or_names"
 _NOT_SIMULATED_NEWER_MANIFEST = (
     "the simulation's newer version writes a newer LATEST (the pointer rule); a newer "
     "manifest under a LATEST this version reads is set up by tests/test_newer_format.py"
@@ -1141,6 +1142,14 @@ def _gc_writes_before_judging(setattr_: Callable[[Any, str, Any], None]) -> None
     from cloudckpt import gc
 
     setattr_(gc, "_judge", lambda store, latest: None)
+
+
+def _gc_collects_newer_by_name(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """GC deletes old commit records, orphan attempts and the chunks they hold by their
+    names, without reading what format wrote them (as before the safety audit)."""
+    from cloudckpt import gc
+
+    setattr_(gc, "_judge_garbage", lambda plan: None)
 
 
 def _writer_over_unknown(setattr_: Callable[[Any, str, Any], None]) -> None:
@@ -1411,6 +1420,18 @@ MUTANTS.update(
                     "[False-tombstones]",
                     f"{_NEWER}test_gc_refuses_a_newer_manifest_before_its_first_write"
                     "[False-records]",
+                ),
+                why_not_simulated=_NOT_SIMULATED_NEWER_MANIFEST,
+            ),
+            Mutant(
+                "gc-collects-newer-by-name",
+                "GC reads every record it would delete by name; a newer one stops it",
+                _gc_collects_newer_by_name,
+                (
+                    f"{_NEWER}test_gc_never_deletes_a_newer_commit_record[False]",
+                    f"{_NEWER_GC_ATTEMPT}[manifest]",
+                    f"{_NEWER_GC_ATTEMPT}[marker]",
+                    f"{_NEWER_GC_ATTEMPT}[young-names-old-chunks]",
                 ),
                 why_not_simulated=_NOT_SIMULATED_NEWER_MANIFEST,
             ),
