@@ -1152,6 +1152,21 @@ def _gc_collects_newer_by_name(setattr_: Callable[[Any, str, Any], None]) -> Non
     setattr_(gc, "_judge_garbage", lambda plan: None)
 
 
+def _autogc_error_ends_the_worker(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """Automatic GC logs only cloudckpt's own errors (as before the safety audit): any
+    other exception ends the save worker it runs on, and later saves wait forever."""
+    from cloudckpt import autogc
+    from cloudckpt.errors import CloudCkptError
+
+    def collect(self: Any) -> None:
+        try:
+            autogc.collect_garbage(self.store)
+        except CloudCkptError as exc:
+            autogc.log.warning("background garbage collection failed: %s", exc)
+
+    setattr_(autogc.AutoGC, "_collect", collect)
+
+
 def _writer_over_unknown(setattr_: Callable[[Any, str, Any], None]) -> None:
     """A save that cannot read the current manifest (a newer version's) uploads in full
     and commits over it, as before issue 28."""
@@ -1434,6 +1449,16 @@ MUTANTS.update(
                     f"{_NEWER_GC_ATTEMPT}[young-names-old-chunks]",
                 ),
                 why_not_simulated=_NOT_SIMULATED_NEWER_MANIFEST,
+            ),
+            Mutant(
+                "autogc-error-ends-the-worker",
+                "an automatic GC's failure, whatever its type, never stops later saves",
+                _autogc_error_ends_the_worker,
+                (
+                    "tests/test_autogc.py::"
+                    "test_an_unexpected_gc_error_never_stops_the_saves_after_it",
+                ),
+                why_not_simulated="the simulation's stores raise only cloudckpt's own errors",
             ),
             Mutant(
                 "writer-over-unknown",
