@@ -1167,6 +1167,14 @@ def _autogc_error_ends_the_worker(setattr_: Callable[[Any, str, Any], None]) -> 
     setattr_(autogc.AutoGC, "_collect", collect)
 
 
+def _repair_past_newer_manifests(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """Repair never reads the manifests its rebuilt LATEST leaves unreferenced (as before
+    the safety audit): a newer version's commits, whose records are lost, are rolled back."""
+    from cloudckpt import repair
+
+    setattr_(repair, "_refuse_newer_manifests", lambda store, prefixes: None)
+
+
 def _writer_over_unknown(setattr_: Callable[[Any, str, Any], None]) -> None:
     """A save that cannot read the current manifest (a newer version's) uploads in full
     and commits over it, as before issue 28."""
@@ -1459,6 +1467,13 @@ MUTANTS.update(
                     "test_an_unexpected_gc_error_never_stops_the_saves_after_it",
                 ),
                 why_not_simulated="the simulation's stores raise only cloudckpt's own errors",
+            ),
+            Mutant(
+                "repair-past-newer-manifests",
+                "repair refuses while an attempt it would leave unreferenced has a newer manifest",
+                _repair_past_newer_manifests,
+                (f"{_NEWER}test_repair_refuses_when_an_unreferenced_manifest_is_newer",),
+                why_not_simulated=_NOT_SIMULATED_NEWER_MANIFEST,
             ),
             Mutant(
                 "writer-over-unknown",

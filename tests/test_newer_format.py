@@ -177,6 +177,29 @@ def test_repair_refuses_while_any_commit_record_is_newer(newer_run):
     assert _snapshot(newer_run.store) == before
 
 
+def test_repair_refuses_when_an_unreferenced_manifest_is_newer(newer_run):
+    """LATEST (a newer version's) is damaged and the records of that version's commits
+    were never written (best effort): every record left is this version's, but the
+    manifest of the newer commit, now unreferenced, says a newer version wrote the run.
+    Rebuilding from step 3's record would roll its steps 4 and 5 back, and GC would then
+    delete them: repair refuses instead, changing nothing."""
+    store = newer_run.store
+    for obj in store.list(protocol.COMMITS_PREFIX):
+        if json.loads(store.get(obj.key)[0])["format"] == NEWER_LATEST:
+            store.delete(obj.key)
+    prefix = json.loads(store.get(protocol.LATEST_KEY)[0])["current"]["ckpt"]  # step 5
+    key = prefix + attempt_layout.MANIFEST_NAME
+    body = json.loads(store.get(key)[0])
+    store.put(key, _reseal(body, format="cloudckpt.manifest/99", written_by=NEWER), mode=OVERWRITE)
+    flip_bit(store, protocol.LATEST_KEY, seed=5)
+    before = _snapshot(store)
+    for kwargs in ({}, {"dry_run": True}):
+        with pytest.raises(UnknownFormatError) as exc_info:
+            repair(store, **kwargs)
+        assert exc_info.value.found == "cloudckpt.manifest/99"
+    assert _snapshot(store) == before
+
+
 # --------------------------------------------------------------------------- GC
 
 
