@@ -33,7 +33,10 @@ Plan, then execute (as restic's ``PlanPrune`` and ``Execute``; a dry run does no
   again after each LATEST write of its own and only ever drops from the plan, never adds.
   Before its first write it reads every manifest the plan's LATEST names: a format this
   version does not know (``UnknownFormatError``) is refused with the run untouched, never
-  after GC has marked or deleted anything (``preview_gc`` refuses it the same way). Then:
+  after GC has marked or deleted anything (``preview_gc`` refuses it the same way). Nor is
+  anything deleted by its name alone: the old commit records, the orphans' manifests and
+  ``ATTEMPT.json``s (and the young attempts' manifests, which may name an orphan's chunks)
+  are read first, and a newer version's stops GC the same way (``_judge_garbage``). Then:
 
   * after ``gc-mark`` it deletes only the planned tombstones that the LATEST it wrote (or
     found) marks ``deleting`` (same checkpoint AND same dropping seq: a pin and an unpin in
@@ -54,15 +57,17 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 
-from cloudckpt import attempt_layout, canonical, chunks, protocol
+from cloudckpt import attempt_layout, canonical, chunks, formats, manifests, protocol
 from cloudckpt.committer import VersionedLatest, edit_latest, read_latest, run_has_data
-from cloudckpt.errors import NeedsRepairError
+from cloudckpt.errors import NeedsRepairError, ObjectNotFoundError, UnsafePathError
 from cloudckpt.failpoints import hit as failpoint
 from cloudckpt.protocol import CorruptRecordError, Latest, Tombstone
+from cloudckpt.retry import call_with_retries
 from cloudckpt.stores import MultipartUpload, ObjectInfo, PendingUpload, Store
 
 log = logging.getLogger("cloudckpt.gc")
@@ -137,6 +142,9 @@ class GCPlan:
     kept_young: list[str] = dataclasses.field(default_factory=list)
     uploads: list[PendingUpload] = dataclasses.field(default_factory=list)
     commit_records: list[CommitRecordGarbage] = dataclasses.field(default_factory=list)
+    # The manifests of the young unreferenced attempts (kept): read before the first write,
+    # because a newer version's may name chunks under an old orphan (``_judge_garbage``).
+    young_manifests: list[ObjectInfo] = dataclasses.field(default_factory=list)
 
     @property
     def latest(self) -> Latest | None:
@@ -331,7 +339,11 @@ def plan_gc(
     orphans, young = _plan_orphans(head.latest, inv, grace)
     uploads = _plan_uploads(inv, grace)
     records = _plan_commit_records(head.latest, inv, grace, keep_commit_records, checkpoints)
-    return GCPlan(store, grace, inv.now, head, checkpoints, orphans, young, uploads, records)
+    manifest_keys = {p + attempt_layout.MANIFEST_NAME for p in young}
+    young_manifests = [o for p in young for o in inv.attempts.get(p, ()) if o.key in manifest_keys]
+    return GCPlan(
+        store, grace, inv.now, head, checkpoints, orphans, young, uploads, records, young_manifests
+    )
 
 
 # --------------------------------------------------------------------------- shared steps
@@ -371,6 +383,63 @@ def _judge(store: Store, latest: Latest) -> set[str] | None:
     return chunks.protected_chunk_keys(store, latest)
 
 
+def _check_attempt_marker(data: bytes, what: str) -> None:
+    # ATTEMPT.json is unsealed canonical JSON; what does not parse is damage.
+    try:
+        body = json.loads(data)
+    except (UnicodeDecodeError, ValueError):
+        return
+    if isinstance(body, dict):
+        formats.check_format(
+            body, "cloudckpt.attempt/", (formats.ATTEMPT_FORMAT,), what, "attempt marker"
+        )
+
+
+def _check_manifest(data: bytes, what: str) -> None:
+    manifests.parse_manifest(data)
+
+
+def _check_commit_record(data: bytes, what: str) -> None:
+    protocol.parse_latest(data, what=what)
+
+
+def _refuse_newer(store: Store, obj: ObjectInfo, check: Callable[[bytes, str], None]) -> None:
+    """Raise UnknownFormatError if ``obj`` is a record a newer cloudckpt wrote. Damage
+    (it does not parse, fails its seal, is over the size limit) and a record already gone
+    are no newer version's: GC collects them as before."""
+    if obj.size > formats.MAX_MANIFEST_BYTES:
+        return
+    try:
+        data, _ = call_with_retries(lambda: store.get(obj.key), what=f"read {obj.key}")
+        check(data, obj.key)
+    except (ObjectNotFoundError, CorruptRecordError, UnsafePathError):
+        return
+
+
+def _judge_garbage(plan: GCPlan) -> None:
+    """Read every record GC would delete by its name alone, before its first write: an
+    old commit record, the manifest and ATTEMPT.json of each planned attempt (a tombstone's
+    manifest is read by ``_judge``), and the manifest of each young unreferenced attempt (a
+    newer version's may name chunks under an old orphan). "An unknown format is refused,
+    never collected": one a newer cloudckpt wrote stops GC with the run untouched.
+
+    Raises:
+        UnknownFormatError: such a record (nothing written).
+        StoreError: the store failed (nothing written).
+    """
+    store = plan.store
+    for record in plan.commit_records:
+        _refuse_newer(store, record.obj, _check_commit_record)
+    for item in [*plan.checkpoints, *plan.orphans]:
+        for obj in item.objects:
+            if obj.key == item.prefix + attempt_layout.ATTEMPT_NAME:
+                _refuse_newer(store, obj, _check_attempt_marker)
+            elif obj.key == item.prefix + attempt_layout.MANIFEST_NAME and not item.tombstone:
+                _refuse_newer(store, obj, _check_manifest)
+    for obj in plan.young_manifests:
+        _refuse_newer(store, obj, _check_manifest)
+
+
 def _commit_ids(items: Iterable[AttemptGarbage]) -> set[str]:
     return {a.tombstone.record.commit_id for a in items if a.tombstone is not None}
 
@@ -394,6 +463,7 @@ def preview_gc(plan: GCPlan) -> GCReport:
     report.latest_seq = latest.seq
     if _has_work(plan):
         _judge(plan.store, latest)  # what execute_gc refuses before its first write
+        _judge_garbage(plan)
     if plan.checkpoints:
         if any(a.tombstone and a.tombstone.state == "pending" for a in plan.checkpoints):
             report.latest_writes.append("gc-mark")
@@ -462,6 +532,7 @@ def execute_gc(plan: GCPlan) -> GCReport:
         # manifest stops it with the run untouched); after each LATEST write of its own it
         # reads them again, because LATEST may have moved since the plan.
         _judge(plan.store, plan.latest)
+        _judge_garbage(plan)
     deleted = _execute_tombstones(plan, report)
     fresh = read_latest(plan.store)
     latest = fresh.latest if fresh is not None else plan.latest

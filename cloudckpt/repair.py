@@ -25,6 +25,10 @@ A LATEST that verifies is left alone ("healthy") unless ``force`` is given; with
 LATEST itself is a candidate base, so the result drops checkpoints whose manifests are gone
 and fences the current writer. Repair never deletes anything.
 
+A manifest in a format this version does not know, in an attempt the rebuilt LATEST
+would leave unreferenced, stops repair (``UnknownFormatError``): a newer version
+committed it, and rebuilding from an older record would roll that back.
+
 Plan, then execute (as ``cloudckpt.gc``): ``plan_repair`` does steps 1-4 and writes nothing;
 its ``RepairPlan`` holds the LATEST it would write, the base it comes from, its seq and epoch,
 and how it would be written (``RepairReport.writes``: create-only, or compare-and-swap
@@ -44,7 +48,7 @@ import re
 import secrets
 from typing import Any
 
-from cloudckpt import attempt_layout, canonical, protocol
+from cloudckpt import attempt_layout, canonical, manifests, protocol
 from cloudckpt.committer import write_commit_record
 from cloudckpt.errors import (
     CommitConflictError,
@@ -273,6 +277,25 @@ def _rebuild(
     )
 
 
+def _refuse_newer_manifests(store: Store, prefixes: list[str]) -> None:
+    """Read the manifest of every attempt the rebuilt LATEST would not reference. One a
+    newer cloudckpt wrote means a newer version committed (or was committing) in this run:
+    its LATEST, damaged now, and records lost, rebuilding from an older record would roll
+    those commits back (and GC would then delete them). Damaged or vanished ones pass.
+
+    Raises:
+        UnknownFormatError: such a manifest (nothing written).
+        StoreError: the store failed.
+    """
+    for prefix in prefixes:
+        key = prefix + attempt_layout.MANIFEST_NAME
+        try:
+            data, _ = call_with_retries(functools.partial(store.get, key), what=f"read {key}")
+            manifests.parse_manifest(data)
+        except (ObjectNotFoundError, CorruptRecordError, UnsafePathError):
+            continue
+
+
 def _describe(report: RepairReport, latest: Latest) -> None:
     report.seq, report.epoch = latest.seq, latest.writer.epoch
     report.current_step = latest.current.step if latest.current else None
@@ -301,6 +324,8 @@ def plan_repair(
     Raises:
         CorruptionError: LATEST needs repair but no commit record verifies (the message
             says what was found).
+        UnknownFormatError: LATEST, a commit record or a manifest a newer cloudckpt wrote
+            (nothing written).
         StoreError: the store failed; re-running repair is safe.
     """
     now = (clock or (lambda: dt.datetime.now(dt.timezone.utc)))()
@@ -335,6 +360,7 @@ def plan_repair(
     report.unreferenced_manifests = sorted(
         p for p, has in seen.attempts.items() if has and p not in referenced
     )
+    _refuse_newer_manifests(store, report.unreferenced_manifests)
     _describe(report, rebuilt)
     report.action = "would-rebuild"
     report.writes = _writes(rebuilt, latest_version)
@@ -388,6 +414,8 @@ def repair(
     Raises:
         CorruptionError: LATEST needs repair but no commit record verifies (the message
             says what was found).
+        UnknownFormatError: LATEST, a commit record or a manifest a newer cloudckpt wrote
+            (nothing written).
         CommitConflictError: LATEST changed while repairing (another writer or repair).
         StoreError: the store failed; re-running repair is safe.
     """

@@ -1059,6 +1059,7 @@ def applied(name: str) -> Iterator[Mutant]:
 # (docs/design.md §3, "Format changes: the policy").
 
 _NEWER = "tests/test_newer_format.py::"
+_NEWER_GC_ATTEMPT = f"{_NEWER}test_gc_never_collects_what_a_newer_attempt_holds_or_names"
 _NOT_SIMULATED_NEWER_MANIFEST = (
     "the simulation's newer version writes a newer LATEST (the pointer rule); a newer "
     "manifest under a LATEST this version reads is set up by tests/test_newer_format.py"
@@ -1134,6 +1135,37 @@ def _gc_writes_before_judging(setattr_: Callable[[Any, str, Any], None]) -> None
     from cloudckpt import gc
 
     setattr_(gc, "_judge", lambda store, latest: None)
+
+
+def _gc_collects_newer_by_name(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """GC deletes old commit records, orphan attempts and the chunks they hold by their
+    names, without reading what format wrote them (as before the safety audit)."""
+    from cloudckpt import gc
+
+    setattr_(gc, "_judge_garbage", lambda plan: None)
+
+
+def _autogc_error_ends_the_worker(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """Automatic GC logs only cloudckpt's own errors (as before the safety audit): any
+    other exception ends the save worker it runs on, and later saves wait forever."""
+    from cloudckpt import autogc
+    from cloudckpt.errors import CloudCkptError
+
+    def collect(self: Any) -> None:
+        try:
+            autogc.collect_garbage(self.store)
+        except CloudCkptError as exc:
+            autogc.log.warning("background garbage collection failed: %s", exc)
+
+    setattr_(autogc.AutoGC, "_collect", collect)
+
+
+def _repair_past_newer_manifests(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """Repair never reads the manifests its rebuilt LATEST leaves unreferenced (as before
+    the safety audit): a newer version's commits, whose records are lost, are rolled back."""
+    from cloudckpt import repair
+
+    setattr_(repair, "_refuse_newer_manifests", lambda store, prefixes: None)
 
 
 def _writer_over_unknown(setattr_: Callable[[Any, str, Any], None]) -> None:
@@ -1405,6 +1437,35 @@ MUTANTS.update(
                     f"{_NEWER}test_gc_refuses_a_newer_manifest_before_its_first_write"
                     "[False-records]",
                 ),
+                why_not_simulated=_NOT_SIMULATED_NEWER_MANIFEST,
+            ),
+            Mutant(
+                "gc-collects-newer-by-name",
+                "GC reads every record it would delete by name; a newer one stops it",
+                _gc_collects_newer_by_name,
+                (
+                    f"{_NEWER}test_gc_never_deletes_a_newer_commit_record[False]",
+                    f"{_NEWER_GC_ATTEMPT}[manifest]",
+                    f"{_NEWER_GC_ATTEMPT}[marker]",
+                    f"{_NEWER_GC_ATTEMPT}[young-names-old-chunks]",
+                ),
+                why_not_simulated=_NOT_SIMULATED_NEWER_MANIFEST,
+            ),
+            Mutant(
+                "autogc-error-ends-the-worker",
+                "an automatic GC's failure, whatever its type, never stops later saves",
+                _autogc_error_ends_the_worker,
+                (
+                    "tests/test_autogc.py::"
+                    "test_an_unexpected_gc_error_never_stops_the_saves_after_it",
+                ),
+                why_not_simulated="the simulation's stores raise only cloudckpt's own errors",
+            ),
+            Mutant(
+                "repair-past-newer-manifests",
+                "repair refuses while an attempt it would leave unreferenced has a newer manifest",
+                _repair_past_newer_manifests,
+                (f"{_NEWER}test_repair_refuses_when_an_unreferenced_manifest_is_newer",),
                 why_not_simulated=_NOT_SIMULATED_NEWER_MANIFEST,
             ),
             Mutant(

@@ -177,6 +177,29 @@ def test_repair_refuses_while_any_commit_record_is_newer(newer_run):
     assert _snapshot(newer_run.store) == before
 
 
+def test_repair_refuses_when_an_unreferenced_manifest_is_newer(newer_run):
+    """LATEST (a newer version's) is damaged and the records of that version's commits
+    were never written (best effort): every record left is this version's, but the
+    manifest of the newer commit, now unreferenced, says a newer version wrote the run.
+    Rebuilding from step 3's record would roll its steps 4 and 5 back, and GC would then
+    delete them: repair refuses instead, changing nothing."""
+    store = newer_run.store
+    for obj in store.list(protocol.COMMITS_PREFIX):
+        if json.loads(store.get(obj.key)[0])["format"] == NEWER_LATEST:
+            store.delete(obj.key)
+    prefix = json.loads(store.get(protocol.LATEST_KEY)[0])["current"]["ckpt"]  # step 5
+    key = prefix + attempt_layout.MANIFEST_NAME
+    body = json.loads(store.get(key)[0])
+    store.put(key, _reseal(body, format="cloudckpt.manifest/99", written_by=NEWER), mode=OVERWRITE)
+    flip_bit(store, protocol.LATEST_KEY, seed=5)
+    before = _snapshot(store)
+    for kwargs in ({}, {"dry_run": True}):
+        with pytest.raises(UnknownFormatError) as exc_info:
+            repair(store, **kwargs)
+        assert exc_info.value.found == "cloudckpt.manifest/99"
+    assert _snapshot(store) == before
+
+
 # --------------------------------------------------------------------------- GC
 
 
@@ -297,6 +320,77 @@ def test_gc_refuses_a_newer_manifest_before_its_first_write(
         (preview_gc if dry_run else execute_gc)(plan)
     assert exc_info.value.found == "cloudckpt.manifest/99"
     assert logged.writes == []
+
+
+def _known_run(memory_target, manager_factory):
+    """Steps 1-4 committed in formats this version reads; every record and attempt is
+    older than grace once the test advances the clock."""
+    clock = ManualClock()
+    store = open_store(memory_target.url, {"clock": clock})
+    mgr = manager_factory(store, keep_last=10, gc_grace=GRACE, auto_gc=False)
+    for step in range(1, 5):
+        _save(mgr, step)
+    mgr.close()
+    return store, clock
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_gc_never_deletes_a_newer_commit_record(memory_target, manager_factory, dry_run):
+    """An old commit record a newer version wrote (it wrote LATEST /99 at that seq, then
+    /2 again once its new rule was no longer used: the oldest format that carries
+    everything) is refused, not deleted by its name as one beyond the newest N."""
+    store, clock = _known_run(memory_target, manager_factory)
+    oldest = min(store.list(protocol.COMMITS_PREFIX), key=lambda o: o.key).key
+    _relabel(store, oldest)
+    clock.advance(GRACE * 3)
+    plan = plan_gc(store, keep_commit_records=1)
+    assert oldest in [r.obj.key for r in plan.commit_records]  # GC would delete it
+    before = _snapshot(store)
+    with pytest.raises(UnknownFormatError) as exc_info:
+        (preview_gc if dry_run else execute_gc)(plan)
+    _refused(exc_info)
+    assert _snapshot(store) == before
+
+
+def _chunk_key(prefix: str, n: int) -> str:
+    return prefix + attempt_layout.CHUNKS_DIR + hashlib.sha256(b"%d" % n).hexdigest()
+
+
+@pytest.mark.parametrize("case", ["manifest", "marker", "young-names-old-chunks"])
+def test_gc_never_collects_what_a_newer_attempt_holds_or_names(
+    memory_target, manager_factory, case
+):
+    """Attempts LATEST does not reference, a newer version's: an old one whose manifest is
+    /99 (committed under a LATEST since rolled back, or fenced), an old one whose
+    ATTEMPT.json is /2 (crashed before its manifest), and an old crashed attempt's chunks
+    named only by a young attempt's /99 manifest. GC refuses before its first write."""
+    store, clock = _known_run(memory_target, manager_factory)
+    old = attempt_layout.ckpt_prefix(7, 1, "20300101T000000007Z-deadbeef")
+    store.put(_chunk_key(old, 1), b"chunk one")
+    newer_manifest = canonical.seal(
+        {
+            "format": "cloudckpt.manifest/99",
+            "written_by": NEWER,
+            "files": [{"path": "weights", "chunks": [_chunk_key(old, 1)]}],
+        }
+    )
+    if case == "manifest":
+        store.put(old + attempt_layout.MANIFEST_NAME, newer_manifest)
+    if case == "marker":
+        marker = {"format": "cloudckpt.attempt/2", "written_by": NEWER, "ckpt": old}
+        store.put(old + attempt_layout.ATTEMPT_NAME, canonical.canonical_json(marker))
+    clock.advance(GRACE * 3)
+    if case == "young-names-old-chunks":
+        young = attempt_layout.ckpt_prefix(8, 1, "20300101T000000008Z-deadbeef")
+        store.put(young + attempt_layout.MANIFEST_NAME, newer_manifest)
+    plan = plan_gc(store)
+    assert [o.prefix for o in plan.orphans] == [old]  # GC would delete it
+    before = _snapshot(store)
+    for run in (preview_gc, execute_gc):
+        with pytest.raises(UnknownFormatError) as exc_info:
+            run(plan)
+        assert exc_info.value.written_by == NEWER
+    assert _snapshot(store) == before
 
 
 # --------------------------------------------------------------------------- writers
