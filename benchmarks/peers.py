@@ -2,7 +2,7 @@
 
 Every peer talks to the same endpoint with the same credentials as cloudckpt, moves the
 same files, and uses its own defaults unless the row says ``tuned`` (then: 16 requests in
-flight, 8 MiB parts, 16 MiB download ranges: cloudckpt's own settings). None of them
+flight, 32 MiB parts, 16 MiB download ranges: cloudckpt's own settings). None of them
 computes a digest of the content of its own accord except where noted; none fsyncs.
 
 How each one was made to talk to the benchmark endpoint (``benchmarks/s3_endpoint.py``, a
@@ -37,7 +37,7 @@ from typing import Any
 
 MiB = 1 << 20
 TUNED_CONCURRENCY = 16
-TUNED_PART = 8 * MiB
+TUNED_PART = 32 * MiB
 TUNED_RANGE = 16 * MiB
 
 

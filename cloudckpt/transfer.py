@@ -7,8 +7,7 @@ reused buffer (a fresh 8 MiB ``bytes`` per part cost more CPU in page faults tha
 itself: 0.7 against 0.04 CPU-s per GiB, docs/performance.md), or take a ``MemoryFile``'s
 part as a view of its memory (no copy at all), compute the part's digest leaves and its
 CRC32C in the same pass, and upload it (one ``sendall``, no copy) with the CRC32C the
-store verifies. A part of exactly one chunk (the default size)
-has its leaf registered as its SHA-256 (``digest.known_sha256``): a store that signs
+store verifies. A part of exactly one chunk (``part_size=8 * MiB``) has its leaf registered as its SHA-256 (``digest.known_sha256``): a store that signs
 payloads (S3 over plain HTTP) uses it instead of hashing the bytes a second time.
 
 Downloads: the workers, the retry policy and the short-read rule (``read_exact``) every
@@ -60,11 +59,16 @@ class TransferConfig:
     ``part_size``: preferred multipart part size; raised when a file would need more parts
     than the store allows. ``multipart_threshold``: files at least this big go multipart.
     ``range_size``: download range size. All sizes are rounded up to the 8 MiB chunk.
-    One chunk per part (the default) lets a payload-signing store reuse the chunk's digest.
+    Parts of 32 MiB (four chunks): botocore spends about a millisecond of CPU per request
+    whatever its size, and parts of one chunk cost 0.25-0.4 more client CPU-seconds per
+    GiB uploaded than parts of four (docs/performance.md, "Upload client CPU"); the price
+    is up to ``concurrency x 32 MiB`` of part buffers for files (none for ``save_state``).
+    With ``sha256-tree`` digests and payload signing, one chunk per part (``8 * MiB``) lets
+    the store sign with the chunk's digest instead of hashing the part again.
     """
 
     concurrency: int = 16
-    part_size: int = 8 * MiB
+    part_size: int = 32 * MiB
     multipart_threshold: int = 16 * MiB
     range_size: int = 16 * MiB
     attempts: int = 6
