@@ -443,14 +443,14 @@ class RankSave:
         attempt = job.attempt
         try:
             self.comm.check_usable()
-            info = self.comm.guard(lambda: self._save_collectively(job))
+            info, manifest = self.comm.guard(lambda: self._save_collectively(job))
         except Exception:
             fail_attempt(attempt)
             raise
         # Committed: nothing failing now (a full disk) may fail the save (I6).
         warnings: list[str] = []
-        store = self.attempts.store if self.is_node_leader() else None
-        kept = lambda: _kept.keep(attempt, info, self.local, store)  # noqa: E731
+        manifest = manifest if self.is_node_leader() else None
+        kept = lambda: _kept.keep(attempt, info, self.local, manifest)  # noqa: E731
         if not after_commit(info.step, "keep the local copy", kept, warnings):
             attempt.remove()
         self._peer_copies(info, warnings)
@@ -464,7 +464,7 @@ class RankSave:
             what = "make its peer copies"
             after_commit(info.step, what, lambda: warnings.extend(share(info)), warnings)
 
-    def _save_collectively(self, job: QueuedSave) -> CommitInfo:
+    def _save_collectively(self, job: QueuedSave) -> tuple[CommitInfo, bytes | None]:
         """Make this rank's staged files durable and take part in the save with them (or
         with the error that kept them from it: ``job.error``)."""
         attempt, handle = job.attempt, job.handle

@@ -26,6 +26,7 @@ three rounds of collectives (the package docstring tells them from the user's si
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import threading
 import time
@@ -44,7 +45,7 @@ from cloudckpt.errors import (
     RankFailedError,
     ReusedChunkMissingError,
 )
-from cloudckpt.manifests import FileEntry
+from cloudckpt.manifests import FileEntry, Manifest
 from cloudckpt.protocol import CheckpointRecord
 from cloudckpt.savequeue import SaveHandle
 from cloudckpt.transfer import ProgressCallback
@@ -130,6 +131,10 @@ class Committed:
     total_bytes: int
     bytes_uploaded: int
     bytes_reused: int
+    #: The committed manifest's bytes, exactly those LATEST records (checked: its SHA-256
+    #: and size), for the node leaders' local copies: no leader reads it back from the
+    #: store. None if the check failed (a leader then keeps no manifest).
+    manifest: bytes | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,12 +165,13 @@ def save(
     *,
     replicas: _replicas.Replicas = _REPLICAS_NONE,
     dedup: bool = True,
-) -> CommitInfo:
+) -> tuple[CommitInfo, bytes | None]:
     """This rank's part of the save of ``handle``: its ``files`` (paths in the
     checkpoint), or ``local_exc`` if it failed to stage them (it still takes part, so that
     every rank fails at once). ``rank_chunks``: this rank's chunk index; ``replicas``: the
     groups of ranks that must save the same files (checked before the commit); ``dedup``:
-    one upload per chunk several ranks hold. Raises on every rank alike:
+    one upload per chunk several ranks hold. Returns every rank's ``CommitInfo`` and the
+    committed manifest's bytes (``Committed.manifest``). Raises on every rank alike:
     RankFailedError, ConfigurationError, ReplicaDivergedError, the coordinator's error
     (FencedError, ReusedChunkMissingError and ChunkSourceDroppedError on the retry,
     StoreError...), CollectiveError."""
@@ -200,7 +206,7 @@ def save(
             again, sent_before = outcome, uploaded.bytes_uploaded
             continue
         rank_chunks.committed(decision.commit_id, uploaded.entries)
-        return _info(comm, handle, decision, outcome)
+        return _info(comm, handle, decision, outcome), outcome.manifest
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -450,7 +456,18 @@ def _finish(
         manifest.total_bytes,
         sum(r.bytes_uploaded for r in reports),
         sum(r.bytes_reused for r in reports),
+        committed_body(manifest, latest.current),
     )
+
+
+def committed_body(manifest: Manifest, record: CheckpointRecord | None) -> bytes | None:
+    """The bytes of ``manifest`` if they are exactly what ``record`` (the committed
+    checkpoint) names, else None. ``to_bytes`` is the canonical form ``finish`` wrote,
+    but only the digest LATEST records decides what a kept manifest may be."""
+    body = manifest.to_bytes()
+    if record is None or len(body) != record.manifest_size:
+        return None
+    return body if hashlib.sha256(body).hexdigest() == record.manifest_sha256 else None
 
 
 def find_collision(paths_by_rank: Sequence[Sequence[str]]) -> str | None:
