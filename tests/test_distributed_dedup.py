@@ -523,3 +523,71 @@ def test_no_node_leader_reads_back_the_manifest_just_committed(ranks, monkeypatc
         (copy,) = (tmp_path / "staging" / f"rank-{rank:05d}" / "committed").glob("*")
         assert (copy / "MANIFEST.json").read_bytes() == stored
         assert copy.name.endswith(record.commit_id)
+
+
+def _staged(tmp_path: Path, mib: int = 9) -> list[tuple[str, Path]]:
+    path = tmp_path / "shard.bin"
+    path.write_bytes(random.Random(7).randbytes(mib * 1024 * 1024 + 123))
+    return [("rank-00000/shard.bin", path)]
+
+
+def _shape(entries) -> list[tuple[Any, ...]]:
+    """Entries without the attempt prefix their chunks were put under."""
+    return [(e.path, e.size, e.digest, [(c.name, c.size) for c in e.chunks]) for e in entries]
+
+
+def _upload(engine, files, prefix: str, digested=None):
+    from cloudckpt.chunks import ChunkIndex, upload_chunked
+
+    store = open_store(f"memory://hash-once-{prefix}/run")
+    entries, _ = upload_chunked(
+        engine, store, f"ckpt/{prefix}/", files, ChunkIndex(), "fixed", digested=digested
+    )
+    return _shape(entries)
+
+
+def test_the_upload_hashes_nothing_the_naming_pass_hashed(tmp_path, monkeypatch):
+    """Each byte hashed once per save: given the naming pass's digests of an unchanged
+    staged file, the upload calls no hash at all and builds the same entries."""
+    from cloudckpt.distributed._chunks import chunk_names
+    from cloudckpt.transfer import TransferEngine
+
+    files = _staged(tmp_path)
+    with TransferEngine() as engine:
+        plain = _upload(engine, files, "plain")
+        named = chunk_names(engine, files, "fixed")
+        assert set(named.digested) == {files[0][1]}
+        assert named.names == {name for *_, chunks in plain for name, _ in chunks}
+        hashed: list[int] = []
+        for fn in ("leaf", "hexleaf", "leaf_and_crc32c"):
+            real = getattr(digest, fn)
+            monkeypatch.setattr(
+                digest,
+                fn,
+                lambda data, *a, real=real, **k: hashed.append(len(data)) or real(data, *a, **k),
+            )
+        again = _upload(engine, files, "named", named.digested)
+    assert hashed == []
+    assert again == plain
+
+
+def test_a_staged_file_changed_after_naming_is_hashed_again(tmp_path):
+    """A staged file rewritten after the naming pass (same size, its mtime even set back:
+    its ctime still moves) is not uploaded under the stale digests: the upload hashes the
+    bytes it sends, and the entries are those of the new content."""
+    from cloudckpt.distributed._chunks import chunk_names
+    from cloudckpt.transfer import TransferEngine
+
+    files = _staged(tmp_path)
+    path = files[0][1]
+    with TransferEngine() as engine:
+        named = chunk_names(engine, files, "fixed")
+        st = path.stat()
+        data = bytearray(path.read_bytes())
+        data[5] ^= 1
+        path.write_bytes(bytes(data))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        fresh = _upload(engine, files, "fresh")
+        after = _upload(engine, files, "after", named.digested)
+    assert after == fresh
+    assert fresh[0][3][0][0] not in named.names
