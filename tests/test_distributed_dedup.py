@@ -591,3 +591,27 @@ def test_a_staged_file_changed_after_naming_is_hashed_again(tmp_path):
         after = _upload(engine, files, "after", named.digested)
     assert after == fresh
     assert fresh[0][3][0][0] not in named.names
+
+
+def test_the_outcome_carries_a_manifest_only_as_committed_and_only_if_leaders_keep_it(
+    ranks, memory_target
+):
+    """``committed_body``: the manifest's bytes only if they are exactly what the commit
+    record names (its SHA-256 and size); and no manifest rides the commit's outcome
+    where no node's leader keeps local copies (``keep_local=0``)."""
+    import dataclasses
+
+    from cloudckpt.distributed._save import committed_body
+    from cloudckpt.manifests import parse_manifest
+
+    mgrs, stores = ranks(2, keep_local=0)
+    assert not any(m._leaders_keep for m in mgrs)
+    infos = save_on(mgrs, 1, dp_files)
+    assert not any(isinstance(i, BaseException) for i in infos), infos
+    record = read_latest(stores[0].inner).latest.current
+    stored, _ = stores[0].inner.get(record.ckpt + attempt_layout.MANIFEST_NAME)
+    manifest = parse_manifest(stored, record)
+    assert committed_body(manifest, record) == stored
+    other = dataclasses.replace(record, manifest_sha256="0" * 64)
+    assert committed_body(manifest, other) is None
+    assert committed_body(manifest, None) is None

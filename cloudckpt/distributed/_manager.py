@@ -61,6 +61,7 @@ def _rank_pipeline(manager: ManagerBase) -> RankSave:
         manager.replicas,
         manager.dedup,
         manager._share_peers,
+        lambda: manager._leaders_keep,
     )
 
 
@@ -191,6 +192,9 @@ class DistributedCheckpointManager(ManagerBase):
         except Exception as exc:
             failure = exc
         self._ranks, kept = self._agree(failure, node_id)
+        # Whether any node's leader keeps local copies (the same on every rank): only
+        # then does the commit's outcome carry the manifest (``_save.Committed``).
+        self._leaders_keep = any(kept[min(node)] is not None for node in self._ranks.nodes)
         self.local_ranks: tuple[int, ...] = self._ranks.local_ranks
         self.node_leader = self._ranks.node_leader
         self.is_node_leader = self._ranks.is_node_leader
@@ -425,8 +429,10 @@ class RankSave:
         replicas: _replicas.Replicas | None = None,
         dedup: bool = True,
         share: Callable[[CommitInfo], list[str]] | None = None,
+        leaders_keep: Callable[[], bool] = lambda: True,
     ) -> None:
         self.share = share  # peer copies after each commit (None: off)
+        self.leaders_keep = leaders_keep  # send the manifest with the commit's outcome
         self.comm = comm
         self.local = local
         self.is_node_leader = is_node_leader
@@ -488,6 +494,7 @@ class RankSave:
             self.progress,
             replicas=self.replicas,
             dedup=self.dedup,
+            send_manifest=self.leaders_keep(),
         )
 
     def close(self) -> None:

@@ -165,13 +165,16 @@ def save(
     *,
     replicas: _replicas.Replicas = _REPLICAS_NONE,
     dedup: bool = True,
+    send_manifest: bool = True,
 ) -> tuple[CommitInfo, bytes | None]:
     """This rank's part of the save of ``handle``: its ``files`` (paths in the
     checkpoint), or ``local_exc`` if it failed to stage them (it still takes part, so that
     every rank fails at once). ``rank_chunks``: this rank's chunk index; ``replicas``: the
     groups of ranks that must save the same files (checked before the commit); ``dedup``:
-    one upload per chunk several ranks hold. Returns every rank's ``CommitInfo`` and the
-    committed manifest's bytes (``Committed.manifest``). Raises on every rank alike:
+    one upload per chunk several ranks hold; ``send_manifest`` (the same on every rank):
+    the node leaders keep local copies, so the outcome carries the manifest. Returns every
+    rank's ``CommitInfo`` and the committed manifest's bytes (``Committed.manifest``, None
+    without ``send_manifest``). Raises on every rank alike:
     RankFailedError, ConfigurationError, ReplicaDivergedError, the coordinator's error
     (FencedError, ReusedChunkMissingError and ChunkSourceDroppedError on the retry,
     StoreError...), CollectiveError."""
@@ -200,7 +203,15 @@ def save(
             uploaded, bytes_uploaded=uploaded.bytes_uploaded + sent_before
         )
         outcome = _commit(
-            comm, attempts, begun, uploaded, handle, step, replicas, may_retry=not retry
+            comm,
+            attempts,
+            begun,
+            uploaded,
+            handle,
+            step,
+            replicas,
+            may_retry=not retry,
+            send_manifest=send_manifest,
         )
         if isinstance(outcome, Reupload):
             if comm.is_coordinator:
@@ -397,6 +408,7 @@ def _commit(
     replicas: _replicas.Replicas,
     *,
     may_retry: bool,
+    send_manifest: bool = True,
 ) -> Committed | Reupload:
     """Every rank reports its upload; the coordinator checks that ``replicas`` agree
     (``_replicas.check_agreement``) and commits the manifest of all of them (``finish``:
@@ -412,7 +424,7 @@ def _commit(
         assert begun is not None and reports is not None
         try:
             _replicas.check_agreement(replicas, [r.entries for r in reports], step)
-            outcome = _finish(attempts, begun, reports, handle, comm.world)
+            outcome = _finish(attempts, begun, reports, handle, comm.world, send_manifest)
         except ReusedChunkMissingError as exc:
             commit_exc, outcome = exc, Reupload(exc.message, exc.missing)
         except ChunkSourceDroppedError as exc:
@@ -447,9 +459,11 @@ def _finish(
     reports: Sequence[Uploaded],
     handle: SaveHandle,
     world: int,
+    send_manifest: bool = True,
 ) -> Committed:
     """Coordinator: the single-host commit of every rank's entries, requiring every
-    rank's chunk sources retained. Raises as ``AttemptWriter.finish``."""
+    rank's chunk sources retained; the outcome carries the manifest if ``send_manifest``.
+    Raises as ``AttemptWriter.finish``."""
     every = [e for report in reports for e in report.entries]
     sources = set().union(*(report.sources for report in reports))
     metadata = {**handle.metadata, WORLD_SIZE_KEY: world}
@@ -466,7 +480,7 @@ def _finish(
         manifest.total_bytes,
         sum(r.bytes_uploaded for r in reports),
         sum(r.bytes_reused for r in reports),
-        committed_body(manifest, latest.current),
+        committed_body(manifest, latest.current) if send_manifest else None,
     )
 
 
