@@ -2178,37 +2178,10 @@ def _stale_naming_digests_trusted(setattr_: Callable[[Any, str, Any], None]) -> 
     )
 
 
-def _naming_stamp_ignores_ctime(setattr_: Callable[[Any, str, Any], None]) -> None:
-    """A staged file's stamp leaves out its ctime: a rewrite whose mtime was set back
-    (``os.utime``, a copy tool keeping times) looks unchanged."""
-    import os
-
-    from cloudckpt import chunks
-
-    def stamp(source):
-        st = os.stat(source)
-        return st.st_size, st.st_mtime_ns, 0, st.st_ino
-
-    setattr_(chunks, "stamp", stamp)
-
-
 MUTANTS.update(
     {
         m.name: m
         for m in [
-            Mutant(
-                "naming-stamp-ignores-ctime",
-                "the naming pass's digests are used only while the staged file's size, "
-                "mtime, ctime and inode are unchanged, before and during its upload",
-                _naming_stamp_ignores_ctime,
-                (
-                    "tests/test_distributed_dedup.py::test_a_staged_file_changed_after_naming_"
-                    "is_hashed_again",
-                    "tests/test_distributed_dedup.py::test_a_staged_file_changed_during_an_"
-                    "upload_named_from_the_pass_fails_it",
-                ),
-                why_not_simulated="the simulation has no multi-rank saves",
-            ),
             Mutant(
                 "stale-naming-digests-trusted",
                 "a multi-rank save's upload names a staged file's chunks from the naming "
