@@ -394,8 +394,7 @@ class AttemptWriter:
         the attempt at ``prefix``, naming the chunks ``index`` holds instead of uploading
         them: ``upload``'s, and a multi-rank save's ranks' (which know only the prefix and
         the index of the checkpoint the save builds on; ``elsewhere`` and ``owed``: the
-        chunks other ranks put, and those this rank puts for them, ``chunks.upload_chunked``;
-        ``digested``: the digests of its dedup naming pass, ``chunks.Digested``).
+        chunks other ranks put, and those this rank puts for them, ``chunks.upload_chunked``).
         ``progress``: default, the writer's own. Returns the entries (with each staged file's mode) and what was sent
         and reused (``UploadStats.sources``: the checkpoints the commit must still retain).
 
