@@ -8,12 +8,8 @@ interleaved, medians:
 - ``upload_s``: the rank's chunked upload of the file to an in-memory store (read, hash,
   put), what a save costs without dedup;
 - ``names_s``: the hashing pass dedup adds before the save's first collective
-  (``_chunks.chunk_names``: read and hash every byte); ``names_ratio`` =
+  (``_chunks.chunk_names``: read and hash every byte once more); ``names_ratio`` =
   names_s / upload_s;
-- ``upload_named_s``: the same upload given the naming pass's digests (``digested``: what
-  a multi-rank save with dedup does, each byte hashed once per save: read and put only);
-  ``dedup_save_ratio`` = (names_s + upload_named_s) / upload_s, what naming plus upload
-  cost a rank against an upload without dedup (before the hand-over: names_s + upload_s);
 - ``plan_bytes``: what the names add to the rank's plan (pickled), per GiB staged;
 - ``agreement_s``: the coordinator's comparison of ``--world`` replicas' entries of the
   file (``_replicas.divergence``): no hashing at all, the digests are those the upload
@@ -35,7 +31,7 @@ import time
 from pathlib import Path
 
 from cloudckpt.chunks import ChunkIndex, upload_chunked
-from cloudckpt.distributed._chunks import Named, chunk_names
+from cloudckpt.distributed._chunks import chunk_names
 from cloudckpt.distributed._replicas import divergence
 from cloudckpt.stores import open_store
 from cloudckpt.stores.memory import drop_memory_bucket
@@ -51,19 +47,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     engine = TransferEngine()
-    times: dict[str, list[float]] = {
-        "upload_s": [],
-        "names_s": [],
-        "upload_named_s": [],
-        "agreement_s": [],
-    }
+    times: dict[str, list[float]] = {"upload_s": [], "names_s": [], "agreement_s": []}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "shard.pt"
         with open(path, "wb") as f:
             for _ in range(args.mib):
                 f.write(os.urandom(1024 * 1024))
         files = [("rank-00000/shard.pt", path)]
-        names = Named()
+        names: frozenset[str] = frozenset()
         entries = []
         for i in range(args.rounds):
             store = open_store(f"memory://dedup-cost-{i}/run")
@@ -75,21 +66,6 @@ def main() -> None:
             t = time.perf_counter()
             names = chunk_names(engine, files, "fixed")
             times["names_s"].append(time.perf_counter() - t)
-            store = open_store(f"memory://dedup-cost-n{i}/run")
-            t = time.perf_counter()
-            named, _ = upload_chunked(
-                engine,
-                store,
-                f"ckpt/{i}/",
-                files,
-                ChunkIndex(),
-                "fixed",
-                digested=names.digested,
-            )
-            times["upload_named_s"].append(time.perf_counter() - t)
-            store.close()
-            drop_memory_bucket(f"dedup-cost-n{i}")
-            assert named == entries  # the same entries, without hashing again
             replicas = [
                 [dataclasses.replace(e, path=f"rank-{r:05d}/shard.pt") for e in entries]
                 for r in range(args.world)
@@ -106,13 +82,10 @@ def main() -> None:
                 "mib": args.mib,
                 "world": args.world,
                 "rounds": args.rounds,
-                "chunks": len(names.names),
+                "chunks": len(names),
                 **{k: round(v, 6) for k, v in med.items()},
                 "names_ratio": round(med["names_s"] / med["upload_s"], 3),
-                "dedup_save_ratio": round(
-                    (med["names_s"] + med["upload_named_s"]) / med["upload_s"], 3
-                ),
-                "plan_bytes_per_gib": round(len(pickle.dumps(names.names)) * GIB / size),
+                "plan_bytes_per_gib": round(len(pickle.dumps(names)) * GIB / size),
                 "agreement_per_gib_s": round(med["agreement_s"] * GIB / size, 6),
             },
             indent=2,

@@ -388,7 +388,6 @@ class AttemptWriter:
         *,
         elsewhere: Iterable[str] = (),
         owed: Iterable[str] = (),
-        digested: Mapping[Path, chunks.Digested] | None = None,
     ) -> tuple[list[FileEntry], chunks.UploadStats]:
         """Upload ``files`` as chunks (the writer's ``chunking`` mode, not ``"off"``) into
         the attempt at ``prefix``, naming the chunks ``index`` holds instead of uploading
@@ -411,7 +410,6 @@ class AttemptWriter:
             progress or self.progress,
             elsewhere=elsewhere,
             owed=owed,
-            digested=digested,
         )
         return with_modes(entries, files), stats
 

@@ -51,7 +51,7 @@ import os
 import struct
 import threading
 import zipfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -383,25 +383,6 @@ class UploadStats:
 # --------------------------------------------------------------------------- upload
 
 
-@dataclasses.dataclass(frozen=True)
-class Digested:
-    """What a hashing pass over one staged file computed, for the upload that follows it
-    (a multi-rank save names its chunks before the upload: ``distributed._chunks``), so
-    that each byte is hashed once per save. ``stamp``: the file's ``stamp`` before the
-    pass; ``spans``: leaf start -> each of its chunks' digest (hex, in plan order). Used
-    only while the file's stamp is unchanged (``upload_chunked``)."""
-
-    stamp: tuple[int, int, int, int]
-    spans: Mapping[int, tuple[str, ...]]
-
-
-def stamp(source: Path) -> tuple[int, int, int, int]:
-    """(size, mtime, ctime, inode) of a staged file: a write, truncation or replacement
-    changes it. Raises OSError."""
-    st = os.stat(source)
-    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
-
-
 class _Uploader:
     def __init__(
         self,
@@ -436,47 +417,30 @@ class _Uploader:
             pass  # content-addressed and create-only: whoever won wrote these bytes
         failpoint("save.after_part")
 
-    def span(
-        self,
-        source: Path | MemoryFile,
-        offset: int,
-        pieces: list[tuple[int, int]],
-        shas: tuple[str, ...] | None = None,
-    ):
-        """One leaf: read it, hash it and its chunks (unless ``shas``: its chunks' digests
-        from a hashing pass of these very bytes, ``Digested``), upload the chunks the index
-        lacks."""
+    def span(self, source: Path | MemoryFile, offset: int, pieces: list[tuple[int, int]]):
+        """One leaf: read it, hash it and its chunks, upload the chunks the index lacks."""
         length = sum(n for _, n in pieces)
         with self.engine.reading(source, offset, length) as data:
-            return self._span(data, offset, pieces, shas)
+            return self._span(data, offset, pieces)
 
-    def _span(
-        self,
-        data: memoryview,
-        offset: int,
-        pieces: list[tuple[int, int]],
-        shas: tuple[str, ...] | None = None,
-    ):
+    def _span(self, data: memoryview, offset: int, pieces: list[tuple[int, int]]):
         length = len(data)
         algorithm = self.algorithm
         # With nothing to reuse every chunk is sent: its transfer CRC32C is computed in the
         # same pass as its digest. With an index most chunks of an incremental save are
         # reused, and a CRC of them would be wasted: the store computes it for those sent.
         crc: int | None = None
-        if shas is not None and len(pieces) == 1:
-            leaf = bytes.fromhex(shas[0])  # the leaf is its one chunk: nothing to hash
-        elif not self.index and len(pieces) == 1:
+        if not self.index and len(pieces) == 1:
             leaf, crc = digest.leaf_and_crc32c(data, algorithm)
         else:
             leaf = digest.leaf(data, algorithm)
         refs = []
-        for i, (off, n) in enumerate(pieces):
+        for off, n in pieces:
             if n == length:
                 chunk, sha, chunk_crc = data, leaf.hex(), crc
             else:
                 chunk = data[off - offset : off - offset + n]
-                sha = shas[i] if shas is not None else digest.hexleaf(chunk, algorithm)
-                chunk_crc = None
+                sha, chunk_crc = digest.hexleaf(chunk, algorithm), None
             ref = ChunkRef(self.prefix, sha, n, algorithm)
             known = None if ref.name in self.owed else self.index.get(ref.name, n)
             if known is not None and not self.checked.trusted(
@@ -522,7 +486,6 @@ def upload_chunked(
     *,
     elsewhere: Iterable[str] = (),
     owed: Iterable[str] = (),
-    digested: Mapping[Path, Digested] | None = None,
 ) -> tuple[list[FileEntry], UploadStats]:
     """Upload ``files`` (relative path, local path or ``MemoryFile``) as chunks under the
     attempt ``prefix``, skipping chunks ``index`` holds; return their manifest entries and
@@ -530,9 +493,6 @@ def upload_chunked(
     names) are another rank's to put, and named under ``prefix`` without a put;
     ``owed`` are put even if ``index`` holds them (other ranks name them under
     ``prefix``). The commit's listing (``check_uploaded``) confirms them all.
-    ``digested``: a hashing pass's digests of staged files (by local path), used instead
-    of hashing again only for a file whose ``stamp`` is still the one taken before that
-    pass (and, as for every file, unchanged until its upload ends).
 
     Raises StagingError (a file unreadable or changed meanwhile) or StoreError.
     """
@@ -541,64 +501,35 @@ def upload_chunked(
     for rel, source in files:
         try:
             before = _identity(source)
-            known = _still_digested(source, digested)
         except OSError as exc:
             raise StagingError(f"cannot read staged file {source}: {exc.strerror}") from None
         size = before[0]
         spans: dict[int, list[tuple[int, int]]] = {}
         for off, n in plan(source, size, mode, name=rel.rsplit("/", 1)[-1]):
             spans.setdefault(off // LEAF * LEAF, []).append((off, n))
-        futures = [
-            engine.submit(up.span, source, start, p, _known_span(known, start, p))
-            for start, p in sorted(spans.items())
-        ]
-        jobs.append((rel, source, before, known, futures))
+        futures = [engine.submit(up.span, source, start, p) for start, p in sorted(spans.items())]
+        jobs.append((rel, source, before, futures))
     entries = []
     try:
-        for rel, source, before, known, futures in jobs:
+        for rel, source, before, futures in jobs:
             results = engine.wait_all(futures)
             try:
                 after = _identity(source)
-                # Named from the pass's digests: the bytes sent must be those it hashed.
-                moved = (
-                    known is not None
-                    and not isinstance(source, MemoryFile)
-                    and stamp(source) != known.stamp
-                )
             except OSError as exc:
                 raise StagingError(f"staged file {source} became unreadable: {exc}") from None
-            if after != before or moved:
+            if after != before:
                 raise StagingError(f"staged file {source} changed while it was being uploaded")
             leaves = [leaf for leaf, _ in results]
             refs = tuple(r for _, rs in results for r in rs)
             root = digest.root(leaves, before[0], algorithm=up.algorithm)
             entries.append(FileEntry(rel, before[0], root, refs, algorithm=up.algorithm))
     except BaseException:
-        for *_, futures in jobs:
+        for _, _, _, futures in jobs:
             for f in futures:
                 f.cancel()
         cf.wait([f for *_, fs in jobs for f in fs])
         raise
     return entries, up.stats
-
-
-def _still_digested(
-    source: Path | MemoryFile, digested: Mapping[Path, Digested] | None
-) -> Digested | None:
-    """``digested``'s entry for ``source`` if the file is unchanged since that hashing
-    pass began (same ``stamp``), else None (hashed again). Raises OSError."""
-    if not digested or isinstance(source, MemoryFile):
-        return None
-    known = digested.get(source)
-    return known if known is not None and stamp(source) == known.stamp else None
-
-
-def _known_span(
-    known: Digested | None, start: int, pieces: list[tuple[int, int]]
-) -> tuple[str, ...] | None:
-    """The digests of the leaf at ``start`` if the pass cut it into the same pieces."""
-    shas = None if known is None else known.spans.get(start)
-    return shas if shas is not None and len(shas) == len(pieces) else None
 
 
 def _stored_chunk_sizes(store: Store, owner_prefixes: Iterable[str]) -> dict[str, int]:

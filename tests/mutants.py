@@ -2163,36 +2163,3 @@ MUTANTS.update(
         ]
     }
 )
-
-
-# Each byte hashed once per multi-rank save (issue 30 leftovers): cloudckpt.chunks.
-def _stale_naming_digests_trusted(setattr_: Callable[[Any, str, Any], None]) -> None:
-    """The upload takes the naming pass's digests of a staged file whatever happened to
-    the file since (its stamp not compared)."""
-    from cloudckpt import chunks
-
-    setattr_(
-        chunks,
-        "_still_digested",
-        lambda source, digested: (digested or {}).get(source),
-    )
-
-
-MUTANTS.update(
-    {
-        m.name: m
-        for m in [
-            Mutant(
-                "stale-naming-digests-trusted",
-                "a multi-rank save's upload names a staged file's chunks from the naming "
-                "pass's digests only while the file is unchanged since that pass",
-                _stale_naming_digests_trusted,
-                (
-                    "tests/test_distributed_dedup.py::test_a_staged_file_changed_after_naming_"
-                    "is_hashed_again",
-                ),
-                why_not_simulated="the simulation has no multi-rank saves",
-            ),
-        ]
-    }
-)

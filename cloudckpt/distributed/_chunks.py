@@ -30,13 +30,6 @@ the attempt. An owner puts its chunks even if its index holds them; the other ho
 name them under the attempt's prefix without a put. Nothing else is trusted: the
 commit's listing (``chunks.check_uploaded``) confirms every named chunk is stored whole,
 so an owner that failed to put one means no commit.
-
-Each byte is hashed once per save: the upload takes the naming pass's digests
-(``Named.digested``) instead of hashing again. That is sound because the staged files are
-the rank's own, fsynced and marked durable before the pass and written by nothing in
-cloudckpt after it, and because the digests are used only for a file whose ``stamp``
-(size, mtime, ctime, inode) is the one taken before the pass, at the upload's start (else
-the upload hashes the bytes it sends) and at its end (else no commit: ``upload_chunked``).
 """
 
 from __future__ import annotations
@@ -47,9 +40,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from cloudckpt import digest
-from cloudckpt.chunks import LEAF, ChunkIndex, ChunkingMode, Digested, plan, stamp
+from cloudckpt.chunks import LEAF, ChunkIndex, ChunkingMode, plan
 from cloudckpt.errors import CloudCkptError, StagingError, UnknownFormatError
-from cloudckpt.manifests import FileEntry, chunk_name
+from cloudckpt.manifests import ChunkRef, FileEntry
 from cloudckpt.protocol import CheckpointRecord
 from cloudckpt.reader import fetch_manifest
 from cloudckpt.stores import Store
@@ -130,61 +123,38 @@ class Reusable:
     names: frozenset[str]
 
 
-@dataclasses.dataclass(frozen=True)
-class Named:
-    """A rank's chunks, named before its upload: ``names`` (for the coordinator's choice
-    of owners) and ``digested``, the digests behind them by staged file, which the upload
-    uses instead of hashing again (``chunks.Digested``: only while each file is unchanged)."""
-
-    names: frozenset[str] = frozenset()
-    digested: Mapping[Path, Digested] = dataclasses.field(default_factory=dict)
-
-
 def chunk_names(
     engine: TransferEngine, files: Sequence[tuple[str, Path]], mode: ChunkingMode
-) -> Named:
+) -> frozenset[str]:
     """The names of every chunk of ``files`` (path in the checkpoint, staged file) as
-    ``chunks.upload_chunked`` will cut and name them, and their digests for that upload:
-    one read and one hash of every byte, on the transfer workers. A file whose ``stamp``
-    changed during the pass gets no digests (the upload hashes it itself).
+    ``chunks.upload_chunked`` will cut and name them: one read and one hash of every
+    byte, on the transfer workers.
 
     Raises StagingError (a file unreadable).
     """
     algorithm = digest.check(None)
 
-    def span(source: Path, offset: int, pieces: list[tuple[int, int]]) -> tuple[str, ...]:
+    def span(source: Path, offset: int, pieces: list[tuple[int, int]]) -> list[str]:
         length = sum(n for _, n in pieces)
         with engine.reading(source, offset, length) as data:
-            return tuple(
-                digest.hexleaf(data[o - offset : o - offset + n], algorithm) for o, n in pieces
-            )
+            return [
+                ChunkRef(
+                    "", digest.hexleaf(data[o - offset : o - offset + n], algorithm), n, algorithm
+                ).name
+                for o, n in pieces
+            ]
 
-    jobs = []
-    try:
-        for rel, source in files:
-            before = stamp(source)
-            spans: dict[int, list[tuple[int, int]]] = {}
-            for off, n in plan(source, before[0], mode, name=rel.rsplit("/", 1)[-1]):
-                spans.setdefault(off // LEAF * LEAF, []).append((off, n))
-            starts = sorted(spans)
-            jobs.append(
-                (
-                    source,
-                    before,
-                    starts,
-                    [engine.submit(span, source, at, spans[at]) for at in starts],
-                )
-            )
-        names: set[str] = set()
-        digested: dict[Path, Digested] = {}
-        for source, before, starts, futures in jobs:
-            shas = engine.wait_all(futures)
-            names.update(chunk_name(algorithm, h) for hs in shas for h in hs)
-            if stamp(source) == before:  # else hashed again by the upload
-                digested[source] = Digested(before, dict(zip(starts, shas, strict=True)))
-    except OSError as exc:
-        raise StagingError(f"cannot read staged file {exc.filename or ''}: {exc}") from None
-    return Named(frozenset(names), digested)
+    futures = []
+    for rel, source in files:
+        try:
+            size = source.stat().st_size
+        except OSError as exc:
+            raise StagingError(f"cannot read staged file {source}: {exc.strerror}") from None
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for off, n in plan(source, size, mode, name=rel.rsplit("/", 1)[-1]):
+            spans.setdefault(off // LEAF * LEAF, []).append((off, n))
+        futures += [engine.submit(span, source, at, p) for at, p in sorted(spans.items())]
+    return frozenset(n for names in engine.wait_all(futures) for n in names)
 
 
 def owners(

@@ -180,10 +180,10 @@ def save(
     StoreError...), CollectiveError."""
     step = handle.step
     again: Reupload | None = None
-    named = _chunks.Named()
+    names: frozenset[str] = frozenset()
     if dedup and comm.world > 1 and attempts.chunking != "off" and local_exc is None:
         try:
-            named = _chunks.chunk_names(attempts.engine, files, attempts.chunking)
+            names = _chunks.chunk_names(attempts.engine, files, attempts.chunking)
         except Exception as exc:
             local_exc = exc  # reported in the plan: every rank fails at once
     sent_before = 0  # what this rank put in a try whose commit was refused
@@ -192,13 +192,11 @@ def save(
             step,
             tuple(p for p, _ in files),
             None if local_exc is None else RankError.of(local_exc, comm.rank),
-            named.names,
-            rank_chunks.reusable(named.names, again),
+            names,
+            rank_chunks.reusable(names, again),
         )
         decision, begun = _begin(comm, attempts, plan, local_exc, step)
-        uploaded = _upload(
-            comm, attempts, rank_chunks, decision, again, files, progress, step, named.digested
-        )
+        uploaded = _upload(comm, attempts, rank_chunks, decision, again, files, progress, step)
         uploaded = dataclasses.replace(
             uploaded, bytes_uploaded=uploaded.bytes_uploaded + sent_before
         )
@@ -344,13 +342,11 @@ def _upload(
     files: Sequence[tuple[str, Path]],
     progress: ProgressCallback | None,
     step: int,
-    digested: Mapping[Path, chunks.Digested],
 ) -> Uploaded:
     """Every rank uploads its files into the attempt ``decision`` opened: as chunks,
     naming those of ``decision.base`` (less what ``again`` refused), or whole with
-    chunking off. ``digested``: the naming pass's digests of the staged files
-    (``_chunks.chunk_names``), so each byte is hashed once per save. One rank's failure
-    cancels the others' uploads. Raises RankFailedError on every rank if any failed."""
+    chunking off. One rank's failure cancels the others' uploads. Raises RankFailedError
+    on every rank if any failed."""
     cancel = threading.Event()
 
     def report(n: int) -> None:
@@ -367,13 +363,7 @@ def _upload(
         index = rank_chunks.index(decision.base, again)
         elsewhere, owed = _chunks.split_owned(decision.owners, comm.rank)
         entries, stats = attempts.upload_chunks(
-            decision.prefix,
-            files,
-            index,
-            report,
-            elsewhere=elsewhere,
-            owed=owed,
-            digested=digested,
+            decision.prefix, files, index, report, elsewhere=elsewhere, owed=owed
         )
         return Uploaded(
             tuple(entries), _reuse_sources(stats), stats.bytes_uploaded, stats.bytes_reused
