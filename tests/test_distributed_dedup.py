@@ -95,6 +95,7 @@ class Counting(ForwardingStore):
     def __init__(self, inner, drop: frozenset[str] = frozenset()) -> None:
         super().__init__(inner)
         self.chunk_puts: list[tuple[str, int]] = []
+        self.gets: list[str] = []  # the keys of whole-object reads
         self.drop = drop
         self.manifests_fail = False
         self._lock = threading.Lock()
@@ -105,6 +106,8 @@ class Counting(ForwardingStore):
 
     def get(self, key):
         self._check_read(key)
+        with self._lock:
+            self.gets.append(key)
         return self.inner.get(key)
 
     def get_range(self, key, start, length):
@@ -500,3 +503,47 @@ def test_dp2_dedup_and_agreement_with_real_processes(moto_server, tmp_path):
         lost = job.one(r, "lost")
         assert lost["type"] == "StoreError" and "not committed" in lost["message"], lost
         assert job.one(r, "lost-after")["current"] is None
+
+
+def test_no_node_leader_reads_back_the_manifest_just_committed(ranks, monkeypatch, tmp_path):
+    """Each rank its own node, so each is its node's leader and keeps the manifest: the
+    coordinator sends the bytes it committed with the outcome, checked against LATEST, so
+    no rank GETs the manifest after the save (counted at the store wrapper), and each kept
+    manifest is byte-identical to the stored one (the digest a restore checks)."""
+    monkeypatch.setattr(_manager, "node_key", lambda: threading.current_thread().name)
+    mgrs, stores = ranks(2, peer_copies=0)
+    assert all(m.is_node_leader for m in mgrs) and mgrs[0].num_nodes == 2
+    infos = save_on(mgrs, 1, dp_files)
+    assert not any(isinstance(i, BaseException) for i in infos), infos
+    key = infos[0].ckpt + attempt_layout.MANIFEST_NAME
+    assert [k for s in stores for k in s.gets if k.endswith(attempt_layout.MANIFEST_NAME)] == []
+    stored, _ = stores[0].inner.get(key)
+    record = read_latest(stores[0].inner).latest.current
+    for rank in range(2):
+        (copy,) = (tmp_path / "staging" / f"rank-{rank:05d}" / "committed").glob("*")
+        assert (copy / "MANIFEST.json").read_bytes() == stored
+        assert copy.name.endswith(record.commit_id)
+
+
+def test_the_outcome_carries_a_manifest_only_as_committed_and_only_if_leaders_keep_it(
+    ranks, memory_target
+):
+    """``committed_body``: the manifest's bytes only if they are exactly what the commit
+    record names (its SHA-256 and size); and no manifest rides the commit's outcome
+    where no node's leader keeps local copies (``keep_local=0``)."""
+    import dataclasses
+
+    from cloudckpt.distributed._save import committed_body
+    from cloudckpt.manifests import parse_manifest
+
+    mgrs, stores = ranks(2, keep_local=0)
+    assert not any(m._leaders_keep for m in mgrs)
+    infos = save_on(mgrs, 1, dp_files)
+    assert not any(isinstance(i, BaseException) for i in infos), infos
+    record = read_latest(stores[0].inner).latest.current
+    stored, _ = stores[0].inner.get(record.ckpt + attempt_layout.MANIFEST_NAME)
+    manifest = parse_manifest(stored, record)
+    assert committed_body(manifest, record) == stored
+    other = dataclasses.replace(record, manifest_sha256="0" * 64)
+    assert committed_body(manifest, other) is None
+    assert committed_body(manifest, None) is None

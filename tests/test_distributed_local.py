@@ -266,6 +266,13 @@ def test_data_parallel_replicas_on_2_nodes_read_each_chunk_once(moto_server, tmp
     assert served("fanout") == size  # each chunk read once, by one of the nodes
     assert runs["fanout"][0]["sent"] + runs["fanout"][1]["sent"] == sum(size.values())
     assert runs["fanout"][0]["sent"] > 0 and runs["fanout"][1]["sent"] > 0  # spread
+    # What each node took from the other, as the result reports it: what the other sent.
+    assert [run["bytes_from_peers"] for run in runs["fanout"]] == [
+        runs["fanout"][1]["sent"],
+        runs["fanout"][0]["sent"],
+    ]
+    assert all(run["bytes_from_peers"] == 0 for run in runs["off"])
+    assert runs["corrupt"][0]["bytes_from_peers"] == 0  # every chunk rank 1 sent was refused
 
     flipped = runs["corrupt"][1]["sent"]  # what rank 1 sent, every chunk flipped
     assert flipped > 0

@@ -125,6 +125,10 @@ def test_a_replacement_host_restores_from_its_peer(jobs):
 
     assert host1("resume") == records[3].manifest_size + own(3, (2, 3))
     assert host1("step-2") == records[2].manifest_size  # everything else from host 0
+    # The result says so too: host 1's downloading rank (2) took its share from its peer.
+    assert runs["step-2"][2]["bytes_from_peers"] == own(2, (2, 3))
+    assert runs["step-2"][2]["bytes_downloaded"] == 0  # the manifest is no file's bytes
+    assert runs["corrupt"][2]["bytes_from_peers"] == 0  # every chunk sent was refused
     assert records[2].manifest_size / own(2, (2, 3)) <= 0.05
     sent = restore.one(0, "sent", what="corrupt")["sent"]
     assert sent == own(2, (2, 3))

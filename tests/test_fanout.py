@@ -86,3 +86,8 @@ def test_received_chunks_are_served_from_memory_and_the_rest_from_the_store(tmp_
         assert source.get_range_into(key, 3, buf) == 4 and bytes(buf) == b"3456"
         assert source.get_range_into("other", 0, buf) == 4 and bytes(buf) == b"ssss"
         assert source.served == 4 and source.url == "memory://x/"
+        assert source.from_peers == 0  # a chunk this node read itself
+        peer = ChunkRef("o/", "cd" * 32, 10)
+        got.add(peer, b"abcdefghij", peer=True)  # sent by another node
+        assert source.get_range_into(peer.key, 0, buf) == 4 and bytes(buf) == b"abcd"
+        assert source.served == 8 and source.from_peers == 4

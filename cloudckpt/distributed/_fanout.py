@@ -82,8 +82,13 @@ class Received:
     def __init__(self, spill: Path | None = None) -> None:
         self.spill = spill
         self.items: dict[str, bytes | Path] = {}
+        self.from_peers: set[str] = set()  # keys another node sent or a peer copy held
 
-    def add(self, ref: ChunkRef, data: bytes) -> None:
+    def add(self, ref: ChunkRef, data: bytes, peer: bool = False) -> None:
+        """Keep ``ref``'s verified ``data``; ``peer``: it came from another node or from
+        a peer copy this node holds (``bytes_from_peers``), not from this node's read."""
+        if peer:
+            self.from_peers.add(ref.key)
         if self.spill is None:
             self.items[ref.key] = bytes(data)
             return
@@ -297,7 +302,7 @@ def _own(
         if ref.key in wanted and i >> 3 < len(held) and held[i >> 3] >> (i & 7) & 1:
             data = local.read(ref)
             if data is not None and accept(ref, data):
-                got.add(ref, data)
+                got.add(ref, data, peer=True)
 
 
 def _round(
@@ -336,7 +341,7 @@ def _round(
             elif comm.rank in t.receivers:
                 data = recv_chunk(comm, t.sender, what)
                 if ref is not None and data is not None and accept(ref, data):
-                    got.add(ref, data)
+                    got.add(ref, data, peer=True)
                 elif data is not None:
                     log.warning(
                         "%s: chunk %d from rank %d does not match its digest; reading it "
@@ -392,12 +397,13 @@ def recv_chunk(comm: Comm, src: int, what: str) -> bytes | None:
 
 class WithReceived:
     """``store`` for a download, but the chunks in ``got`` (verified, by key) come from
-    there. ``served``: the bytes it served from them."""
+    there. ``served``: the bytes it served from them; ``from_peers``: those of them that
+    came from peers (``Received.from_peers``)."""
 
     def __init__(self, store: Store, got: Received) -> None:
         self.inner, self.got = store, got
         self.url = store.url
-        self.served = 0
+        self.served = self.from_peers = 0
         self._lock = threading.Lock()
 
     def get_range_into(self, key: str, start: int, buf: Any) -> int:
@@ -406,6 +412,8 @@ class WithReceived:
             return int(self.inner.get_range_into(key, start, buf))
         with self._lock:
             self.served += n
+            if key in self.got.from_peers:
+                self.from_peers += n
         return n
 
     def __getattr__(self, name: str) -> Any:

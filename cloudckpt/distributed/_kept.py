@@ -6,8 +6,9 @@ Saving (``keep``, every rank, after the commit every rank learned of): the rank'
 files move, by one ``rename``, into its own staging directory's local tier
 (``<staging_dir>/rank-<r>/committed/<step>-<commit id>/``), with the single-host retention
 (``keep_local``, ``local_budget_bytes``). Each node's leader also keeps the committed
-manifest beside its files: it reads it from the store once (one GET per node and save);
-the other ranks keep none.
+manifest beside its files: the bytes the coordinator wrote, sent with the commit's
+outcome (``_save.Committed.manifest``, checked there against the SHA-256 and size LATEST
+records), so no leader reads it back from the store; the other ranks keep none.
 
 Restoring (``NodeCopies``, on the node's leader, which downloads for the node): the copies
 of the node's ranks whose ``copy.json`` names the checkpoint to restore are candidates,
@@ -33,15 +34,12 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from cloudckpt import attempt_layout, fetch
+from cloudckpt import fetch
 from cloudckpt.attempts import CommitInfo
-from cloudckpt.errors import CloudCkptError
 from cloudckpt.localcopy import LocalCopies, LocalCopy, place_file
 from cloudckpt.manifests import FileEntry, Manifest
 from cloudckpt.protocol import CheckpointRecord
-from cloudckpt.retry import call_with_retries
 from cloudckpt.staging import COMMITTED, Attempt
-from cloudckpt.stores import Store
 from cloudckpt.transfer import TransferEngine
 
 log = logging.getLogger("cloudckpt.distributed")
@@ -54,21 +52,16 @@ def keep(
     attempt: Attempt,
     info: CommitInfo,
     local: LocalCopies,
-    store: Store | None,
+    manifest: bytes | None,
 ) -> None:
     """(Every rank, once ``info`` is committed.) Keep ``attempt``'s staged files as this
-    rank's local copy; ``store``: the node leader's, to read the committed manifest from
-    (None on the other ranks). Raises StagingError (the journal's write failed: the
-    caller removes the attempt); everything else is logged, never raised."""
+    rank's local copy; ``manifest``: the committed manifest's bytes, kept beside them on
+    the node leader (None on the other ranks, or if the coordinator could not vouch for
+    them: a restore then reads it from the store). A kept manifest is used only if it has
+    the SHA-256 and size LATEST records (``LocalCopy.manifest``). Raises StagingError (the
+    journal's write failed: the caller removes the attempt); nothing else."""
     attempt.set_state(COMMITTED)
-    manifest = None
-    if store is not None and local.keep > 0:
-        key = info.ckpt + attempt_layout.MANIFEST_NAME
-        try:
-            manifest, _ = call_with_retries(lambda: store.get(key), what="read manifest")
-        except CloudCkptError as exc:  # the copy is kept; a restore reads the manifest
-            log.warning("step %d: the local copy keeps no manifest: %s", info.step, exc)
-    local.adopt(attempt, info.commit_id, manifest)
+    local.adopt(attempt, info.commit_id, manifest if local.keep > 0 else None)
 
 
 class NodeCopies:

@@ -61,6 +61,7 @@ def _rank_pipeline(manager: ManagerBase) -> RankSave:
         manager.replicas,
         manager.dedup,
         manager._share_peers,
+        lambda: manager._leaders_keep,
     )
 
 
@@ -191,6 +192,9 @@ class DistributedCheckpointManager(ManagerBase):
         except Exception as exc:
             failure = exc
         self._ranks, kept = self._agree(failure, node_id)
+        # Whether any node's leader keeps local copies (the same on every rank): only
+        # then does the commit's outcome carry the manifest (``_save.Committed``).
+        self._leaders_keep = any(kept[min(node)] is not None for node in self._ranks.nodes)
         self.local_ranks: tuple[int, ...] = self._ranks.local_ranks
         self.node_leader = self._ranks.node_leader
         self.is_node_leader = self._ranks.is_node_leader
@@ -425,8 +429,10 @@ class RankSave:
         replicas: _replicas.Replicas | None = None,
         dedup: bool = True,
         share: Callable[[CommitInfo], list[str]] | None = None,
+        leaders_keep: Callable[[], bool] = lambda: True,
     ) -> None:
         self.share = share  # peer copies after each commit (None: off)
+        self.leaders_keep = leaders_keep  # send the manifest with the commit's outcome
         self.comm = comm
         self.local = local
         self.is_node_leader = is_node_leader
@@ -443,14 +449,14 @@ class RankSave:
         attempt = job.attempt
         try:
             self.comm.check_usable()
-            info = self.comm.guard(lambda: self._save_collectively(job))
+            info, manifest = self.comm.guard(lambda: self._save_collectively(job))
         except Exception:
             fail_attempt(attempt)
             raise
         # Committed: nothing failing now (a full disk) may fail the save (I6).
         warnings: list[str] = []
-        store = self.attempts.store if self.is_node_leader() else None
-        kept = lambda: _kept.keep(attempt, info, self.local, store)  # noqa: E731
+        manifest = manifest if self.is_node_leader() else None
+        kept = lambda: _kept.keep(attempt, info, self.local, manifest)  # noqa: E731
         if not after_commit(info.step, "keep the local copy", kept, warnings):
             attempt.remove()
         self._peer_copies(info, warnings)
@@ -464,7 +470,7 @@ class RankSave:
             what = "make its peer copies"
             after_commit(info.step, what, lambda: warnings.extend(share(info)), warnings)
 
-    def _save_collectively(self, job: QueuedSave) -> CommitInfo:
+    def _save_collectively(self, job: QueuedSave) -> tuple[CommitInfo, bytes | None]:
         """Make this rank's staged files durable and take part in the save with them (or
         with the error that kept them from it: ``job.error``)."""
         attempt, handle = job.attempt, job.handle
@@ -488,6 +494,7 @@ class RankSave:
             self.progress,
             replicas=self.replicas,
             dedup=self.dedup,
+            send_manifest=self.leaders_keep(),
         )
 
     def close(self) -> None:

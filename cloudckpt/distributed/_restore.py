@@ -79,10 +79,15 @@ class DistributedRestoreResult(RestoreResult):
     ``bytes_downloaded`` / ``bytes_local``: on a node's leader, the bytes it read from the
     store (the chunks it read for other nodes included, those it received from them not)
     and took from the node's kept copies (0 on the node's other ranks).
+    ``bytes_from_peers``: on a node's leader, the bytes of its restore that came from
+    other nodes over the process group (chunks another node read once and fanned out, or
+    sent from its kept files or peer copies) or from the peer copies it holds itself,
+    each verified (0 on the other ranks, and without fan-out or peer copies).
     """
 
     rank_path: Path | None = None
     saved_world_size: int | None = None
+    bytes_from_peers: int = 0
 
 
 # ------------------------------------------------------------------------------ messages
@@ -158,6 +163,7 @@ class NodeReader:
         self.kept = kept if kept is not None else NodeCopies({}, per_rank_dirs)
         self.link_local = link_local
         self.bytes_downloaded = self.bytes_local = 0  # this node's leader's, last restore
+        self.bytes_from_peers = 0
 
     def restore(
         self,
@@ -372,7 +378,7 @@ class NodeReader:
         entries = [e for e in manifest.files if any(wants(e.path, r) for r in local)]
         need = sum(e.size for e in entries)
         check_space(record.step, need, tmp.parent)
-        self.bytes_downloaded = self.bytes_local = 0
+        self.bytes_downloaded = self.bytes_local = self.bytes_from_peers = 0
         try:
             tmp.mkdir()
             rest, self.bytes_local = self.kept.place(
@@ -420,6 +426,7 @@ class NodeReader:
         # Bytes read from the store: those landed less those served from memory, plus
         # the chunks this node read to share.
         self.bytes_downloaded += shared.read - source.served
+        self.bytes_from_peers = source.from_peers
 
     def _result(self, found: Intact[int | None], into: Path) -> DistributedRestoreResult:
         record = found.record
@@ -438,6 +445,7 @@ class NodeReader:
             saved_world_size=found.value,
             bytes_downloaded=self.bytes_downloaded,
             bytes_local=self.bytes_local,
+            bytes_from_peers=self.bytes_from_peers,
         )
 
     def _reread_if_dropped(

@@ -26,6 +26,7 @@ three rounds of collectives (the package docstring tells them from the user's si
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import threading
 import time
@@ -44,7 +45,7 @@ from cloudckpt.errors import (
     RankFailedError,
     ReusedChunkMissingError,
 )
-from cloudckpt.manifests import FileEntry
+from cloudckpt.manifests import FileEntry, Manifest
 from cloudckpt.protocol import CheckpointRecord
 from cloudckpt.savequeue import SaveHandle
 from cloudckpt.transfer import ProgressCallback
@@ -130,6 +131,10 @@ class Committed:
     total_bytes: int
     bytes_uploaded: int
     bytes_reused: int
+    #: The committed manifest's bytes, exactly those LATEST records (checked: its SHA-256
+    #: and size), for the node leaders' local copies: no leader reads it back from the
+    #: store. None if the check failed (a leader then keeps no manifest).
+    manifest: bytes | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,12 +165,16 @@ def save(
     *,
     replicas: _replicas.Replicas = _REPLICAS_NONE,
     dedup: bool = True,
-) -> CommitInfo:
+    send_manifest: bool = True,
+) -> tuple[CommitInfo, bytes | None]:
     """This rank's part of the save of ``handle``: its ``files`` (paths in the
     checkpoint), or ``local_exc`` if it failed to stage them (it still takes part, so that
     every rank fails at once). ``rank_chunks``: this rank's chunk index; ``replicas``: the
     groups of ranks that must save the same files (checked before the commit); ``dedup``:
-    one upload per chunk several ranks hold. Raises on every rank alike:
+    one upload per chunk several ranks hold; ``send_manifest`` (the same on every rank):
+    the node leaders keep local copies, so the outcome carries the manifest. Returns every
+    rank's ``CommitInfo`` and the committed manifest's bytes (``Committed.manifest``, None
+    without ``send_manifest``). Raises on every rank alike:
     RankFailedError, ConfigurationError, ReplicaDivergedError, the coordinator's error
     (FencedError, ReusedChunkMissingError and ChunkSourceDroppedError on the retry,
     StoreError...), CollectiveError."""
@@ -192,7 +201,15 @@ def save(
             uploaded, bytes_uploaded=uploaded.bytes_uploaded + sent_before
         )
         outcome = _commit(
-            comm, attempts, begun, uploaded, handle, step, replicas, may_retry=not retry
+            comm,
+            attempts,
+            begun,
+            uploaded,
+            handle,
+            step,
+            replicas,
+            may_retry=not retry,
+            send_manifest=send_manifest,
         )
         if isinstance(outcome, Reupload):
             if comm.is_coordinator:
@@ -200,7 +217,7 @@ def save(
             again, sent_before = outcome, uploaded.bytes_uploaded
             continue
         rank_chunks.committed(decision.commit_id, uploaded.entries)
-        return _info(comm, handle, decision, outcome)
+        return _info(comm, handle, decision, outcome), outcome.manifest
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -381,6 +398,7 @@ def _commit(
     replicas: _replicas.Replicas,
     *,
     may_retry: bool,
+    send_manifest: bool = True,
 ) -> Committed | Reupload:
     """Every rank reports its upload; the coordinator checks that ``replicas`` agree
     (``_replicas.check_agreement``) and commits the manifest of all of them (``finish``:
@@ -396,7 +414,7 @@ def _commit(
         assert begun is not None and reports is not None
         try:
             _replicas.check_agreement(replicas, [r.entries for r in reports], step)
-            outcome = _finish(attempts, begun, reports, handle, comm.world)
+            outcome = _finish(attempts, begun, reports, handle, comm.world, send_manifest)
         except ReusedChunkMissingError as exc:
             commit_exc, outcome = exc, Reupload(exc.message, exc.missing)
         except ChunkSourceDroppedError as exc:
@@ -431,9 +449,11 @@ def _finish(
     reports: Sequence[Uploaded],
     handle: SaveHandle,
     world: int,
+    send_manifest: bool = True,
 ) -> Committed:
     """Coordinator: the single-host commit of every rank's entries, requiring every
-    rank's chunk sources retained. Raises as ``AttemptWriter.finish``."""
+    rank's chunk sources retained; the outcome carries the manifest if ``send_manifest``.
+    Raises as ``AttemptWriter.finish``."""
     every = [e for report in reports for e in report.entries]
     sources = set().union(*(report.sources for report in reports))
     metadata = {**handle.metadata, WORLD_SIZE_KEY: world}
@@ -450,7 +470,18 @@ def _finish(
         manifest.total_bytes,
         sum(r.bytes_uploaded for r in reports),
         sum(r.bytes_reused for r in reports),
+        committed_body(manifest, latest.current) if send_manifest else None,
     )
+
+
+def committed_body(manifest: Manifest, record: CheckpointRecord | None) -> bytes | None:
+    """The bytes of ``manifest`` if they are exactly what ``record`` (the committed
+    checkpoint) names, else None. ``to_bytes`` is the canonical form ``finish`` wrote,
+    but only the digest LATEST records decides what a kept manifest may be."""
+    body = manifest.to_bytes()
+    if record is None or len(body) != record.manifest_size:
+        return None
+    return body if hashlib.sha256(body).hexdigest() == record.manifest_sha256 else None
 
 
 def find_collision(paths_by_rank: Sequence[Sequence[str]]) -> str | None:

@@ -166,6 +166,7 @@ def scenario_fanout(url: str, work: Path, ev: Events) -> None:
             chunks=chunks,
             sent=sum(sent),
             bytes_downloaded=res.bytes_downloaded,
+            bytes_from_peers=res.bytes_from_peers,
         )
     _fanout.outgoing, _fanout.fetch_chunk = original, reading
     mgr.close()

@@ -135,6 +135,8 @@ def restore(mgr, served, root: Path, what: str, step: int | None, ev, resume=Fal
         served=dict(served.by_key),
         served_checkpoint=served.checkpoint_bytes(),
         own=sum(len(content(res.step, RANK, n)) for n in NAMES),
+        bytes_from_peers=res.bytes_from_peers,
+        bytes_downloaded=res.bytes_downloaded,
     )
     served.reset()
 
