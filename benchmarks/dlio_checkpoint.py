@@ -296,6 +296,7 @@ def save_group(bench: Any, s3: Any, signing: str, w: Workload, pool: cf.ThreadPo
     )
     reserve_host_memory(mgr, state)
     last: dict[str, str] = {}
+    kept: list[str] = []
 
     def cloudckpt(r: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -306,7 +307,15 @@ def save_group(bench: Any, s3: Any, signing: str, w: Workload, pool: cf.ThreadPo
         return {"stall": t1 - t0, "commit": t2 - t0, "s": t2 - t0}
 
     def cloudckpt_after(r: int) -> None:
-        s3.drop(f"dlio-ck/{last.pop('ckpt')}")
+        # The first checkpoint stays: every tensor is refilled with fresh bytes each round,
+        # but state.json is the same every round and each save names the first upload of
+        # it; deleting that behind the manager's back made every round's save pay a second
+        # attempt to upload it again (until 2026-12-06). Each later checkpoint is dropped
+        # once a newer one is committed (only the newest and the first are kept, so the
+        # in-memory endpoint holds two checkpoints, not one per round).
+        kept.append(last.pop("ckpt"))
+        if len(kept) > 2:
+            s3.drop(f"dlio-ck/{kept.pop(1)}")
         refill(state)
 
     def dlio_s3(r: int) -> dict[str, float]:
