@@ -259,7 +259,7 @@ def test_a_shape_mismatch_raises_before_any_byte_is_written(memory_target, manag
 def test_a_dtype_mismatch_raises_before_any_byte_is_written(memory_target, manager_factory):
     mgr = _two_checkpoints(memory_target, manager_factory)
     dest = _dest(emb=torch.full((2100, 1000), float(SENTINEL)))  # float32, saved bf16
-    with pytest.raises(ConfigurationError, match="'model/emb' is float32.*bfloat16"):
+    with pytest.raises(ConfigurationError, match=r"'model/emb' is float32.*bfloat16"):
         load_state(mgr, into=dest)
     assert _untouched(dest)
 
@@ -267,7 +267,7 @@ def test_a_dtype_mismatch_raises_before_any_byte_is_written(memory_target, manag
 def test_names_the_checkpoint_has_and_into_lacks(memory_target, manager_factory):
     mgr = _two_checkpoints(memory_target, manager_factory)
     dest = _dest(b=None)
-    with pytest.raises(ConfigurationError, match="holds 1 tensor.*into lacks: 'model/b'"):
+    with pytest.raises(ConfigurationError, match=r"holds 1 tensor.*into lacks: 'model/b'"):
         load_state(mgr, into=dest)
     assert _untouched(dest)
     # strict=False: the checkpoint's other tensors come back new.
@@ -282,7 +282,7 @@ def test_names_into_has_and_the_checkpoint_lacks(memory_target, manager_factory)
     mgr = _two_checkpoints(memory_target, manager_factory)
     dest = _dest(extra=torch.full((3,), float(SENTINEL)))
     for strict in (True, False):
-        with pytest.raises(ConfigurationError, match="into holds 1 tensor.*lacks: 'model/extra'"):
+        with pytest.raises(ConfigurationError, match=r"into holds 1 tensor.*lacks: 'model/extra'"):
             load_state(mgr, into=dest, strict=strict)
         assert _untouched(dest)
     # An untied into against a tied checkpoint: the tie's second entry is extra.
