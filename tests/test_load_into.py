@@ -300,6 +300,16 @@ def test_tensors_sharing_memory_are_refused(memory_target, manager_factory):
     assert not base.any()
 
 
+def test_a_module_or_a_state_without_tensors_is_refused(memory_target, manager_factory):
+    mgr = manager_factory(memory_target)
+    save_state(mgr, 1, {"model": torch.nn.Linear(4, 2).state_dict()}).result(timeout=60)
+    with pytest.raises(ConfigurationError, match="into is a module") as err:
+        load_state(mgr, into=torch.nn.Linear(4, 2))
+    assert "model.state_dict()" in str(err.value)
+    with pytest.raises(ConfigurationError, match="holds no tensor"):
+        resume_state(mgr, into={"step": 1})
+
+
 def test_a_meta_tensor_cannot_be_filled(memory_target, manager_factory):
     mgr = _two_checkpoints(memory_target, manager_factory)
     dest = _dest(b=torch.empty(7, dtype=torch.int64, device="meta"))

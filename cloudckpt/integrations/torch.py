@@ -566,8 +566,20 @@ def _into(state: Any, strict: bool) -> Any:
     ``save_state`` would refuse in the state)."""
     from cloudckpt.integrations import _torch_restore as tr
 
+    if isinstance(state, torch.nn.Module):
+        raise ConfigurationError(
+            "into is a module; load_state fills the tensors of a state",
+            hint="Pass into=model.state_dict() (its tensors are the module's parameters and "
+            "buffers), or a tree of state dicts as saved",
+        )
     flat = _IntoFlattener()
     flat.node(state, ())
+    if not flat.originals:
+        raise ConfigurationError(
+            f"into ({type(state).__name__}) holds no tensor to fill",
+            hint="Pass into= the state as saved, e.g. {'model': model.state_dict()}, or "
+            "leave it out to load into new tensors",
+        )
     return tr.Into.of(flat.originals, strict, flat.object_paths)
 
 
