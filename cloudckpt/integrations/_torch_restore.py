@@ -16,7 +16,10 @@ tensor reaches the caller:
    again from the store, verified against the manifest (``fetch``: its chunks against
    their SHA-256, or the whole file against its digest), and only that read decides.
 3. The tensors are allocated as the header describes (on the CPU: the tensors returned;
-   for a GPU: the device tensors), and the file is read in parallel: each range lands
+   for a GPU: the device tensors), or, with ``load_state(into=...)``, are the caller's
+   own (``Into``: checked against the verified ``state.json``, names, shapes and dtypes,
+   before any byte lands; a non-contiguous one gets its bytes through a new tensor,
+   copied in once the checkpoint verified), and the file is read in parallel: each range lands
    straight in the memory of the tensor it belongs to (a range that spans several small
    tensors lands in a scratch buffer and is copied out), is hashed as it lands by the
    worker that fetched it, while the other workers' ranges are in flight; each chunk is
@@ -26,9 +29,11 @@ tensor reaches the caller:
    the transfer of the other ranges; the staging buffer is reused once its copy is done.
    The stream is synchronised before anything is returned.
 5. A damaged checkpoint (a flipped byte, a missing chunk) is dropped whole, its tensors
-   freed, and the previous checkpoint is tried, as ``restore`` does.
+   freed, and the previous checkpoint is tried, as ``restore`` does. The caller's tensors
+   (``into``) are then overwritten by that checkpoint, every one of them whole (each must
+   be in it); a load that raises leaves them undefined.
 
-Memory: the tensors returned, plus at most ``concurrency`` scratch buffers of one range
+Memory: the tensors returned (none with ``into``: the caller's), plus at most ``concurrency`` scratch buffers of one range
 (16 MiB by default; pinned for a GPU): about 256 MiB with the default 16 workers. Nothing
 else scales with the checkpoint: for a GPU target, no host copy of the state is made.
 """

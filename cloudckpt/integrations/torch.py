@@ -3,14 +3,14 @@
 ::
 
     from cloudckpt import CheckpointManager
-    from cloudckpt.integrations.torch import load_state, save_state
+    from cloudckpt.integrations.torch import resume_state, save_state
 
     mgr = CheckpointManager("s3://bucket/runs/exp1", staging_dir="/nvme/ckpt")
-    restored = mgr.resume(into="/nvme/restore")          # None for a new run
-    if restored is not None:
-        state = load_state(restored)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+    # Into the model's own tensors, in place (None for a new run): straight from the store,
+    # or from the verified local copy in staging_dir, every byte verified.
+    state = resume_state(mgr, into={"model": model.state_dict()}, strict=False)
+    if state is not None:                          # the model holds the checkpoint now
+        optimizer.load_state_dict(state["optimizer"])  # new tensors (strict=False)
         start = state["step"] + 1
     ...
     handle = save_state(mgr, step, {"model": model.state_dict(),
