@@ -321,15 +321,28 @@ def test_a_meta_tensor_cannot_be_filled(memory_target, manager_factory):
 
 
 def test_a_damaged_newest_checkpoint_is_overwritten_by_the_older_one(
-    memory_target, manager_factory
+    memory_target, manager_factory, monkeypatch
 ):
     mgr = _two_checkpoints(memory_target, manager_factory, keep_local=0)
     current = read_latest(mgr.store).latest.current
-    flip_bit(mgr.store, _tensors_key(mgr.store, current), seed=3)
+    flip_bit(mgr.store, _tensors_key(mgr.store, current), seed=3)  # a chunk of model/w
     dest = _dest()
     ptrs = _ptrs(dest)
+    after_attempt: dict[int, bool] = {}
+    real = tr._Loader.try_one
+
+    def watched(self, record):
+        out = real(self, record)
+        after_attempt[record.step] = torch.equal(
+            dest["model"]["emb"], _state(record.step)["model"]["emb"]
+        )
+        return out
+
+    monkeypatch.setattr(tr._Loader, "try_one", watched)
     report = LoadReport()
     got = load_state(mgr, into=dest, report=report)
+    # Step 2's intact bytes had landed in the caller's tensors; step 1 overwrote them.
+    assert after_attempt == {2: True, 1: True}
     _filled_in_place(got, dest, ptrs, _state(1))
     assert report.step == 1 and [s.step for s in report.skipped] == [2]
 
@@ -372,6 +385,10 @@ def test_load_into_cuda_tensors_in_place(memory_target, manager_factory):
     w = torch.zeros(1024, 700, device="cuda").t()
     got = load_state(mgr, into=_dest_on_cuda_with(dest, w=w, tied=w))
     assert torch.equal(w.cpu(), expected["model"]["w"])
+    if torch.cuda.device_count() > 1:  # two CUDA devices in one load: refused
+        other = _dest_on_cuda_with(dest, b=dest["model"]["b"].to("cuda:1"))
+        with pytest.raises(ConfigurationError, match="on 2 devices"):
+            load_state(mgr, into=other)
 
 
 def _dest_on_cuda_with(dest: dict, **changes) -> dict:
