@@ -4,12 +4,16 @@
   from the store (verified, no local file) against DCP ``load`` with s3torchconnector's
   ``S3StorageReader``, s5cmd + ``torch.load``, obstore ranged reads straight into buffers
   (unverified: what a model streamer does), boto3 ``download_file`` + ``torch.load``, and
-  cloudckpt's earlier way (``restore`` into a directory + ``load_state``). On a CUDA machine
-  also ``load_state(device="cuda")`` against DCP ``load`` into CUDA tensors.
+  cloudckpt's earlier way (``restore`` into a directory + ``load_state``). Into the model:
+  ``load_state(into=...)`` filling a state dict built and touched before the timed part (as
+  a restarted job's model is), against DCP ``load`` and obstore's ranged reads into that
+  same prebuilt destination. On a CUDA machine also ``load_state(device="cuda")`` against
+  DCP ``load`` into CUDA tensors.
 - ``torch-resume``: the same state after a restart: on the same host, where the staging
   directory holds a verified copy of the committed checkpoint (``resume_state``, zero
   bytes downloaded), against a new host (``resume_state`` with an empty staging
-  directory). And the time from a fresh process to its first training step after resume,
+  directory), each also into the model (``resume_state(into=...)``, a prebuilt, touched
+  destination). And the time from a fresh process to its first training step after resume,
   split into process start, listing, transfer, verification, load and the step, for both.
 """
 
@@ -52,9 +56,12 @@ def _report_metrics(report: Any) -> dict[str, float]:
 # ----------------------------------------------------------------------------- peers
 
 
-def obstore_into_buffers(store: Any, key: str, size: int, range_size: int) -> dict[str, Any]:
+def obstore_into_buffers(
+    store: Any, key: str, size: int, range_size: int, into: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The safetensors file at ``key`` read with parallel ranged GETs (obstore, 16 threads)
-    into preallocated tensors, nothing verified: the header by one GET, then every range,
+    into preallocated tensors (``into``'s, given: built and touched beforehand, as a
+    model is; else new ones), nothing verified: the header by one GET, then every range,
     each copied into the tensor(s) it covers (obstore hands each range over as a buffer)."""
     import json as _json
     import struct
@@ -74,7 +81,10 @@ def obstore_into_buffers(store: Any, key: str, size: int, range_size: int) -> di
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        t = torch.empty(info["shape"], dtype=_TYPES[info["dtype"]])
+        if into is not None:
+            t = into[name]
+        else:
+            t = torch.empty(info["shape"], dtype=_TYPES[info["dtype"]])
         start, end = info["data_offsets"]
         if end > start:
             spans.append((base + start, base + end, t.reshape(-1).view(torch.uint8).numpy()))
@@ -229,6 +239,12 @@ def torch_restore_group(bench: Any, s3: S3Target, signing: str) -> None:
             "load_state of the directory",
         ),
     ]
+    # Into the model: one destination, built and touched before any round (a restarted
+    # job's model exists, its pages faulted in, before it loads), reused by every round.
+    model = {k: torch.empty_like(v).fill_(0.5) for k, v in expected.items()}
+    into_model = _into_model_contenders(
+        model, check, reader, peers, s3, signing, dcp_path, (st_key, st_size)
+    )
     if peers.s5cmd:
         contenders.insert(
             3,
@@ -247,6 +263,21 @@ def torch_restore_group(bench: Any, s3: S3Target, signing: str) -> None:
     )
     comparisons.append(
         Comparison("s", "cloudckpt restore + load_state", None, label="vs the directory way")
+    )
+    contenders += into_model
+    comparisons += [
+        Comparison("s", c.name, 1.3, cloudckpt="cloudckpt into the model", label="into the model")
+        for c in into_model
+        if not c.cloudckpt
+    ]
+    comparisons.append(
+        Comparison(
+            "s",
+            "cloudckpt",
+            None,
+            cloudckpt="cloudckpt into the model",
+            label="into the model vs new tensors",
+        )
     )
     if torch.cuda.is_available():
         from cloudckpt.integrations.torch import LoadReport as _LR
@@ -296,6 +327,80 @@ def torch_restore_group(bench: Any, s3: S3Target, signing: str) -> None:
         peers.close()
         _rm(disk)
         expected.clear()
+        model.clear()
+
+
+def _into_model_contenders(
+    model: dict[str, Any],
+    check: Any,
+    reader: Any,
+    peers: Peers,
+    s3: S3Target,
+    signing: str,
+    dcp_path: str,
+    st_object: tuple[str, int],
+) -> list[Contender]:
+    """``torch-restore``'s contenders into a prebuilt model: cloudckpt ``load_state(into=)``,
+    DCP ``load`` and obstore's ranged reads, all into ``model`` (built and touched by the
+    caller, reused by every round). After each round one tensor is scribbled on, so the
+    next round's check shows that round filled it."""
+    import torch.distributed.checkpoint as dcp
+    from s3torchconnector.dcp import S3StorageReader
+
+    from cloudckpt.integrations.torch import LoadReport, load_state
+
+    first = next(iter(model))
+    st_key, st_size = st_object
+
+    def scribble(r: int) -> None:
+        model[first].fill_(0.5)
+
+    def check_model(loaded: dict[str, Any]) -> None:
+        if loaded[first] is not model[first]:
+            raise AssertionError("not loaded into the model's tensors")
+        check(loaded)
+
+    def cloudckpt_into(r: int) -> dict[str, float]:
+        report = LoadReport()
+        check_model(load_state(reader, into=model, report=report))
+        return _report_metrics(report)
+
+    def dcp_into(r: int) -> None:
+        dcp_reader = S3StorageReader(region=REGION, path=dcp_path, s3client_config=peers.config())
+        _dcp_endpoint(dcp_reader.fs, s3, signing)
+        with warnings.catch_warnings(), _env_creds(s3):
+            warnings.simplefilter("ignore")
+            dcp.load(model, storage_reader=dcp_reader)
+        check(model)
+
+    def obstore_into(r: int) -> None:
+        check_model(obstore_into_buffers(peers.obstore(), st_key, st_size, 16 << 20, model))
+
+    return [
+        Contender(
+            "cloudckpt into the model",
+            cloudckpt_into,
+            scribble,
+            cloudckpt=True,
+            note="load_state(reader, into=model) from the store (new host), every byte "
+            "verified, landed in a prebuilt state dict whose pages were touched before the "
+            "timed part (one destination reused by every round)",
+        ),
+        Contender(
+            "DCP load into the model",
+            dcp_into,
+            scribble,
+            note="dcp.load(model) with s3torchconnector's S3StorageReader into the same "
+            "prebuilt, touched destination; nothing verified",
+        ),
+        Contender(
+            "obstore ranges into the model",
+            obstore_into,
+            scribble,
+            note="obstore ranged reads as above, copied into the same prebuilt, touched "
+            "destination (fair to it: no fresh pages either); nothing verified",
+        ),
+    ]
 
 
 def torch_resume_group(bench: Any, s3: S3Target, signing: str) -> None:
@@ -316,18 +421,31 @@ def torch_resume_group(bench: Any, s3: S3Target, signing: str) -> None:
     writer.close()  # the process ends; its staging directory keeps the committed copy
     name = next(iter(state))
     expected = state[name].clone()
+    # The restarted job's model: built and touched before any round, reused by every
+    # round (its pages are resident, as a model's are once built); after each round its
+    # first tensor is scribbled on, so the next round's check shows that round filled it.
+    model = {k: torch.empty_like(v).fill_(0.5) for k, v in state.items()}
     state.clear()
 
-    def resume(staging_dir: Path) -> dict[str, float]:
+    def resume(staging_dir: Path, into: dict[str, Any] | None = None) -> dict[str, float]:
         mgr = CheckpointManager(url, storage_options=options, staging_dir=staging_dir)
         try:
             report = LoadReport()
-            got = resume_state(mgr, report=report)
+            got = resume_state(mgr, into=into, report=report)
             if not torch.equal(got[name], expected):
                 raise AssertionError("resumed state differs")
+            if into is not None and got[name] is not into[name]:
+                raise AssertionError("not resumed into the model's tensors")
             return _report_metrics(report)
         finally:
             mgr.close()
+
+    def scribble(r: int) -> None:
+        model[name].fill_(0.5)
+
+    def scribble_and_rm(r: int) -> None:
+        scribble(r)
+        _rm(disk / f"new-into-{r}")
 
     def first_step(mode: str, r: int) -> dict[str, float]:
         staging_dir = staging if mode == "local" else disk / f"fresh-{r}"
@@ -347,6 +465,23 @@ def torch_resume_group(bench: Any, s3: S3Target, signing: str) -> None:
             lambda r: _rm(disk / f"new-{r}"),
             cloudckpt=True,
             note="resume_state with an empty staging directory: every byte from the store",
+        ),
+        Contender(
+            "cloudckpt same host into the model",
+            lambda r: resume(staging, model),
+            scribble,
+            cloudckpt=True,
+            note="resume_state(into=model) with the staging directory of the process that "
+            "saved: the local copy verified and landed in the model's tensors (built and "
+            "touched before the timed part, reused by every round)",
+        ),
+        Contender(
+            "cloudckpt new host into the model",
+            lambda r: resume(disk / f"new-into-{r}", model),
+            scribble_and_rm,
+            cloudckpt=True,
+            note="resume_state(into=model) with an empty staging directory: every byte from "
+            "the store, landed in the same prebuilt, touched model",
         ),
         Contender(
             "fresh process, same host",
@@ -379,6 +514,13 @@ def torch_resume_group(bench: Any, s3: S3Target, signing: str) -> None:
             ),
             Comparison(
                 "s",
+                "cloudckpt new host into the model",
+                4.0,
+                cloudckpt="cloudckpt same host into the model",
+                label="same-host restart, in place",
+            ),
+            Comparison(
+                "s",
                 "fresh process, new host",
                 None,
                 cloudckpt="fresh process, same host",
@@ -392,6 +534,7 @@ def torch_resume_group(bench: Any, s3: S3Target, signing: str) -> None:
         bench.run(group)
     finally:
         _rm(disk)
+        model.clear()
 
 
 def _fresh_process(url: str, options: dict[str, Any], staging: Path, out: Path) -> dict[str, float]:

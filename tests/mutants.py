@@ -2226,3 +2226,73 @@ MUTANTS.update(
         ]
     }
 )
+
+
+def _load_into_shape_unchecked(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """``load_state(into=...)`` checks only the names of the caller's tensors against the
+    checkpoint, not their shapes and dtypes."""
+    from cloudckpt.integrations import _torch_restore as tr
+
+    original = tr.Into.check
+
+    def names_only(self, doc, where):
+        described = doc.get("tensors")
+        if isinstance(described, dict):
+            mine = self.tensors
+            doc = {
+                **doc,
+                "tensors": {
+                    n: (
+                        {
+                            "shape": list(mine[n].shape),
+                            "dtype": str(mine[n].dtype).removeprefix("torch."),
+                        }
+                        if n in mine
+                        else info
+                    )
+                    for n, info in described.items()
+                },
+            }
+        original(self, doc, where)
+
+    setattr_(tr.Into, "check", names_only)
+
+
+def _load_into_ignored(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """``load_state(into=...)`` loads into new tensors, as without ``into``."""
+    from cloudckpt.integrations import torch as integration
+
+    setattr_(integration, "_into", lambda state, strict: None)
+
+
+_INTO = "tests/test_load_into.py"
+_NOT_SIMULATED_TORCH = "the simulation saves and restores directories, not state dicts"
+
+MUTANTS.update(
+    {
+        m.name: m
+        for m in [
+            Mutant(
+                "load-into-shape-unchecked",
+                "a checkpoint tensor whose counterpart in load_state's into has another shape "
+                "or dtype is refused, naming it, before any byte is written into into",
+                _load_into_shape_unchecked,
+                (
+                    f"{_INTO}::test_a_shape_mismatch_raises_before_any_byte_is_written",
+                    f"{_INTO}::test_a_dtype_mismatch_raises_before_any_byte_is_written",
+                ),
+                why_not_simulated=_NOT_SIMULATED_TORCH,
+            ),
+            Mutant(
+                "load-into-ignored",
+                "load_state(into=...) fills the caller's tensors in place and returns them",
+                _load_into_ignored,
+                (
+                    f"{_INTO}::test_load_state_fills_the_callers_tensors_in_place",
+                    f"{_INTO}::test_resume_state_fills_in_place_from_the_local_copy",
+                ),
+                why_not_simulated=_NOT_SIMULATED_TORCH,
+            ),
+        ]
+    }
+)

@@ -16,7 +16,10 @@ tensor reaches the caller:
    again from the store, verified against the manifest (``fetch``: its chunks against
    their SHA-256, or the whole file against its digest), and only that read decides.
 3. The tensors are allocated as the header describes (on the CPU: the tensors returned;
-   for a GPU: the device tensors), and the file is read in parallel: each range lands
+   for a GPU: the device tensors), or, with ``load_state(into=...)``, are the caller's
+   own (``Into``: checked against the verified ``state.json``, names, shapes and dtypes,
+   before any byte lands; a non-contiguous one gets its bytes through a new tensor,
+   copied in once the checkpoint verified), and the file is read in parallel: each range lands
    straight in the memory of the tensor it belongs to (a range that spans several small
    tensors lands in a scratch buffer and is copied out), is hashed as it lands by the
    worker that fetched it, while the other workers' ranges are in flight; each chunk is
@@ -26,9 +29,11 @@ tensor reaches the caller:
    the transfer of the other ranges; the staging buffer is reused once its copy is done.
    The stream is synchronised before anything is returned.
 5. A damaged checkpoint (a flipped byte, a missing chunk) is dropped whole, its tensors
-   freed, and the previous checkpoint is tried, as ``restore`` does.
+   freed, and the previous checkpoint is tried, as ``restore`` does. The caller's tensors
+   (``into``) are then overwritten by that checkpoint, every one of them whole (each must
+   be in it); a load that raises leaves them undefined.
 
-Memory: the tensors returned, plus at most ``concurrency`` scratch buffers of one range
+Memory: the tensors returned (none with ``into``: the caller's), plus at most ``concurrency`` scratch buffers of one range
 (16 MiB by default; pinned for a GPU): about 256 MiB with the default 16 workers. Nothing
 else scales with the checkpoint: for a GPU target, no host copy of the state is made.
 """
@@ -40,16 +45,24 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 import struct
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from cloudckpt import attempt_layout, fetch, reader
-from cloudckpt.errors import CloudCkptError, CorruptionError, ObjectNotFoundError, UnsafePathError
+from cloudckpt.errors import (
+    CloudCkptError,
+    ConfigurationError,
+    CorruptionError,
+    ObjectNotFoundError,
+    UnsafePathError,
+)
 from cloudckpt.integrations._host_memory import host_buffer
 from cloudckpt.localcopy import LocalCopies, LocalCopy
 from cloudckpt.manifests import FileEntry, Manifest
@@ -178,6 +191,163 @@ def device_ops(device: str | torch.device | None) -> DeviceOps | None:
             dev = torch.device("cuda", torch.cuda.current_device())
         return CudaOps(dev)
     return None
+
+
+# --------------------------------------------------------------------------- into
+
+
+def via_device(t: torch.Tensor) -> bool:
+    """Whether a caller's tensor is filled through the device ops (pinned staging and a
+    copy stream) rather than straight from the socket or file: a CUDA tensor. (A test
+    patches it to send host tensors down that path.)"""
+    return t.device.type == "cuda"
+
+
+def lands_in_place(t: torch.Tensor) -> bool:
+    """Whether the file's bytes can land in ``t``'s memory as they are: a dense,
+    contiguous layout (else they land in a new tensor, copied into ``t`` once verified)."""
+    return t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of memory ``t``'s elements lie in: [first, last + 1)."""
+    span = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size()
+
+
+@dataclasses.dataclass
+class Into:
+    """The caller's tensors a load fills in place (``load_state(into=...)``), by the names
+    ``save_state`` gives them (``_torch_format.Flattener``). ``tensors``: name -> the
+    caller's tensor object. ``strict``: the checkpoint may hold no tensor ``tensors``
+    lacks (with False, those come back as new tensors). ``unfillable``: paths of leaves
+    that are tensors but cannot be filled (meta, sparse, quantized), for messages.
+    ``device``: the one CUDA device among them (None: all on the CPU)."""
+
+    tensors: dict[str, torch.Tensor]
+    strict: bool = True
+    unfillable: tuple[str, ...] = ()
+    device: torch.device | None = None
+
+    @classmethod
+    def of(
+        cls, tensors: dict[str, torch.Tensor], strict: bool, unfillable: Sequence[str] = ()
+    ) -> Into:
+        """Check the caller's tensors can be filled: on the CPU or one CUDA device, no
+        two sharing memory. Raises ConfigurationError saying which and what to do."""
+        devices: set[torch.device] = set()
+        for name, t in tensors.items():
+            if via_device(t):
+                devices.add(t.device)
+            elif t.device.type != "cpu":
+                raise ConfigurationError(
+                    f"into's tensor {name!r} is on {t.device}; load_state fills tensors on "
+                    f"the CPU or a CUDA device",
+                    hint="Load without into= and copy the tensors to the device yourself, "
+                    "or pass into= a state on the CPU",
+                )
+        if len(devices) > 1:
+            raise ConfigurationError(
+                f"into's tensors are on {len(devices)} devices "
+                f"({', '.join(sorted(str(d) for d in devices))}); one load fills tensors on "
+                "the CPU and at most one CUDA device",
+                hint="Load each device's part with its own load_state(into=...) and strict=False, "
+                "or move the state to one device first",
+            )
+        _check_no_overlap(tensors)
+        return cls(dict(tensors), strict, tuple(unfillable), next(iter(devices), None))
+
+    def check(self, doc: Mapping[str, Any], where: str) -> None:
+        """That the checkpoint's tensors (``state.json``'s, verified) fit the caller's:
+        the same names (unless not ``strict``: the checkpoint may hold more), and for
+        each, the same shape and dtype. Called before any byte lands. Raises
+        ConfigurationError naming the first differences (``where``: "the checkpoint of
+        step 7")."""
+        described = doc.get("tensors")
+        if not isinstance(described, dict):
+            raise CorruptionError(f"state.json of {where} does not describe its tensors")
+        extra = sorted(set(self.tensors) - set(described))
+        if extra:
+            raise ConfigurationError(
+                f"into holds {len(extra)} tensor(s) {where} lacks: {_some(extra)}",
+                hint="Pass into= the same structure that was saved (the names are the key "
+                "paths; a tensor shared by several entries, such as tied weights, is saved "
+                "once, under its first path), or load without into= and use "
+                "load_state_dict(strict=False)",
+            )
+        missing = sorted(set(described) - set(self.tensors))
+        if missing and self.strict:
+            unfillable = [p for p in self.unfillable if p in described]
+            raise ConfigurationError(
+                f"{where} holds {len(missing)} tensor(s) into lacks: "
+                f"{_some(missing)}"
+                + (
+                    f" (into holds tensors that cannot be filled in place at "
+                    f"{_some(unfillable)}: meta, sparse or quantized)"
+                    if unfillable
+                    else ""
+                ),
+                hint="Pass strict=False to load those into new tensors (returned in the "
+                "state), or pass into= the whole saved structure",
+            )
+        for name, mine in sorted(self.tensors.items()):
+            info = described[name]
+            try:
+                shape = tuple(int(d) for d in info["shape"])
+                dtype = getattr(torch, str(info["dtype"]))
+            except (KeyError, TypeError, ValueError, AttributeError):
+                raise CorruptionError(f"state.json of {where} describes {name!r} oddly") from None
+            if tuple(mine.shape) != shape or mine.dtype != dtype:
+                raise ConfigurationError(
+                    f"into's tensor {name!r} is {_kind(mine.shape, mine.dtype)} but the "
+                    f"{where} holds {_kind(shape, dtype)} there; nothing "
+                    "was written into into's tensors",
+                    hint="Build the model with the configuration it was saved with, or load "
+                    "without into= to see what the checkpoint holds",
+                )
+
+    def check_header(self, slots: Sequence[_Slot], verified: bool) -> None:
+        """That the safetensors header places each of the caller's tensors as
+        ``state.json`` (checked by ``check``) describes it. An unverified header that does
+        not is read again, verified (``_HeaderMoved``); a verified one is damage.
+        Raises CorruptionError."""
+        for s in slots:
+            mine = self.tensors.get(s.name)
+            if mine is None or (s.shape == tuple(mine.shape) and s.dtype == mine.dtype):
+                continue
+            if not verified:
+                raise _HeaderMoved
+            raise CorruptionError(
+                f"tensors.safetensors and state.json disagree on {s.name!r}'s shape or dtype"
+            )
+        if not {s.name for s in slots} >= set(self.tensors):
+            raise CorruptionError("tensors.safetensors lacks tensors state.json lists")
+
+
+def _some(names: Sequence[str]) -> str:
+    return ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")
+
+
+def _kind(shape: Sequence[int], dtype: torch.dtype) -> str:
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
+
+
+def _check_no_overlap(tensors: Mapping[str, torch.Tensor]) -> None:
+    """Raises ConfigurationError if two of the caller's tensors share memory (partly
+    overlapping views: each would be written with its own bytes, in no set order)."""
+    spans = sorted(
+        (t.device.type, t.device.index or 0, *_extent(t), name)
+        for name, t in tensors.items()
+        if t.numel()
+    )
+    for a, b in itertools.pairwise(spans):
+        if a[:2] == b[:2] and b[2] < a[3]:
+            raise ConfigurationError(
+                f"into's tensors {a[4]!r} and {b[4]!r} share memory (overlapping views); "
+                "filled in place, each would overwrite the other",
+                hint="Pass into= a state without one of them (entries that are the same "
+                "view, such as tied weights, are fine), or load without into=",
+            )
 
 
 # --------------------------------------------------------------------------- the header
@@ -409,9 +579,15 @@ class _Loader:
         names: tuple[str, str, str],
         dtypes: Mapping[str, torch.dtype],
         build: Callable[[dict[str, Any], Mapping[str, torch.Tensor], bytes | None], Any],
+        into: Into | None = None,
+        fresh_on_device: bool = True,
     ) -> None:
         self.store, self.engine, self.ops, self.local = store, engine, ops, local
         self.report, self.names, self.dtypes, self.build = report, names, dtypes, build
+        self.into = into
+        # Tensors not in ``into`` are allocated on the device (True, with ``ops``) or on
+        # the host.
+        self.fresh_on_device = fresh_on_device and ops is not None
 
     def try_one(self, record: CheckpointRecord) -> Any:
         """The state of ``record``, or ``reader.Damaged``."""
@@ -451,10 +627,13 @@ class _Loader:
         missing = set(doc.get("tensors", {})) - {s.name for s in slots}
         if missing:
             raise CorruptionError(f"tensors.safetensors lacks {sorted(missing)[:5]}")
+        if self.into is not None:  # before any byte lands in the caller's tensors
+            self.into.check(doc, f"the checkpoint of step {record.step}")
+            self.into.check_header(slots, verified_head)
         report.listing_s += time.perf_counter() - t0
 
         t1 = time.perf_counter()
-        tensors, sink, header = self._allocate(slots, len(head))
+        tensors, sink, header, later = self._allocate(slots, len(head))
         alloc_s = time.perf_counter() - t1
         self._read_tensors(files.tensors, copy, prefix, sink, manifest.chunk_size, stats)
         done = time.perf_counter()
@@ -464,6 +643,9 @@ class _Loader:
                     _count(report, st)
                 raise _HeaderMoved
             raise CorruptionError("the header of tensors.safetensors changed while it was read")
+        with torch.no_grad():  # every byte verified: the layouts bytes cannot land in
+            for mine, landed in later:
+                mine.copy_(landed)
         first = stats.first_request or t1
         last = max(stats.last_landed or first, first)
         report.transfer_s += last - first
@@ -622,24 +804,41 @@ class _Loader:
 
     def _allocate(
         self, slots: list[_Slot], base: int
-    ) -> tuple[dict[str, torch.Tensor], TensorSink, bytearray]:
-        """The tensors (host, or on the device) and the sink that fills them."""
+    ) -> tuple[
+        dict[str, torch.Tensor], TensorSink, bytearray, list[tuple[torch.Tensor, torch.Tensor]]
+    ]:
+        """The tensors (host, or on the device; the caller's where ``into`` has them), the
+        sink that fills them, the header's buffer, and (caller's tensor, new tensor) pairs
+        to copy once verified: caller's tensors whose layout the bytes cannot land in."""
         sink = TensorSink(self.ops)
         header = bytearray(base)
         tensors: dict[str, torch.Tensor] = {}
+        later: list[tuple[torch.Tensor, torch.Tensor]] = []
         targets: list[tuple[int, int, memoryview | torch.Tensor]] = [(0, base, memoryview(header))]
+        mine_all = self.into.tensors if self.into is not None else {}
         for s in slots:
-            if self.ops is None:
-                t = torch.empty(s.shape, dtype=s.dtype)
-                if s.end > s.start:
-                    targets.append((s.start, s.end, _host_view(t)))
-            else:
-                t = self.ops.empty(s.shape, s.dtype)
-                if s.end > s.start:
-                    targets.append((s.start, s.end, _bytes_of(t)))
+            mine = mine_all.get(s.name)
+            if mine is None:  # a new tensor
+                on_device = self.fresh_on_device
+                t = land = self._empty(s, on_device)
+            else:  # the caller's
+                on_device = via_device(mine)
+                t = mine
+                land = mine.detach()
+                if not lands_in_place(land):
+                    land = self._empty(s, on_device)
+                    later.append((mine, land))
+            if s.end > s.start:
+                targets.append((s.start, s.end, _bytes_of(land) if on_device else _host_view(land)))
             tensors[s.name] = t
         sink.add_job(targets)
-        return tensors, sink, header
+        return tensors, sink, header, later
+
+    def _empty(self, s: _Slot, on_device: bool) -> torch.Tensor:
+        if on_device:
+            assert self.ops is not None
+            return self.ops.empty(s.shape, s.dtype)
+        return torch.empty(s.shape, dtype=s.dtype)
 
 
 def load_from_store(
@@ -653,19 +852,32 @@ def load_from_store(
     names: tuple[str, str, str],
     dtypes: Mapping[str, torch.dtype],
     build: Callable[[dict[str, Any], Mapping[str, torch.Tensor], bytes | None], Any],
+    into: Into | None = None,
+    fresh_on_device: bool = True,
 ) -> Any:
     """The state of the newest intact ``save_state`` checkpoint (or ``step``), falling
     back past damaged ones (module docstring). ``build(doc, tensors, objects_bytes)``
-    turns the verified parts into the state.
+    turns the verified parts into the state. ``into``: the caller's tensors to fill in
+    place (the others are new: on the device of ``ops`` if ``fresh_on_device``).
 
     Raises: CheckpointNotFoundError, CorruptionError (nothing intact; ``exc.skipped``),
-    CloudCkptError (not a save_state checkpoint), StoreError.
+    CloudCkptError (not a save_state checkpoint), ConfigurationError (``into`` does not
+    fit the checkpoint), StoreError.
     """
     started = time.perf_counter()
     todo, from_records = reader.readable(store, step)
     report.listing_s += time.perf_counter() - started
     loader = _Loader(
-        store, engine, ops=ops, local=local, report=report, names=names, dtypes=dtypes, build=build
+        store,
+        engine,
+        ops=ops,
+        local=local,
+        report=report,
+        names=names,
+        dtypes=dtypes,
+        build=build,
+        into=into,
+        fresh_on_device=fresh_on_device,
     )
     found = reader.first_intact(store, todo, step, loader.try_one, from_records=from_records)
     report.step = found.record.step
@@ -674,3 +886,42 @@ def load_from_store(
     report.from_commit_records = found.from_records
     report.total_s = time.perf_counter() - started
     return found.value
+
+
+def read_file_into(
+    path: Path, doc: Mapping[str, Any], into: Into, dtypes: Mapping[str, torch.dtype]
+) -> dict[str, torch.Tensor]:
+    """The tensors of a restored directory's safetensors file at ``path``: the caller's
+    (``into``, checked against ``doc`` before any byte is read into them) filled in place,
+    the others new, on the CPU. Nothing is verified here: a directory a restore produced
+    was verified as it was written. Raises ConfigurationError (``into`` does not fit),
+    CorruptionError (the file is not what ``doc`` describes), OSError."""
+    into.check(doc, f"the checkpoint in {path.parent}")
+    tensors: dict[str, torch.Tensor] = {}
+    later: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = _header_bytes(lambda n: os.pread(f.fileno(), n, 0), size, dtypes)
+        _, slots = parse_header(head, size, dtypes)
+        into.check_header(slots, verified=True)
+        for s in slots:
+            mine = into.tensors.get(s.name)
+            if mine is not None and not via_device(mine) and lands_in_place(mine):
+                land = mine.detach()
+            else:
+                land = torch.empty(s.shape, dtype=s.dtype)
+                if mine is not None:
+                    later.append((mine, land))
+            tensors[s.name] = land if mine is None else mine
+            view = _host_view(land) if s.end > s.start else memoryview(b"")
+            f.seek(s.start)
+            got = 0
+            while got < len(view):
+                n = f.readinto(view[got:])
+                if not n:
+                    raise CorruptionError(f"{path} is shorter than its header says")
+                got += n
+    with torch.no_grad():
+        for mine, landed in later:
+            mine.copy_(landed)
+    return tensors

@@ -3,14 +3,14 @@
 ::
 
     from cloudckpt import CheckpointManager
-    from cloudckpt.integrations.torch import load_state, save_state
+    from cloudckpt.integrations.torch import resume_state, save_state
 
     mgr = CheckpointManager("s3://bucket/runs/exp1", staging_dir="/nvme/ckpt")
-    restored = mgr.resume(into="/nvme/restore")          # None for a new run
-    if restored is not None:
-        state = load_state(restored)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+    # Into the model's own tensors, in place (None for a new run): straight from the store,
+    # or from the verified local copy in staging_dir, every byte verified.
+    state = resume_state(mgr, into={"model": model.state_dict()}, strict=False)
+    if state is not None:                          # the model holds the checkpoint now
+        optimizer.load_state_dict(state["optimizer"])  # new tensors (strict=False)
         start = state["step"] + 1
     ...
     handle = save_state(mgr, step, {"model": model.state_dict(),
@@ -99,6 +99,7 @@ import torch
 
 from cloudckpt.errors import (
     CloudCkptError,
+    ConfigurationError,
     CorruptionError,
 )
 from cloudckpt.integrations._device_copy import (
@@ -450,6 +451,8 @@ def _state_dir(source: RestoreResult | str | os.PathLike[str]) -> Path:
 def load_state(
     source: RestoreResult | str | os.PathLike[str] | ManagerBase | Store,
     *,
+    into: Any = None,
+    strict: bool = True,
     step: int | None = None,
     device: str | torch.device | None = None,
     weights_only: bool = True,
@@ -457,7 +460,8 @@ def load_state(
     report: LoadReport | None = None,
 ) -> Any:
     """Rebuild the state ``save_state`` saved: straight from the store into memory (or a
-    GPU), or from a restored checkpoint directory.
+    GPU), or from a restored checkpoint directory; with ``into``, into the caller's own
+    tensors, in place (as ``torch.distributed.checkpoint.load`` does).
 
     Args:
         source: the run: a ``CheckpointManager`` (read-only here; ``resume_state`` claims
@@ -468,26 +472,63 @@ def load_state(
             verified local copy in its ``staging_dir``, if it has one (zero bytes
             downloaded). Or a directory: a ``RestoreResult`` (from ``manager.resume()`` /
             ``restore()``) or its path.
+        into: a nested state like the one saved (``{"model": model.state_dict(), ...}``)
+            whose tensors are filled in place with the checkpoint's, matched by their key
+            paths (the names ``save_state`` gives them): no second copy of the state in
+            memory, no fresh pages to fault in. ``model.state_dict()``'s tensors share
+            memory with the parameters, so ``model.load_state_dict`` is then unnecessary.
+            Each of its tensors must have the checkpoint's shape and dtype, be on the CPU
+            (filled straight from the socket or file) or on one CUDA device (through
+            pinned staging buffers), and share no memory with another (views of one
+            tensor other than the same view, such as tied weights). A non-contiguous
+            tensor (e.g. ``channels_last``) is filled through a new tensor, copied in once
+            verified. Plain values, numpy arrays and pickled leaves are not written into
+            ``into``: they are in the returned state (e.g. ``state["step"]``; an
+            optimizer's ``param_groups``: call ``optimizer.load_state_dict(state[...])``,
+            which keeps the filled tensors). Sparse, quantized and meta tensors cannot be
+            filled.
+        strict: with ``into``, the checkpoint may hold no tensor ``into`` lacks. False:
+            those come back as new tensors in the returned state (e.g. an optimizer's
+            state, which a new optimizer has not created yet). Every tensor of ``into``
+            must be in the checkpoint either way: it is filled, or the call raises.
         step: (from a run) load this step instead of the newest.
-        device: where tensors go (default: CPU). A CUDA device is filled through pinned
-            staging buffers, the copies overlapped with the download.
+        device: where new tensors go (default: CPU): all of them, or with ``into`` those
+            it lacks and ``objects.pt``'s. A CUDA device is filled through pinned staging
+            buffers, the copies overlapped with the download.
         weights_only: load ``objects.pt`` (only present for unusual leaves) with
             ``torch.load(weights_only=True)``. Set False only for checkpoints you trust.
         storage_options: for a run URL, as ``CheckpointManager`` takes them.
         report: a ``LoadReport`` to fill (from a run): where the time went, bytes read.
 
+    Returns: the state, as saved; with ``into``, holding ``into``'s tensor objects where
+    it had them, filled.
+
     Raises: CheckpointNotFoundError (nothing committed, or no such step), CorruptionError
     (no intact checkpoint, unknown format, missing tensor), CloudCkptError (not a
-    save_state checkpoint), StoreError, and ``torch.load``'s error for a disallowed
-    pickled type.
+    save_state checkpoint), ConfigurationError (``into`` does not fit the checkpoint: a
+    tensor of another shape or dtype, a name one has and the other lacks, tensors on
+    other devices or sharing memory; raised before any byte is written into ``into``'s
+    tensors when it is the newest intact checkpoint that does not fit), StoreError, and
+    ``torch.load``'s error for a disallowed pickled type. With ``into``, bytes land in
+    its tensors before their chunk is verified: a checkpoint found damaged is then
+    overwritten by the older one loaded instead, but after any error raised past the
+    first byte written, the contents of ``into``'s tensors are undefined (load again).
     """
+    plan = _into(into, strict) if into is not None else None
     if isinstance(source, (ManagerBase, Store)) or (isinstance(source, str) and "://" in source):
-        return _load_from_run(source, step, device, weights_only, storage_options, report)
+        return _load_from_run(source, step, device, weights_only, storage_options, report, plan)
     root = _state_dir(source)
     doc = json.loads((root / STATE_FILE).read_text())
     check_format(doc, str(root / STATE_FILE))
     target = "cpu" if device is None else str(device)
-    tensors = _st.load_file(str(root / TENSORS_FILE), device=target)
+    if plan is None:
+        tensors = _st.load_file(str(root / TENSORS_FILE), device=target)
+    else:
+        from cloudckpt.integrations import _torch_restore as tr
+
+        tensors = tr.read_file_into(root / TENSORS_FILE, doc, plan, _st_dtypes())
+        if target != "cpu":
+            tensors = {k: v if k in plan.tensors else v.to(target) for k, v in tensors.items()}
     missing = set(doc.get("tensors", {})) - set(tensors)
     if missing:
         raise CorruptionError(f"{TENSORS_FILE} lacks {sorted(missing)[:5]}")
@@ -497,6 +538,51 @@ def load_state(
     return decode(doc["tree"], tensors, objects)
 
 
+def _st_dtypes() -> Mapping[str, torch.dtype]:
+    """safetensors' dtype names."""
+    dtypes: Mapping[str, torch.dtype] = getattr(_st, "_TYPES", {})
+    return dtypes
+
+
+class _IntoFlattener(Flattener):
+    """``Flattener`` over a state to load into: the names of its tensors, and the
+    caller's tensor objects (not the detached aliases the flattener keeps)."""
+
+    def __init__(self) -> None:
+        super().__init__(sizing=True)
+        self.originals: dict[str, torch.Tensor] = {}
+
+    def tensor(self, t: torch.Tensor, path: tuple[str, ...]) -> Any:
+        node = super().tensor(t, path)
+        name = node.get("__tensor__") if isinstance(node, dict) else None
+        if name is not None:
+            self.originals.setdefault(name, t)
+        return node
+
+
+def _into(state: Any, strict: bool) -> Any:
+    """The caller's tensors in ``state`` by the names ``save_state`` gives them
+    (``_torch_restore.Into``). Raises ConfigurationError (as ``Into.of``, or what
+    ``save_state`` would refuse in the state)."""
+    from cloudckpt.integrations import _torch_restore as tr
+
+    if isinstance(state, torch.nn.Module):
+        raise ConfigurationError(
+            "into is a module; load_state fills the tensors of a state",
+            hint="Pass into=model.state_dict() (its tensors are the module's parameters and "
+            "buffers), or a tree of state dicts as saved",
+        )
+    flat = _IntoFlattener()
+    flat.node(state, ())
+    if not flat.originals:
+        raise ConfigurationError(
+            f"into ({type(state).__name__}) holds no tensor to fill",
+            hint="Pass into= the state as saved, e.g. {'model': model.state_dict()}, or "
+            "leave it out to load into new tensors",
+        )
+    return tr.Into.of(flat.originals, strict, flat.object_paths)
+
+
 def _load_from_run(
     source: ManagerBase | Store | str,
     step: int | None,
@@ -504,23 +590,36 @@ def _load_from_run(
     weights_only: bool,
     storage_options: Mapping[str, Any] | None,
     report: LoadReport | None,
+    plan: Any = None,
 ) -> Any:
-    """``load_state`` from the store (see there)."""
+    """``load_state`` from the store (see there); ``plan``: the ``_torch_restore.Into``
+    of ``into``, or None."""
     from cloudckpt.integrations import _torch_restore as tr
     from cloudckpt.transfer import TransferEngine
 
     report = report if report is not None else LoadReport()
-    ops = tr.device_ops(device)
+    into: tr.Into | None = plan
+    wanted = None if device is None else torch.device(device)
+    if into is not None and into.device is not None:
+        _one_cuda_device(into.device, wanted)
+        ops = tr.device_ops(into.device)  # the caller's CUDA tensors, through staging
+        fresh_on_device = wanted is not None and wanted.type == "cuda"
+    else:
+        ops = tr.device_ops(device)
+        fresh_on_device = ops is not None
     report.device = str(ops.device) if ops is not None else "cpu"
-    later = None if ops is not None or device is None else torch.device(device)
-    if later is not None and later.type == "cpu":
-        later = None
+    later = None if fresh_on_device or wanted is None or wanted.type == "cpu" else wanted
+    keep = into.tensors if into is not None else {}
 
     def build(doc: dict[str, Any], tensors: Mapping[str, torch.Tensor], blob: bytes | None) -> Any:
         check_format(doc, STATE_FILE)
         if later is not None:  # a device reached through host memory
-            tensors = {k: v.to(later) for k, v in tensors.items()}
-        target = report.device if later is None else str(later)
+            tensors = {k: v if k in keep else v.to(later) for k, v in tensors.items()}
+        if fresh_on_device:
+            assert ops is not None
+            target = str(ops.device)
+        else:
+            target = "cpu" if later is None else str(later)
         objects = load_objects(blob, doc, target, weights_only) if blob is not None else []
         if doc.get("objects") and blob is None:
             raise CorruptionError(f"the checkpoint lacks {OBJECTS_FILE}")
@@ -532,8 +631,10 @@ def _load_from_run(
         ops=ops,
         report=report,
         names=(STATE_FILE, TENSORS_FILE, OBJECTS_FILE),
-        dtypes=getattr(_st, "_TYPES", {}),
+        dtypes=_st_dtypes(),
         build=build,
+        into=into,
+        fresh_on_device=fresh_on_device,
     )
     if isinstance(source, ManagerBase):
         source.check_open()
@@ -549,9 +650,26 @@ def _load_from_run(
             store.close()
 
 
+def _one_cuda_device(theirs: torch.device, wanted: torch.device | None) -> None:
+    """Raises ConfigurationError if ``device=`` names another CUDA device than the one
+    ``into``'s tensors are on (one load copies to one device)."""
+    if wanted is None or wanted.type != "cuda":
+        return
+    if wanted.index is None:
+        wanted = torch.device("cuda", torch.cuda.current_device())
+    if wanted != theirs:
+        raise ConfigurationError(
+            f"into's tensors are on {theirs} but device= is {wanted}; one load fills one "
+            "CUDA device",
+            hint=f"Leave device= out, or pass device={str(theirs)!r}",
+        )
+
+
 def resume_state(
     manager: ManagerBase,
     *,
+    into: Any = None,
+    strict: bool = True,
     step: int | None = None,
     device: str | torch.device | None = None,
     weights_only: bool = True,
@@ -560,10 +678,15 @@ def resume_state(
     """``manager.resume()`` into memory: claim the run (fencing any older writer), commit
     saves a crashed process left in ``staging_dir``, and load the newest committed
     checkpoint (or ``step``) straight from the store, or from the verified local copy in
-    ``staging_dir`` (see ``load_state``). Returns None for a new, empty run.
+    ``staging_dir`` (see ``load_state``). With ``into`` (e.g. ``{"model":
+    model.state_dict(), "optimizer": optimizer.state_dict()}``), into those tensors, in
+    place (``load_state``'s ``into`` and ``strict``). Returns None for a new, empty run
+    (``into`` is then untouched).
 
-    Raises: as ``CheckpointManager.claim`` and ``load_state``.
+    Raises: as ``CheckpointManager.claim`` and ``load_state`` (after a failure past the
+    first byte written, ``into``'s tensors hold undefined contents).
     """
+    plan = _into(into, strict) if into is not None else None  # refused before the claim
     if manager.claim() is None:
         return None
-    return load_state(manager, step=step, device=device, weights_only=weights_only, report=report)
+    return _load_from_run(manager, step, device, weights_only, None, report, plan)
