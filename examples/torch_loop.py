@@ -20,7 +20,7 @@ import time
 import torch
 
 from cloudckpt import CheckpointManager
-from cloudckpt.integrations.torch import load_state, save_state
+from cloudckpt.integrations.torch import resume_state, save_state
 from cloudckpt.preemption import PreemptionWatcher
 
 URL = os.environ.get(
@@ -36,12 +36,12 @@ def main() -> int:
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=TOTAL_STEPS)
 
     mgr = CheckpointManager(URL, keep_last=3)
-    restore_dir = tempfile.mkdtemp(prefix="cloudckpt-restore-")
-    restored = mgr.resume(into=restore_dir)  # claims the run; None for a new one
+    # Claims the run (None for a new one) and loads the newest checkpoint straight into the
+    # model's own tensors, every byte verified; what into= lacks (the optimizer's moments,
+    # the RNG state) comes back as new tensors (strict=False).
+    state = resume_state(mgr, into={"model": model.state_dict()}, strict=False)
     start = 0
-    if restored is not None:
-        state = load_state(restored)
-        model.load_state_dict(state["model"])
+    if state is not None:  # the model holds the checkpoint's weights now
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
