@@ -2226,3 +2226,36 @@ MUTANTS.update(
         ]
     }
 )
+
+
+def _checksum_choice_overridden(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The S3 client's ``response_checksum_validation="when_required"`` default replaces
+    whatever the user chose (config_kwargs, a Config, the environment, the profile)."""
+    import botocore.config
+
+    from cloudckpt.stores import _s3_client
+
+    def forced(session, config):
+        return config.merge(botocore.config.Config(response_checksum_validation="when_required"))
+
+    setattr_(_s3_client, "_without_checksum_mode", forced)
+
+
+MUTANTS.update(
+    {
+        m.name: m
+        for m in [
+            Mutant(
+                "s3-checksum-choice-overridden",
+                "the S3 client's cheaper checksum default (when_required) gives way to the "
+                "user's response_checksum_validation, however it was set",
+                _checksum_choice_overridden,
+                (
+                    "tests/test_s3_store.py::test_ranged_reads_ask_for_no_checksum_unless_the_"
+                    "user_does",
+                ),
+                why_not_simulated=_NOT_SIMULATED_STORES,
+            ),
+        ]
+    }
+)
