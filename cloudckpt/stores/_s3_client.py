@@ -6,8 +6,11 @@ ignored). Anything not given comes from the usual AWS sources (``AWS_*`` environ
 variables including ``AWS_ENDPOINT_URL[_S3]``, config and credentials files); the region falls
 back to ``AWS_REGION`` and then ``us-east-1``. The hooks send ``bytes`` and ``memoryview``
 bodies without copies, sign payloads with digests already known (``digest.known_sha256``),
-and fail at once on a TLS handshake that can never succeed. A logging filter keeps session
-tokens and access key ids out of botocore's DEBUG logs.
+and fail at once on a TLS handshake that can never succeed. Per request, botocore's CPU
+is cut without changing what is sent or returned (``SAVINGS``: timestamps parsed without
+dateutil, the User-Agent built once per feature set, header lookups without ``KeyError``,
+no checksum asked for on ranged reads unless the user asks). A logging filter keeps
+session tokens and access key ids out of botocore's DEBUG logs.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import botocore
 import botocore.auth
 import botocore.awsrequest
 import botocore.config
-import botocore.context
 import botocore.exceptions as bce
 import botocore.handlers
 import botocore.session
@@ -180,6 +182,12 @@ def _parse_timestamps_cheaply(session: botocore.session.Session) -> None:
         setter(timestamp_parser=parse_timestamp)
 
 
+try:  # (botocore's per-request feature tracking; older versions have none)
+    from botocore.context import get_context as _get_context
+except ImportError:  # pragma: no cover
+    _get_context = None
+
+
 class _CachedUserAgent(botocore.useragent.UserAgentString):
     """botocore's ``User-Agent`` builder, remembering the string it built for each set of
     features. botocore builds the header twice per request (when the request is
@@ -191,12 +199,12 @@ class _CachedUserAgent(botocore.useragent.UserAgentString):
     _ua_cache: dict[tuple[frozenset[str], frozenset[str]], str]
 
     def to_string(self) -> str:
-        ctx = botocore.context.get_context()
+        ctx = _get_context() if _get_context is not None else None
         key = (
             frozenset(ctx.features) if ctx is not None else frozenset(),
-            frozenset(self._client_features or ()),
+            frozenset(getattr(self, "_client_features", None) or ()),
         )
-        found = self._ua_cache.get(key)
+        found = self._ua_cache.get(key)  # (dict reads and writes are atomic)
         if found is None:
             found = super().to_string()
             if len(self._ua_cache) < 64:
