@@ -3,7 +3,7 @@
     python -m benchmarks.request_cost                     # 1000 requests x 5 rounds
     python -m benchmarks.request_cost --ops get --requests 2000 --rounds 7
     python -m benchmarks.request_cost --profile get       # cProfile (CPU clock) of one loop
-    python -m benchmarks.request_cost --off user_agent --contenders cloudckpt,cloudckpt-before
+    python -m benchmarks.request_cost --off timestamps --contenders cloudckpt,cloudckpt-before
                                                           # one saving alone
 
 Against the benchmark S3 endpoint (``benchmarks/s3_endpoint.py``, its own process, loopback,

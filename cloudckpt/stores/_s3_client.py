@@ -8,8 +8,8 @@ back to ``AWS_REGION`` and then ``us-east-1``. The hooks send ``bytes`` and ``me
 bodies without copies, sign payloads with digests already known (``digest.known_sha256``),
 and fail at once on a TLS handshake that can never succeed. Per request, botocore's CPU
 is cut without changing what is sent or returned (``SAVINGS``: timestamps parsed without
-dateutil, the User-Agent built once per feature set, header lookups without ``KeyError``,
-no checksum asked for on ranged reads unless the user asks). A logging filter keeps
+dateutil, through the parser hook botocore offers; no checksum asked for on ranged reads
+unless the user asks). A logging filter keeps
 session tokens and access key ids out of botocore's DEBUG logs.
 """
 
@@ -26,12 +26,10 @@ from urllib.parse import urlsplit
 
 import botocore
 import botocore.auth
-import botocore.awsrequest
 import botocore.config
 import botocore.exceptions as bce
 import botocore.handlers
 import botocore.session
-import botocore.useragent
 import botocore.utils
 
 from cloudckpt import digest
@@ -123,8 +121,6 @@ def _session(profile: str | None) -> botocore.session.Session:
 #: (``benchmarks/request_cost.py`` builds a store with them off to measure them).
 SAVINGS = {
     "timestamps": True,
-    "user_agent": True,
-    "headers": True,
     "checksum_mode": True,
 }
 
@@ -180,67 +176,6 @@ def _parse_timestamps_cheaply(session: botocore.session.Session) -> None:
     setter = getattr(factory, "set_parser_defaults", None)
     if setter is not None:
         setter(timestamp_parser=parse_timestamp)
-
-
-try:  # (botocore's per-request feature tracking; older versions have none)
-    from botocore.context import get_context as _get_context
-except ImportError:  # pragma: no cover
-    _get_context = None
-
-
-class _CachedUserAgent(botocore.useragent.UserAgentString):
-    """botocore's ``User-Agent`` builder, remembering the string it built for each set of
-    features. botocore builds the header twice per request (when the request is
-    serialized and again when it is created, to add the features the request used),
-    sanitizing ~20 components each time: ~0.1 ms of CPU per request. The string depends
-    only on this client's fixed settings and the feature set, so the same set gets the
-    same string."""
-
-    _ua_cache: dict[tuple[frozenset[str], frozenset[str]], str]
-
-    def to_string(self) -> str:
-        ctx = _get_context() if _get_context is not None else None
-        key = (
-            frozenset(ctx.features) if ctx is not None else frozenset(),
-            frozenset(getattr(self, "_client_features", None) or ()),
-        )
-        found = self._ua_cache.get(key)  # (dict reads and writes are atomic)
-        if found is None:
-            found = super().to_string()
-            if len(self._ua_cache) < 64:
-                self._ua_cache[key] = found
-        return found
-
-
-def _cache_user_agent(client: Any) -> None:
-    """Make this client's User-Agent builder a ``_CachedUserAgent`` (no-op if botocore's
-    internals differ)."""
-    creator: Any = getattr(client, "_user_agent_creator", None)
-    if SAVINGS["user_agent"] and type(creator) is botocore.useragent.UserAgentString:
-        creator._ua_cache = {}
-        creator.__class__ = _CachedUserAgent
-
-
-class _ResponseHeaders(botocore.awsrequest.HeadersDict):
-    """botocore's case-insensitive response headers, answering ``in`` and ``get`` with
-    one dictionary lookup. The inherited ``Mapping`` methods try ``self[key]`` and catch
-    ``KeyError``, and botocore's response parser asks ``in`` for every header its output
-    shape models (about 60 for GetObject, nearly all absent): ~0.05 ms of raising and
-    catching per response. Same keys, same values, same answers."""
-
-    def __contains__(self, key: object) -> bool:
-        return botocore.awsrequest._HeaderKey(key) in self._dict
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        return self._dict.get(botocore.awsrequest._HeaderKey(key), default)
-
-
-def _answer_headers_cheaply(response_dict: Any = None, **_: Any) -> None:
-    """A ``before-parse`` handler: make the response's headers ``_ResponseHeaders`` (the
-    same object, another class) before botocore's parser reads them."""
-    headers = response_dict.get("headers") if isinstance(response_dict, dict) else None
-    if type(headers) is botocore.awsrequest.HeadersDict:
-        headers.__class__ = _ResponseHeaders
 
 
 def _endpoint_error(endpoint: str, source: str) -> ConfigurationError:
@@ -492,9 +427,6 @@ def _create_client(
     _send_bytes_whole(client)
     _send_views_whole(client)
     _use_prehashed_payloads(client)
-    _cache_user_agent(client)
-    if SAVINGS["headers"] and hasattr(botocore.awsrequest, "_HeaderKey"):
-        client.meta.events.register("before-parse.s3", _answer_headers_cheaply)
     return client
 
 
