@@ -5,6 +5,7 @@
     python -m benchmarks.cpu_cost --without digest,crc32c
     python -m benchmarks.cpu_cost --without fused        # digest, then CRC32C: two passes
     python -m benchmarks.cpu_cost --source state        # save_state of tensors in memory
+    python -m benchmarks.cpu_cost --without requests     # botocore as before issue 31 item 5
 
 Uploads the same files to the benchmark S3 endpoint (``benchmarks/s3_endpoint.py``, its
 own process; unsigned payload) with cloudckpt's ``save_dir`` (``chunking="off"``, as the
@@ -14,7 +15,8 @@ process) with the ratio of the medians. ``--source state``: cloudckpt saves the 
 as a state of CPU tensors with ``save_state`` (the copy into its host memory included),
 obstore uploads the files. ``--without`` switches parts of cloudckpt's work
 off by replacing them in this process only (``digest``: the digest leaves; ``crc32c``: the
-per-part CRC32C; ``fused``: the one pass that computes both, which becomes two): the
+per-part CRC32C; ``fused``: the one pass that computes both, which becomes two;
+``requests``: the S3 client's per-request savings, ``_s3_client.SAVINGS``): the
 differences are what each part costs. Nothing is asserted; with the
 machine shared, run it a few times.
 """
@@ -36,7 +38,10 @@ GiB = 1 << 30
 def _switch_off(without: set[str]) -> None:
     """Replace parts of cloudckpt's per-byte work in this process (``--without``)."""
     from cloudckpt import _crc32c, digest
-    from cloudckpt.stores import s3
+    from cloudckpt.stores import _s3_client, s3
+
+    if "requests" in without:
+        _s3_client.SAVINGS.update(dict.fromkeys(_s3_client.SAVINGS, False))
 
     if "digest" in without:
         digest.leaf = lambda chunk, algorithm=None: b"\0" * 32  # type: ignore[assignment]
@@ -73,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--saves", type=int, default=5)
     p.add_argument("--concurrency", type=int, default=16, help="cloudckpt transfer threads")
     p.add_argument("--part-mib", type=int, default=0, help="cloudckpt part size (0: the default)")
-    p.add_argument("--without", default="", help="comma list of digest, crc32c, fused")
+    p.add_argument("--without", default="", help="comma list of digest, crc32c, fused, requests")
     p.add_argument("--source", choices=("files", "state"), default="files")
     args = p.parse_args(argv)
 
@@ -84,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
 
     without = {w.strip() for w in args.without.split(",") if w.strip()}
     without = {"digest" if w == "sha256" else w for w in without}  # the old name
-    if without - {"digest", "crc32c", "fused"}:
-        raise SystemExit("--without takes digest, crc32c and/or fused")
+    if without - {"digest", "crc32c", "fused", "requests"}:
+        raise SystemExit("--without takes digest, crc32c, fused and/or requests")
     _switch_off(without)
 
     part_size = {"part_size": args.part_mib * MiB} if args.part_mib else {}

@@ -2268,6 +2268,20 @@ def _load_into_ignored(setattr_: Callable[[Any, str, Any], None]) -> None:
 _INTO = "tests/test_load_into.py"
 _NOT_SIMULATED_TORCH = "the simulation saves and restores directories, not state dicts"
 
+
+def _checksum_choice_overridden(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The S3 client's ``response_checksum_validation="when_required"`` default replaces
+    whatever the user chose (config_kwargs, a Config, the environment, the profile)."""
+    import botocore.config
+
+    from cloudckpt.stores import _s3_client
+
+    def forced(session, config):
+        return config.merge(botocore.config.Config(response_checksum_validation="when_required"))
+
+    setattr_(_s3_client, "_without_checksum_mode", forced)
+
+
 MUTANTS.update(
     {
         m.name: m
@@ -2292,6 +2306,17 @@ MUTANTS.update(
                     f"{_INTO}::test_resume_state_fills_in_place_from_the_local_copy",
                 ),
                 why_not_simulated=_NOT_SIMULATED_TORCH,
+            ),
+            Mutant(
+                "s3-checksum-choice-overridden",
+                "the S3 client's cheaper checksum default (when_required) gives way to the "
+                "user's response_checksum_validation, however it was set",
+                _checksum_choice_overridden,
+                (
+                    "tests/test_s3_store.py::test_ranged_reads_ask_for_no_checksum_unless_the_"
+                    "user_does",
+                ),
+                why_not_simulated=_NOT_SIMULATED_STORES,
             ),
         ]
     }

@@ -570,3 +570,125 @@ def test_signed_payloads_reuse_the_parts_digest_even_with_awscrt(s3_target, open
         _s3_client._PrehashedS3SigV4Auth.payload = real
     assert True in seen  # the part was signed with its known digest
     assert store.get("k")[0] == data
+
+
+# --- per-request savings (issue 31 item 5): the same requests and results, less CPU ------
+
+
+def _sent_headers(store) -> list[dict[str, str]]:
+    """Record the headers of every request the store's client sends from now on."""
+    sent: list[dict[str, str]] = []
+
+    def record(request, **kwargs):
+        sent.append(
+            {
+                k.lower(): v.decode() if isinstance(v, bytes) else v
+                for k, v in request.headers.items()
+            }
+        )
+
+    store._client.meta.events.register("before-send.s3", record)
+    return sent
+
+
+def test_ranged_reads_ask_for_no_checksum_unless_the_user_does(s3_target, open_target, clean_env):
+    store = open_target(s3_target)
+    store.put("k", b"0123456789")
+    assert store._client.meta.config.response_checksum_validation == "when_required"
+    sent = _sent_headers(store)
+    buf = memoryview(bytearray(4))
+    assert store.get_range_into("k", 2, buf) == 4 and bytes(buf) == b"2345"
+    assert store.get_range("k", 0, 3) == b"012"
+    assert "x-amz-checksum-mode" not in sent[0] and "x-amz-checksum-mode" not in sent[1]
+    assert store.read_paths["direct"] == 1
+    # get() still asks for the full-object checksum itself, and checks it.
+    assert store.get("k")[0] == b"0123456789"
+    assert sent[2].get("x-amz-checksum-mode") == "ENABLED"
+
+    # The user's choice wins: config_kwargs, a Config in client_kwargs, the environment.
+    import botocore.config
+
+    chosen = [
+        {"config_kwargs": {"response_checksum_validation": "when_supported"}},
+        {
+            "client_kwargs": {
+                "config": botocore.config.Config(response_checksum_validation="when_supported")
+            }
+        },
+    ]
+    for extra in chosen:
+        opts = {**s3_target.storage_options}
+        for name, value in extra.items():
+            opts[name] = {**opts.get(name, {}), **value}
+        user = open_target(s3_target._replace(storage_options=opts))
+        assert user._client.meta.config.response_checksum_validation == "when_supported"
+        sent = _sent_headers(user)
+        user.get_range("k", 0, 3)
+        assert sent[-1].get("x-amz-checksum-mode") == "ENABLED", extra
+    clean_env.setenv("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_supported")
+    user = open_target(s3_target)
+    sent = _sent_headers(user)
+    user.get_range("k", 0, 3)
+    assert sent[-1].get("x-amz-checksum-mode") == "ENABLED"
+
+
+def test_responses_parse_as_botocore_parses_them(moto_server, s3_target, open_target):
+    # The store's client parses timestamps without dateutil: every parsed field must
+    # equal a plain client's.
+    store = open_target(s3_target)
+    bucket = s3_target.url.split("/")[2]
+    plain = moto_server.client()
+    plain.put_object(
+        Bucket=bucket, Key="run/m", Body=b"abcdef", Metadata={"Mixed-Case": "v"}, ContentType="a/b"
+    )
+    try:
+        for op, params in [
+            ("head_object", {}),
+            ("get_object", {"Range": "bytes=1-3", "ChecksumMode": "ENABLED"}),
+            ("list_objects_v2", {"Prefix": "run/"}),
+        ]:
+            params = {
+                "Bucket": bucket,
+                **({} if op.startswith("list") else {"Key": "run/m"}),
+                **params,
+            }
+            ours = getattr(store._client, op)(**params)
+            theirs = getattr(plain, op)(**params)
+            for resp in (ours, theirs):
+                resp.pop("ResponseMetadata")
+                if "Body" in resp:
+                    resp["Body"] = resp["Body"].read()
+            assert ours == theirs, op
+            assert ours.get("LastModified", ours.get("Contents", [{}])[0].get("LastModified"))
+    finally:
+        plain.close()
+
+
+def test_timestamps_parse_exactly_as_botocore_parses_them():
+    import botocore.utils
+
+    from cloudckpt.stores._s3_client import parse_timestamp
+
+    for value in [
+        "Sun, 06 Dec 2026 18:23:42 GMT",
+        "Mon, 06 Dec 2026 18:23:42 GMT",  # a wrong weekday: ignored by both
+        "Thu, 01 Jan 1970 00:00:00 GMT",
+        "Tue, 29 Feb 2028 23:59:59 GMT",
+        "2026-12-06T18:23:42.000Z",
+        "2026-12-06T18:23:42Z",
+        "2026-12-06T18:23:42.123456Z",
+        "2026-12-06T18:23:42.5Z",
+        "2026-12-06T18:23:42+00:00",
+        "1700000000",
+        1700000000,
+    ]:
+        ours, theirs = parse_timestamp(value), botocore.utils.parse_timestamp(value)
+        # The same instant and offset (dateutil names UTC tzlocal() on a machine whose
+        # local zone is UTC; ours says tzutc() for both of S3's forms).
+        assert ours == theirs and ours.utcoffset() == theirs.utcoffset(), value
+        assert ours.tzinfo is not None
+    for bad in ["Fri, 29 Feb 2027 00:00:00 GMT", "2026-12-06T24:00:00Z", "Sun, 06 Foo 2026"]:
+        with pytest.raises(ValueError):
+            botocore.utils.parse_timestamp(bad)
+        with pytest.raises(ValueError):
+            parse_timestamp(bad)
