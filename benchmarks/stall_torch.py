@@ -1,11 +1,12 @@
 """How long a checkpoint holds the training loop: ``save_state`` vs ``torch.save``.
 
-    python benchmarks/stall_torch.py [--mib 256] [--tensors 64] [--rounds 4] [--hogs N]
-        [--dir DIR] [--json]
+    python benchmarks/stall_torch.py [--mib 256] [--tensors 64] [--weights-only]
+        [--rounds 4] [--hogs N] [--dir DIR] [--json]
 
 Builds a state like a training loop's (model weights plus AdamW's two moment buffers, fp32,
-so 3 x --mib MiB in all, in --tensors tensors each), then per round measures the time the
-caller is blocked by:
+so 3 x --mib MiB in all, in --tensors tensors each; ``--weights-only``: the weights alone,
+the shape of ``python -m benchmarks --groups torch``'s state with ``--mib 1024 --tensors
+8``), then per round measures the time the caller is blocked by:
 
 - ``torch.save(state, file)`` to local disk (page cache; the usual baseline);
 - the same followed by ``fsync`` (what it costs to be durable locally);
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=int, default=256, help="model size in MiB (state is 3x)")
     parser.add_argument("--tensors", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--weights-only", action="store_true", help="no optimizer state")
     parser.add_argument("--hogs", type=int, default=0, help="busy CPU hogs to run beside it")
     parser.add_argument("--dir", help="local directory for files and the store (default: tmp)")
     parser.add_argument("--json", action="store_true")
@@ -66,10 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         },
         "step": 0,
     }
+    if args.weights_only:
+        state = {"model": model, "step": 0}
+    optimizer = state.get("optimizer", {"state": {}})
     total = sum(
         t.numel() * t.element_size()
-        for t in [*model.values()]
-        + [v for s in state["optimizer"]["state"].values() for v in s.values()]
+        for t in [*model.values()] + [v for s in optimizer["state"].values() for v in s.values()]
     )
 
     # A loop other tools' "pkill -f 'while True'" does not match.
@@ -155,7 +159,8 @@ def _report(args: argparse.Namespace, rows: list[dict], total: int, version: str
     if args.json:
         print(json.dumps({"hogs": args.hogs, "rounds": rows}, indent=2))
         return
-    print(f"state: {total / 2**20:.0f} MiB in {3 * args.tensors + 1} tensors; torch {version}")
+    n = args.tensors if args.weights_only else 3 * args.tensors + 1
+    print(f"state: {total / 2**20:.0f} MiB in {n} tensors; torch {version}")
     print(
         f"{'round':>5} {'torch.save':>11} {'+fsync':>9} {'save_state':>11} {'(commit)':>9} "
         f"{'ratio':>7} {'hogs':>5} {'load':>5}"

@@ -380,7 +380,7 @@ def test_a_crash_between_the_commit_and_the_local_copy_bookkeeping(
     adopts the staged attempt as a copy of the committed step, proven by its content."""
     staging = tmp_path / "staging"
     first = CheckpointManager(memory_target.url, staging_dir=staging)
-    save_state(first, 1, _state(1)).result(timeout=60)
+    _save_keeping_the_copy(first, 1)  # step 1's attempt is gone before step 2's is staged
     durable = threading.Event()
     real_read = MemoryFile.read
 
