@@ -131,11 +131,13 @@ class LocalSave:
         thread of its own beside the upload; the commit does not wait for it. Once the
         commit lands, the copy is kept as the local tier (``keep_local``): it is finished
         in the background (``job.local_copy``; the host buffers are not reused until
-        then, ``close()`` waits for it); with ``keep_local=0`` it is cut short and removed
-        (the store holds the checkpoint). A failure to write it (a full staging disk) is
-        logged, not fatal: there is then no local copy."""
+        then, ``close()`` waits for it), unless the next save wants the buffers first
+        (``QueuedSave.wait_until_buffers_free``): it is then cut short and removed, as
+        with ``keep_local=0`` (the store holds the checkpoint). A failure to write it (a
+        full staging disk) is logged, not fatal: there is then no local copy."""
         attempt, handle = job.attempt, job.handle
         cancelled = threading.Event()
+        job.stop_local_copy = cancelled  # the next save may cut the copy short
         staged = run_in_thread(
             lambda: _stage(job, files, cancelled), f"cloudckpt-stage-{handle.step}"
         )
@@ -222,6 +224,9 @@ def _stage(
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     attempt = job.attempt
     try:
+        # Cancelled while writing (``keep_local=0``, a failed upload, or the next save
+        # wanting the buffers: ``QueuedSave.wait_until_buffers_free``): nothing is kept,
+        # even if every write returned, since the buffers may have been reused under them.
         if attempt.write_files(files, cancelled) and not cancelled.is_set():
             attempt.fsync_files()
             attempt.set_state(DURABLE)

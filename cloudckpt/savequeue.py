@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import datetime as dt
 import logging
@@ -180,15 +181,26 @@ class QueuedSave:
     #: Set (before the commit is reported) while the staged copy of in-memory files is
     #: still being written after the commit, to be kept as the local tier.
     local_copy: cf.Future[None] | None = None
+    #: The pipeline's switch that cuts the staged copy of ``memory_files`` short: once it
+    #: is set, that copy is not kept, whatever it has written (it may have read buffers
+    #: already reused).
+    stop_local_copy: threading.Event | None = None
     #: ``collective``: why this rank's block failed; it takes part in the save with it.
     error: BaseException | None = None
 
-    def wait_until_buffers_free(self) -> None:
-        """Wait until nothing reads ``memory_files`` any more (the upload, and the staged
-        copy kept as the local tier). Never raises."""
+    def wait_until_buffers_free(self, wanted: cf.Future[None] | None = None) -> None:
+        """Wait until nothing whose output is kept reads ``memory_files`` any more: the
+        upload (until the save's outcome), then the staged copy kept as the local tier,
+        unless ``wanted`` completes first (the next save needs the buffers): that copy is
+        then cut short and not kept; the store holds the checkpoint. Never raises."""
         cf.wait([self.handle._future])
-        if self.local_copy is not None:
-            cf.wait([self.local_copy])
+        copy = self.local_copy
+        if copy is not None:
+            cf.wait([copy] if wanted is None else [copy, wanted], return_when=cf.FIRST_COMPLETED)
+            if copy.done():
+                return
+        if self.stop_local_copy is not None:  # anything still reading them keeps nothing
+            self.stop_local_copy.set()
 
 
 def _abandoned_error(handle: SaveHandle, exc: BaseException) -> CloudCkptError:
@@ -542,13 +554,15 @@ class BackgroundWrite:
     On the writer's thread: ``open()``, then ``upload_from_memory(files)`` (optional),
     then ``finish()`` or ``fail(exc)``; ``release_memory()`` once the save no longer
     needs the buffers. On the caller's thread: ``told()`` when it raised the failure;
-    ``take_failure()`` to raise one the manager has not.
+    ``take_failure()`` to raise one the manager has not; ``reclaim_memory()`` when the
+    next save wants the buffers.
     """
 
     def __init__(self, queue: SaveQueue, handle: SaveHandle) -> None:
         self._queue = queue
         self.handle = handle
         handle._background = True
+        self._wanted: cf.Future[None] = cf.Future()  # done: the next save wants the buffers
 
     def open(self) -> Path:
         """Wait for a queue slot and stage the save; its files directory. Raises as
@@ -584,9 +598,19 @@ class BackgroundWrite:
         return self.handle._take_failure()
 
     def release_memory(self) -> None:
-        """Wait until nothing reads the in-memory files any more (the upload, and the
-        staged copy kept as the local tier), then forget them. Never raises."""
+        """Wait until nothing whose output is kept reads the in-memory files any more (the
+        upload; the staged copy kept as the local tier, unless ``reclaim_memory()`` cuts
+        it short), then forget them. Never raises."""
         job = self.handle._job
         if job is not None:
-            job.wait_until_buffers_free()
+            job.wait_until_buffers_free(self._wanted)
             job.memory_files = None
+
+    def reclaim_memory(self) -> None:
+        """The next save wants the buffers: ``release_memory()`` still waits for the
+        upload (its bytes are the checkpoint's), but no longer for the staged copy being
+        written after the commit, which is cut short and not kept (that step then has no
+        local copy; the store has it). Written at a low priority, on a busy host that copy
+        could hold the next save's stall for a minute (docs/performance.md)."""
+        with contextlib.suppress(cf.InvalidStateError):  # reclaimed already
+            self._wanted.set_result(None)

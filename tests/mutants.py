@@ -2282,6 +2282,43 @@ def _checksum_choice_overridden(setattr_: Callable[[Any, str, Any], None]) -> No
     setattr_(_s3_client, "_without_checksum_mode", forced)
 
 
+# --------------------------------------------------------------------------- the stall (issue 31)
+# Item 5: save_state's stall beside CPU hogs. The next save waits for the previous save's
+# upload, never for its staged copy still being written after the commit (a low-priority
+# thread a busy host starves): that copy is cut short, and a copy cut short is never kept.
+
+
+def _next_save_waits_for_local_copy(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The next save_state waits until the previous save's local copy is on disk before
+    it reuses the host buffers (what it did before issue 31 item 5)."""
+    from cloudckpt import savequeue
+
+    setattr_(savequeue.BackgroundWrite, "reclaim_memory", lambda self: None)
+
+
+def _cut_local_copy_kept(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A staged copy whose writes all returned is made durable (and kept as the local
+    tier) even though the next save cut it short and may have reused its buffers."""
+    from cloudckpt import localsave
+    from cloudckpt.errors import CloudCkptError
+    from cloudckpt.staging import DURABLE
+
+    def stage(job, files, cancelled):
+        attempt = job.attempt
+        with contextlib.suppress(CloudCkptError):
+            if attempt.write_files(files, cancelled):
+                attempt.fsync_files()
+                attempt.set_state(DURABLE)
+
+    setattr_(localsave, "_stage", stage)
+
+
+_STALL = "tests/test_save_stall.py"
+_NOT_SIMULATED_STALL = (
+    "the simulation's writers call save() in its synchronous mode: save_state's host "
+    "buffers, its background writer and its staged copy are not in it"
+)
+
 MUTANTS.update(
     {
         m.name: m
@@ -2317,6 +2354,25 @@ MUTANTS.update(
                     "user_does",
                 ),
                 why_not_simulated=_NOT_SIMULATED_STORES,
+            ),
+            Mutant(
+                "next-save-waits-for-local-copy",
+                "save_state waits for the previous save's upload, never for its staged copy "
+                "still being written after the commit (that copy is cut short)",
+                _next_save_waits_for_local_copy,
+                (f"{_STALL}::test_the_next_save_does_not_wait_for_the_previous_saves_local_copy",),
+                why_not_simulated=_NOT_SIMULATED_STALL,
+            ),
+            Mutant(
+                "cut-local-copy-kept",
+                "a staged copy cut short for the next save is never kept as the local tier, "
+                "even if its writes completed (they may have read reused buffers)",
+                _cut_local_copy_kept,
+                (
+                    f"{_STALL}::test_a_local_copy_cut_short_is_never_kept_even_if_its_writes_"
+                    "completed",
+                ),
+                why_not_simulated=_NOT_SIMULATED_STALL,
             ),
         ]
     }

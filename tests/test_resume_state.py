@@ -312,12 +312,20 @@ def test_a_local_copy_deleted_under_a_restore_is_held_or_downloaded(
     assert {name: (res.path / name).read_bytes() for name in data} == data
 
 
+def _save_keeping_the_copy(mgr, step: int) -> None:
+    """Save ``step`` and wait until its local copy is kept: a copy still being written
+    when the next save starts is cut short (tests/test_save_stall.py)."""
+    handle = save_state(mgr, step, _state(step))
+    handle.result(timeout=60)
+    handle._job.local_copy.result(timeout=60)
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "other-step", "manifest"])
 def test_a_damaged_local_copy_is_never_used(memory_target, tmp_path, damage):
     staging = tmp_path / "staging"
     first = CheckpointManager(memory_target.url, staging_dir=staging, keep_local=2)
     for step in (1, 2):
-        save_state(first, step, _state(step)).result(timeout=60)
+        _save_keeping_the_copy(first, step)
     first.close()
     copies = sorted((staging / COMMITTED_DIR).iterdir())
     older, newer = copies[0], copies[1]
@@ -372,7 +380,7 @@ def test_a_crash_between_the_commit_and_the_local_copy_bookkeeping(
     adopts the staged attempt as a copy of the committed step, proven by its content."""
     staging = tmp_path / "staging"
     first = CheckpointManager(memory_target.url, staging_dir=staging)
-    save_state(first, 1, _state(1)).result(timeout=60)
+    _save_keeping_the_copy(first, 1)  # step 1's attempt is gone before step 2's is staged
     durable = threading.Event()
     real_read = MemoryFile.read
 
@@ -461,7 +469,7 @@ def test_local_copy_retention_and_budget(memory_target, tmp_path):
     staging = tmp_path / "staging"
     mgr = CheckpointManager(memory_target.url, staging_dir=staging, keep_local=2)
     for step in (1, 2, 3):
-        save_state(mgr, step, _state(step)).result(timeout=60)
+        _save_keeping_the_copy(mgr, step)
     mgr.close()  # waits for the last copy being kept
     names = sorted(p.name[:12] for p in (staging / COMMITTED_DIR).iterdir())
     assert names == ["000000000002", "000000000003"]

@@ -25,6 +25,16 @@ returns once the last piece has landed, as before, so the stall is the copy itse
 hashing runs on other cores meanwhile, and a DMA copy needs none. Copies from CPU tensors
 (plain memcpys on the copier threads) are all waited for before the watermark moves: they
 use the very cores the hashing would, so overlapping them would lengthen the stall.
+
+**CPU copies.** A contiguous CPU tensor is copied with plain memcpys (numpy's, which
+release the GIL) on the saver's copier threads: one larger than ``_COPY_SLICE`` in slices
+of that size, smaller ones gathered, in file order, into tasks of about that size (one
+hand-off per 32 MiB however many tensors: a state of many small tensors was copied one
+after the other in the caller's thread, 2x slower beside two busy CPU hogs than the same
+bytes on the copier threads). ``Tensor.copy_`` would split large copies over torch's
+intra-op pool, whose threads spin and wait on a busy or oversubscribed host: measured
+3-10x slower than a single memcpy there. A few plain threads were measured 1.5-1.7x
+faster than one memcpy on 2 cores (one thread does not saturate memory bandwidth).
 """
 
 from __future__ import annotations
@@ -168,29 +178,20 @@ def _numpy() -> Any:
     return numpy
 
 
-def memcpy(dst: torch.Tensor, src: torch.Tensor, copiers: cf.Executor | None = None) -> list:
-    """Copy a contiguous CPU tensor with plain memcpys (through numpy, which releases the
-    GIL); big tensors are cut into slices for ``copiers``. Returns the futures to wait on.
-
-    ``Tensor.copy_`` splits large CPU copies over the intra-op thread pool; on a busy or
-    oversubscribed host (the training process's own threads, data loaders) those threads
-    spin and wait, and the copy was measured 3-10x slower than a single memcpy. A few
-    plain threads, each copying 32 MiB slices, were measured 1.5-1.7x faster than one
-    memcpy on 2 cores (one thread does not saturate memory bandwidth).
-    """
+def _host_arrays(dst: torch.Tensor, src: torch.Tensor) -> tuple[Any, Any] | None:
+    """``dst`` and ``src`` as flat uint8 numpy arrays (numpy's copy releases the GIL), or
+    None where ``Tensor.copy_`` must do it (no numpy, an empty tensor)."""
     np = _numpy()
     if np is None or src.numel() == 0:
-        dst.copy_(src)
-        return []
-    to = dst.reshape(-1).view(torch.uint8).numpy()
-    frm = src.reshape(-1).view(torch.uint8).numpy()
-    if copiers is None or len(frm) <= _COPY_SLICE:
+        return None
+    return dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy()
+
+
+def _copy_all(pairs: Sequence[tuple[Any, Any]]) -> None:
+    """One copier task: plain memcpys of (to, from) numpy arrays, in order."""
+    np = _numpy()
+    for to, frm in pairs:
         np.copyto(to, frm)
-        return []
-    return [
-        copiers.submit(np.copyto, to[i : i + _COPY_SLICE], frm[i : i + _COPY_SLICE])
-        for i in range(0, len(frm), _COPY_SLICE)
-    ]
 
 
 def pieces(
@@ -284,6 +285,11 @@ class _Copies:
         self._pos = 0
         self._stream: Any = None  # the stream with copies since its last event
         self._unmarked = 0
+        # Small CPU copies gathered into one copier task, and the (one-future) list its
+        # items' marks wait on, filled when the task is submitted.
+        self._batch: list[tuple[Any, Any]] = []
+        self._batch_bytes = 0
+        self._batch_futures: list[cf.Future] = []
 
     def issue(self, items: Sequence[Item]) -> None:
         """Start every item's copy, in file order. Raises what a copy raised."""
@@ -293,6 +299,46 @@ class _Copies:
             else:
                 self._host(it)
         self._flush()
+        self._submit_batch()
+
+    def _memcpy(self, it: Item) -> list[cf.Future]:
+        """Copy a contiguous CPU tensor with plain memcpys (module docstring): at once
+        without copier threads; else a tensor larger than ``_COPY_SLICE`` in slices of
+        it, one task each, and smaller ones gathered into tasks of about that size.
+        Returns the futures covering it (the batch's list fills once it is submitted)."""
+        assert it.src is not None
+        arrays = _host_arrays(it.dst, it.src)
+        if arrays is None:
+            it.dst.copy_(it.src)
+            return []
+        to, frm = arrays
+        if self.copiers is None:
+            _copy_all([(to, frm)])
+            return []
+        if len(frm) > _COPY_SLICE:
+            futures = [
+                self.copiers.submit(
+                    _copy_all, [(to[i : i + _COPY_SLICE], frm[i : i + _COPY_SLICE])]
+                )
+                for i in range(0, len(frm), _COPY_SLICE)
+            ]
+            self.cpu_work += futures
+            return futures
+        self._batch.append((to, frm))
+        self._batch_bytes += len(frm)
+        covering = self._batch_futures
+        if self._batch_bytes >= _COPY_SLICE:
+            self._submit_batch()
+        return covering
+
+    def _submit_batch(self) -> None:
+        """Hand the gathered small copies to a copier thread as one task."""
+        if self._batch:
+            assert self.copiers is not None
+            future = self.copiers.submit(_copy_all, self._batch)
+            self._batch_futures.append(future)
+            self.cpu_work.append(future)
+        self._batch, self._batch_bytes, self._batch_futures = [], 0, []
 
     def abandon(self) -> None:
         """Wait for every copy issued (none outlives ``copy_items``), errors ignored."""
@@ -331,9 +377,7 @@ class _Copies:
         self._pos += it.nbytes
         if it.kind == "memcpy":
             assert it.src is not None
-            futures = memcpy(it.dst, it.src, self.copiers)
-            self.cpu_work += futures
-            self.marks.append((self._pos, functools.partial(_results, futures)))
+            self.marks.append((self._pos, functools.partial(_results, self._memcpy(it))))
         elif it.kind == "blocking":
             assert it.src is not None
             it.dst.copy_(it.src)

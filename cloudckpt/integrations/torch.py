@@ -22,7 +22,8 @@ What ``save_state`` does, and what the training loop waits for:
 1. (caller) Walk the state: nested dicts (any JSON-able keys, including the ``int`` keys of
    ``optimizer.state_dict()``), lists and tuples; tensors; plain values.
 2. (caller) Wait for the previous ``save_state`` of this manager to be done with its host
-   buffers (uploaded and committed, or failed), because they are about to be reused.
+   buffers (uploaded and committed, or failed), because they are about to be reused. Its
+   staged copy, if still being written then, is cut short rather than waited for.
 3. (caller) Copy every tensor into reused host memory (``HostArena``: one block per kind,
    carved per save, kept between saves). From a CUDA device: first wait for every stream
    of the device (``torch.cuda.synchronize(device)``: a tensor last written on a side
@@ -196,6 +197,8 @@ class StateSaver:
             # outcome is its handle's: if it failed and no one has been told, the
             # manager's save() below raises it (and this save starts nothing).
             if self._previous is not None:
+                if self._last is not None:  # its local copy does not hold this save's stall
+                    self._last.reclaim_memory()
                 self._previous.result()  # background() itself raises only on a bug
             items, buffers = self._plan(flat)  # may allocate (and pin) host memory
             # Validates step, metadata and metrics.
