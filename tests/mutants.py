@@ -2265,6 +2265,29 @@ def _load_into_ignored(setattr_: Callable[[Any, str, Any], None]) -> None:
     setattr_(integration, "_into", lambda state, strict: None)
 
 
+def _load_into_object_tensor_unchecked(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """``load_state(into=..., strict=True)`` leaves a caller's tensor that the checkpoint
+    holds as a pickled object (it cannot be filled in place) silently stale."""
+    from cloudckpt.integrations import torch as integration
+
+    original = integration._into
+
+    def without_unfillable(state, strict):
+        into = original(state, strict)
+        into.unfillable = ()
+        return into
+
+    setattr_(integration, "_into", without_unfillable)
+
+
+def _load_into_claims_nothing_written(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A refusal of ``into`` after a damaged newer checkpoint's bytes landed in it still
+    says nothing was written."""
+    from cloudckpt.integrations import _torch_restore as tr
+
+    setattr_(tr.Into, "_written", lambda self: "nothing was written into into's tensors")
+
+
 _INTO = "tests/test_load_into.py"
 _NOT_SIMULATED_TORCH = "the simulation saves and restores directories, not state dicts"
 
@@ -2342,6 +2365,22 @@ MUTANTS.update(
                     f"{_INTO}::test_load_state_fills_the_callers_tensors_in_place",
                     f"{_INTO}::test_resume_state_fills_in_place_from_the_local_copy",
                 ),
+                why_not_simulated=_NOT_SIMULATED_TORCH,
+            ),
+            Mutant(
+                "load-into-object-tensor-unchecked",
+                "with strict=True, a tensor of into that the checkpoint holds as a pickled "
+                "object (it cannot be filled in place) is refused, not left stale",
+                _load_into_object_tensor_unchecked,
+                (f"{_INTO}::test_a_tensor_saved_as_an_object_is_refused_under_strict",),
+                why_not_simulated=_NOT_SIMULATED_TORCH,
+            ),
+            Mutant(
+                "load-into-claims-nothing-written",
+                "a refusal of into after a damaged newer checkpoint's bytes landed says its "
+                "tensors are undefined, never that nothing was written",
+                _load_into_claims_nothing_written,
+                (f"{_INTO}::test_a_fallback_that_does_not_fit_says_the_tensors_are_undefined",),
                 why_not_simulated=_NOT_SIMULATED_TORCH,
             ),
             Mutant(

@@ -347,6 +347,48 @@ def test_a_damaged_newest_checkpoint_is_overwritten_by_the_older_one(
     assert report.step == 1 and [s.step for s in report.skipped] == [2]
 
 
+def test_a_fallback_that_does_not_fit_says_the_tensors_are_undefined(
+    memory_target, manager_factory
+):
+    # Step 1 was saved before the model grew; step 2 fits and is damaged: its bytes land,
+    # the damage is found, and the refusal of step 1 must not claim nothing was written.
+    mgr = manager_factory(memory_target, chunking="tensor", keep_local=0)
+    small = _state(1)
+    small["model"]["b"] = torch.arange(5, dtype=torch.int64)
+    save_state(mgr, 1, small).result(timeout=60)
+    save_state(mgr, 2, _state(2)).result(timeout=60)
+    current = read_latest(mgr.store).latest.current
+    flip_bit(mgr.store, _tensors_key(mgr.store, current), seed=3)
+    with pytest.raises(ConfigurationError) as err:
+        load_state(mgr, into=_dest())
+    message = str(err.value)
+    assert "'model/b'" in message and "step 1" in message
+    assert "step 2 (found damaged) had already landed" in message
+    assert "nothing was written" not in message
+    # Without a damaged newer one, the same refusal says nothing was written.
+    with pytest.raises(ConfigurationError, match="nothing was written"):
+        load_state(mgr, step=1, into=_dest())
+
+
+def test_a_tensor_saved_as_an_object_is_refused_under_strict(memory_target, manager_factory):
+    # complex128 is not a safetensors dtype: save_state pickles it, so it cannot be filled
+    # in place; strict=True must not leave the caller's tensor silently stale.
+    from cloudckpt.integrations._torch_format import _ST_DTYPES
+
+    assert torch.complex128 not in _ST_DTYPES  # else it would be a safetensors tensor
+    mgr = manager_factory(memory_target, chunking="tensor", keep_local=0)
+    state = _state(1)
+    state["model"]["phase"] = torch.full((4,), 1 + 2j, dtype=torch.complex128)
+    save_state(mgr, 1, state).result(timeout=60)
+    dest = _dest(phase=torch.zeros(4, dtype=torch.complex128))
+    with pytest.raises(ConfigurationError, match="cannot be filled in place at 'model/phase'"):
+        load_state(mgr, into=dest)
+    assert not dest["model"]["phase"].any() and bool((dest["model"]["w"] == SENTINEL).all())
+    got = load_state(mgr, into=dest, strict=False)
+    assert torch.equal(got["model"]["phase"], state["model"]["phase"])
+    assert torch.equal(dest["model"]["w"], state["model"]["w"])
+
+
 def test_every_checkpoint_damaged_raises(s3_target, manager_factory):
     _two_checkpoints(s3_target, manager_factory)
     store = open_store(s3_target.url, s3_target.storage_options)
@@ -389,6 +431,24 @@ def test_load_into_cuda_tensors_in_place(memory_target, manager_factory):
         other = _dest_on_cuda_with(dest, b=dest["model"]["b"].to("cuda:1"))
         with pytest.raises(ConfigurationError, match="on 2 devices"):
             load_state(mgr, into=other)
+
+
+@pytest.mark.cuda
+def test_load_into_cuda_tensors_waits_for_work_queued_on_them(memory_target, manager_factory):
+    """The copies must not overtake kernels the caller queued on its stream before the
+    load (a model's init writing the same tensors)."""
+    assert torch.cuda.is_available(), "run the cuda-marked tests on a machine with a GPU"
+    mgr = _two_checkpoints(memory_target, manager_factory, keep_local=0)
+    dest = _dest_on_cuda_with(
+        {"model": {k: v.cuda() for k, v in _dest()["model"].items() if k != "tied"}}
+    )
+    dest["model"]["tied"] = dest["model"]["w"]
+    torch.cuda._sleep(1_000_000_000)  # ~0.5-1 s of GPU time on the current stream
+    for t in dest["model"].values():
+        t.zero_()  # queued behind the sleep: "init" that must run before the load
+    load_state(mgr, into=dest)
+    torch.cuda.synchronize()
+    assert torch.equal(dest["model"]["w"].cpu(), _state(2)["model"]["w"])
 
 
 def _dest_on_cuda_with(dest: dict, **changes) -> dict:

@@ -163,6 +163,10 @@ class CudaOps:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._stream = torch.cuda.Stream(device=device)
+        # Built in the caller's thread: the copies wait for the work the caller queued
+        # on its stream so far (e.g. a model's init kernels writing the very tensors
+        # load_state(into=...) fills), or that work could land after the loaded bytes.
+        self._stream.wait_stream(torch.cuda.current_stream(device))
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=dtype, device=self.device)
@@ -228,6 +232,18 @@ class Into:
     strict: bool = True
     unfillable: tuple[str, ...] = ()
     device: torch.device | None = None
+    #: The step whose bytes started landing in ``tensors`` (then found damaged, when a
+    #: later ``check`` runs for an older checkpoint): set by the loader.
+    landed_from: int | None = None
+
+    def _written(self) -> str:
+        """What a refusal says about the caller's tensors."""
+        if self.landed_from is None:
+            return "nothing was written into into's tensors"
+        return (
+            f"bytes of the checkpoint of step {self.landed_from} (found damaged) had "
+            "already landed in into's tensors: their contents are undefined"
+        )
 
     @classmethod
     def of(
@@ -266,10 +282,21 @@ class Into:
         described = doc.get("tensors")
         if not isinstance(described, dict):
             raise CorruptionError(f"state.json of {where} does not describe its tensors")
+        saved_as_objects = set(doc.get("object_paths") or ())
+        stale = [p for p in self.unfillable if p in saved_as_objects]
+        if stale and self.strict:
+            raise ConfigurationError(
+                f"into holds tensors that cannot be filled in place at {_some(stale)} "
+                f"(meta, sparse, quantized or of a dtype safetensors lacks), and {where} "
+                f"holds them as pickled objects; {self._written()}",
+                hint="Pass strict=False and take them from the returned state, or load "
+                "without into=",
+            )
         extra = sorted(set(self.tensors) - set(described))
         if extra:
             raise ConfigurationError(
-                f"into holds {len(extra)} tensor(s) {where} lacks: {_some(extra)}",
+                f"into holds {len(extra)} tensor(s) {where} lacks: {_some(extra)}; "
+                f"{self._written()}",
                 hint="Pass into= the same structure that was saved (the names are the key "
                 "paths; a tensor shared by several entries, such as tied weights, is saved "
                 "once, under its first path), or load without into= and use "
@@ -286,7 +313,8 @@ class Into:
                     f"{_some(unfillable)}: meta, sparse or quantized)"
                     if unfillable
                     else ""
-                ),
+                )
+                + f"; {self._written()}",
                 hint="Pass strict=False to load those into new tensors (returned in the "
                 "state), or pass into= the whole saved structure",
             )
@@ -300,8 +328,7 @@ class Into:
             if tuple(mine.shape) != shape or mine.dtype != dtype:
                 raise ConfigurationError(
                     f"into's tensor {name!r} is {_kind(mine.shape, mine.dtype)} but the "
-                    f"{where} holds {_kind(shape, dtype)} there; nothing "
-                    "was written into into's tensors",
+                    f"{where} holds {_kind(shape, dtype)} there; {self._written()}",
                     hint="Build the model with the configuration it was saved with, or load "
                     "without into= to see what the checkpoint holds",
                 )
@@ -633,6 +660,8 @@ class _Loader:
         report.listing_s += time.perf_counter() - t0
 
         t1 = time.perf_counter()
+        if self.into is not None:  # from here on, bytes land in the caller's tensors
+            self.into.landed_from = record.step
         tensors, sink, header, later = self._allocate(slots, len(head))
         alloc_s = time.perf_counter() - t1
         self._read_tensors(files.tensors, copy, prefix, sink, manifest.chunk_size, stats)

@@ -493,7 +493,10 @@ def load_state(
         strict: with ``into``, the checkpoint may hold no tensor ``into`` lacks. False:
             those come back as new tensors in the returned state (e.g. an optimizer's
             state, which a new optimizer has not created yet). Every tensor of ``into``
-            must be in the checkpoint either way: it is filled, or the call raises.
+            must be in the checkpoint either way: it is filled, or the call raises. A
+            tensor of ``into`` that cannot be filled in place (sparse, quantized, a dtype
+            safetensors lacks) which the checkpoint holds pickled is refused under
+            ``strict``; without it, it comes back in the returned state.
         step: (from a run) load this step instead of the newest.
         device: where new tensors go (default: CPU): all of them, or with ``into`` those
             it lacks and ``objects.pt``'s. A CUDA device is filled through pinned staging
@@ -554,12 +557,16 @@ class _IntoFlattener(Flattener):
     def __init__(self) -> None:
         super().__init__(sizing=True)
         self.originals: dict[str, torch.Tensor] = {}
+        #: Paths of tensors that cannot be filled in place (save_state pickles them).
+        self.unfillable: list[str] = []
 
     def tensor(self, t: torch.Tensor, path: tuple[str, ...]) -> Any:
         node = super().tensor(t, path)
         name = node.get("__tensor__") if isinstance(node, dict) else None
         if name is not None:
             self.originals.setdefault(name, t)
+        elif isinstance(node, dict) and "__object__" in node:
+            self.unfillable.append("/".join(path))
         return node
 
 
@@ -583,7 +590,7 @@ def _into(state: Any, strict: bool) -> Any:
             hint="Pass into= the state as saved, e.g. {'model': model.state_dict()}, or "
             "leave it out to load into new tensors",
         )
-    return tr.Into.of(flat.originals, strict, flat.object_paths)
+    return tr.Into.of(flat.originals, strict, flat.unfillable)
 
 
 def _load_from_run(
