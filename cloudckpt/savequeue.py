@@ -199,6 +199,12 @@ class QueuedSave:
             cf.wait([copy] if wanted is None else [copy, wanted], return_when=cf.FIRST_COMPLETED)
             if copy.done():
                 return
+            log.info(
+                "step %d: its local copy was still being written when the next save needed "
+                "the host buffers; cut short, not kept (a restart reads this step from the "
+                "store)",
+                self.handle.step,
+            )
         if self.stop_local_copy is not None:  # anything still reading them keeps nothing
             self.stop_local_copy.set()
 
