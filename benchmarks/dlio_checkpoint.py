@@ -561,6 +561,12 @@ def restore_group(
         out.update(transfer_s=report.transfer_s, verify_s=report.verify_s)
         return out
 
+    def cloudckpt_in_place(r: int) -> dict[str, float]:
+        report = LoadReport()
+        out = timed(lambda: load_state(reader, into=model_state, report=report), in_place=True)
+        out.update(transfer_s=report.transfer_s, verify_s=report.verify_s)
+        return out
+
     def dlio_s3(r: int) -> dict[str, float]:
         def rank(i: int) -> dict[str, Any]:
             got = {}
@@ -615,6 +621,14 @@ def restore_group(
                 "verified; first_step = that, copied into the model, one step",
             ),
             Contender(
+                "cloudckpt into the model",
+                cloudckpt_in_place,
+                cloudckpt=True,
+                note="load_state(into=the model's state) from the store: every byte "
+                "verified, landed in the model's own tensors as DCP's load does (no copy "
+                "after); first_step = that and one step",
+            ),
+            Contender(
                 s3_name,
                 dlio_s3,
                 note="DLIO's load_state on S3: torch.load from S3Checkpoint.reader, a thread "
@@ -638,6 +652,16 @@ def restore_group(
             *(Comparison("s", n, None, label="restore") for n in (s3_name, dcp_name, local_name)),
             *(
                 Comparison("first_step", n, None, label="time to first step")
+                for n in (s3_name, dcp_name, local_name)
+            ),
+            *(
+                Comparison(
+                    "first_step",
+                    n,
+                    None,
+                    cloudckpt="cloudckpt into the model",
+                    label="time to first step, in place",
+                )
                 for n in (s3_name, dcp_name, local_name)
             ),
         ],
