@@ -139,7 +139,8 @@ def test_quick_dlio_benchmark_saves_and_restores_the_scaled_workload(tmp_path):
              "DCP save S3StorageWriter"}  # fmt: skip
     assert set(groups["dlio-save"]["contenders"]) == {"cloudckpt", *peers}
     restore = groups["dlio-restore"]
-    assert set(restore["contenders"]) == {"cloudckpt", "DLIO pt_s3_save (S3Checkpoint)",
+    assert set(restore["contenders"]) == {"cloudckpt", "cloudckpt into the model",
+                                          "DLIO pt_s3_save (S3Checkpoint)",
                                           "DLIO pt_save (local file)", "DCP load S3StorageReader"}  # fmt: skip
     w = dlio.Workload.scaled(64, 2, 2)  # --quick's size
     for group in groups.values():
@@ -150,10 +151,13 @@ def test_quick_dlio_benchmark_saves_and_restores_the_scaled_workload(tmp_path):
         for contender in group["contenders"].values():
             assert contender["gib_per_s"] > 0
         for cmp in group["comparisons"]:
-            assert cmp["cloudckpt"] == "cloudckpt" and cmp["baseline"] in group["contenders"]
+            assert cmp["cloudckpt"] in ("cloudckpt", "cloudckpt into the model")
+            assert cmp["baseline"] in group["contenders"]
             assert math.isfinite(cmp["speedup"]) and cmp["speedup"] > 0
     metrics = {c["metric"] for c in restore["comparisons"]}
     assert metrics == {"s", "first_step"}
+    in_place = [c for c in restore["comparisons"] if c["cloudckpt"] == "cloudckpt into the model"]
+    assert len(in_place) == 3 and {c["metric"] for c in in_place} == {"first_step"}
     for contender in restore["contenders"].values():
         m = contender["metrics"]
         assert m["first_step"]["median"] >= m["s"]["median"] > 0
