@@ -17,6 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
+from torch_states import tied_state  # noqa: E402
+
 from cloudckpt import CheckpointManager  # noqa: E402
 from cloudckpt.committer import read_latest  # noqa: E402
 from cloudckpt.errors import ConfigurationError, CorruptionError  # noqa: E402
@@ -38,20 +40,7 @@ SENTINEL = 7
 def _state(seed: int) -> dict:
     """Big tensors (chunks of their own), small packed ones, a bf16, a tie, a 0-d and an
     empty tensor, plain values."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(700, 1024, generator=g)  # 2.7 MiB
-    return {
-        "model": collections.OrderedDict(
-            w=w,
-            tied=w,
-            emb=torch.randn(2100, 1000, generator=g).to(torch.bfloat16),  # 4 MiB
-            b=torch.arange(7, dtype=torch.int64) + seed,
-            mask=torch.tensor([True, False, True]),
-            scalar=torch.tensor(float(seed)),
-            empty=torch.zeros(0, 3),
-        ),
-        "step": seed,
-    }
+    return tied_state(seed)
 
 
 def _dest(**changes) -> dict:

@@ -22,6 +22,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
+from torch_states import tied_state  # noqa: E402
+
 from cloudckpt import CheckpointManager, attempt_layout, failpoints  # noqa: E402
 from cloudckpt.committer import read_latest  # noqa: E402
 from cloudckpt.errors import (  # noqa: E402
@@ -55,21 +57,7 @@ MiB = 1024 * 1024
 def _state(seed: int) -> dict:
     """A state with big tensors (own chunks), small packed ones, odd dtypes, a tie,
     plain values and a pickled leaf."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(700, 1024, generator=g)  # 2.7 MiB: spans digest leaves
-    return {
-        "model": collections.OrderedDict(
-            w=w,
-            tied=w,
-            emb=torch.randn(2100, 1000, generator=g).to(torch.bfloat16),  # 4 MiB
-            b=torch.arange(7, dtype=torch.int64) + seed,
-            mask=torch.tensor([True, False, True]),
-            scalar=torch.tensor(float(seed)),
-            empty=torch.zeros(0, 3),
-        ),
-        "step": seed,
-        "counts": collections.Counter(a=seed),
-    }
+    return {**tied_state(seed), "counts": collections.Counter(a=seed)}
 
 
 def _same(a: dict, b: dict) -> bool:
