@@ -1162,6 +1162,18 @@ def _autogc_error_ends_the_worker(setattr_: Callable[[Any, str, Any], None]) -> 
     setattr_(autogc.AutoGC, "_collect", collect)
 
 
+def _after_each_error_ends_the_worker(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The save worker calls its after-save hook (automatic GC) unguarded (as before issue
+    32): an exception there ends the worker, and later saves never run."""
+    from cloudckpt import savequeue
+
+    def unguarded(self: Any, job: Any) -> bool:
+        self._after_each()
+        return True
+
+    setattr_(savequeue.SaveQueue, "_after_save", unguarded)
+
+
 def _repair_past_newer_manifests(setattr_: Callable[[Any, str, Any], None]) -> None:
     """Repair never reads the manifests its rebuilt LATEST leaves unreferenced (as before
     the safety audit): a newer version's commits, whose records are lost, are rolled back."""
@@ -1462,6 +1474,16 @@ MUTANTS.update(
                     "test_an_unexpected_gc_error_never_stops_the_saves_after_it",
                 ),
                 why_not_simulated="the simulation's stores raise only cloudckpt's own errors",
+            ),
+            Mutant(
+                "after-each-error-ends-the-worker",
+                "a failing after-save hook never stops later saves nor fails a committed one",
+                _after_each_error_ends_the_worker,
+                (
+                    "tests/test_autogc.py::"
+                    "test_a_failing_after_each_never_stops_later_saves_nor_fails_a_committed_one",
+                ),
+                why_not_simulated="the simulation's managers run no automatic GC",
             ),
             Mutant(
                 "repair-past-newer-manifests",
