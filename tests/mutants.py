@@ -2358,6 +2358,20 @@ def _cut_local_copy_kept(setattr_: Callable[[Any, str, Any], None]) -> None:
     setattr_(localsave, "_stage", stage)
 
 
+def _refused_save_cuts_local_copy(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """save_state cuts the previous save's local copy short before the manager checks
+    the new save's step, metadata and metrics (as before issue 32): a refused save costs
+    that step its local copy."""
+    from cloudckpt.integrations import torch as ct
+
+    def always(self: Any, step: Any, metadata: Any, metrics: Any) -> bool:
+        if self._last is not None:
+            self._last.reclaim_memory()
+        return False
+
+    setattr_(ct.StateSaver, "_reclaim_unless_refused", always)
+
+
 _STALL = "tests/test_save_stall.py"
 _NOT_SIMULATED_STALL = (
     "the simulation's writers call save() in its synchronous mode: save_state's host "
@@ -2432,6 +2446,17 @@ MUTANTS.update(
                 (
                     f"{_STALL}::test_a_local_copy_cut_short_is_never_kept_even_if_its_writes_"
                     "completed",
+                ),
+                why_not_simulated=_NOT_SIMULATED_STALL,
+            ),
+            Mutant(
+                "refused-save-cuts-local-copy",
+                "a save_state the manager refuses for its step, metadata or metrics never "
+                "cuts the previous save's local copy short",
+                _refused_save_cuts_local_copy,
+                tuple(
+                    f"{_STALL}::test_a_refused_save_never_cuts_the_previous_saves_local_copy[{arg}]"
+                    for arg in ("step", "metadata", "metrics")
                 ),
                 why_not_simulated=_NOT_SIMULATED_STALL,
             ),
