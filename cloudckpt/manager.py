@@ -297,12 +297,27 @@ class ManagerBase:
         self.check_open()
         if not self.queue.collective:  # ranks would learn of it at different moments
             self.queue.raise_earlier_failure()
+        metadata, cleaned = self.check_save_args(step, metadata, metrics)
+        self._warn_if_older(step)
+        return self.queue.handle(step, metadata, cleaned)
+
+    def check_save_args(
+        self,
+        step: int,
+        metadata: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, Any] | None = None,
+    ) -> tuple[dict[str, Any], dict[str, float | str]]:
+        """What ``save()`` checks of its arguments, and nothing else (no earlier failure,
+        no state): the metadata as a dict and the cleaned metrics. ``save_state`` asks
+        before it cuts the previous save's local copy short for a save that would be
+        refused anyway.
+
+        Raises: ConfigurationError (bad step, metadata or metrics).
+        """
         metadata = dict(metadata or {})
         attempt_layout.ckpt_prefix(step, 0, "x-0")  # validates step early
         canonical.canonical_json(metadata)  # validates metadata early
-        cleaned = retention.clean_metrics(metrics)
-        self._warn_if_older(step)
-        return self.queue.handle(step, metadata, cleaned)
+        return metadata, retention.clean_metrics(metrics)
 
     def _warn_if_older(self, step: int) -> None:
         """Warn (as ``cloudckpt push`` does) when ``step`` is older than the run's current

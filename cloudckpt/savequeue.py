@@ -263,7 +263,8 @@ class SaveQueue:
     Args:
         staging: where each save's attempt is staged.
         run: what a queued save does (the save pipeline); returns its ``CommitInfo``.
-        after_each: called on the worker after each save (automatic GC).
+        after_each: called on the worker after each save (automatic GC); its failure is
+            logged, never the save's, and never stops the worker (``_after_save``).
         max_pending, backpressure: as ``CheckpointManager`` takes them.
         before_open: called before a save is opened (a fenced writer refuses there).
         collective: ranks save together (module docstring).
@@ -474,18 +475,42 @@ class SaveQueue:
                 job.handle._future.set_exception(exc)
             except BaseException as exc:  # a simulated crash: stop like a dead process
                 job.handle._future.set_exception(exc)
-                with self._cv:
-                    self._inflight = None
-                    for queued in self._queue:
-                        queued.handle._future.set_exception(exc)
-                    self._queue.clear()
-                    self._cv.notify_all()
+                self._fail_queued(exc)
                 return
             finally:
                 with self._cv:
                     self._inflight = None
                     self._cv.notify_all()
+            if not self._after_save(job):
+                return
+
+    def _after_save(self, job: QueuedSave) -> bool:
+        """Run ``after_each`` once ``job`` is done; False if the worker must stop. Its
+        failure is logged, never ``job``'s (whose outcome is already out) nor the worker's:
+        raised here, it would end the thread, and every later save would never run, its
+        handle never resolve, a blocked ``save()`` and ``close()`` wait forever."""
+        try:
             self._after_each()
+        except Exception as exc:
+            log.error(
+                "background garbage collection failed after the save of step %d: %r",
+                job.handle.step,
+                exc,
+                exc_info=True,
+            )
+        except BaseException as exc:  # a simulated crash: stop like a dead process
+            self._fail_queued(exc)
+            return False
+        return True
+
+    def _fail_queued(self, exc: BaseException) -> None:
+        """The worker stops (a simulated crash): every queued save fails with ``exc``."""
+        with self._cv:
+            self._inflight = None
+            for queued in self._queue:
+                queued.handle._future.set_exception(exc)
+            self._queue.clear()
+            self._cv.notify_all()
 
     def stop(self) -> None:
         """End the worker once the queue is empty, and wait for it."""

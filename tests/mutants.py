@@ -1162,6 +1162,18 @@ def _autogc_error_ends_the_worker(setattr_: Callable[[Any, str, Any], None]) -> 
     setattr_(autogc.AutoGC, "_collect", collect)
 
 
+def _after_each_error_ends_the_worker(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The save worker calls its after-save hook (automatic GC) unguarded (as before issue
+    32): an exception there ends the worker, and later saves never run."""
+    from cloudckpt import savequeue
+
+    def unguarded(self: Any, job: Any) -> bool:
+        self._after_each()
+        return True
+
+    setattr_(savequeue.SaveQueue, "_after_save", unguarded)
+
+
 def _repair_past_newer_manifests(setattr_: Callable[[Any, str, Any], None]) -> None:
     """Repair never reads the manifests its rebuilt LATEST leaves unreferenced (as before
     the safety audit): a newer version's commits, whose records are lost, are rolled back."""
@@ -1462,6 +1474,16 @@ MUTANTS.update(
                     "test_an_unexpected_gc_error_never_stops_the_saves_after_it",
                 ),
                 why_not_simulated="the simulation's stores raise only cloudckpt's own errors",
+            ),
+            Mutant(
+                "after-each-error-ends-the-worker",
+                "a failing after-save hook never stops later saves nor fails a committed one",
+                _after_each_error_ends_the_worker,
+                (
+                    "tests/test_autogc.py::"
+                    "test_a_failing_after_each_never_stops_later_saves_nor_fails_a_committed_one",
+                ),
+                why_not_simulated="the simulation's managers run no automatic GC",
             ),
             Mutant(
                 "repair-past-newer-manifests",
@@ -2336,6 +2358,20 @@ def _cut_local_copy_kept(setattr_: Callable[[Any, str, Any], None]) -> None:
     setattr_(localsave, "_stage", stage)
 
 
+def _refused_save_cuts_local_copy(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """save_state cuts the previous save's local copy short before the manager checks
+    the new save's step, metadata and metrics (as before issue 32): a refused save costs
+    that step its local copy."""
+    from cloudckpt.integrations import torch as ct
+
+    def always(self: Any, step: Any, metadata: Any, metrics: Any) -> bool:
+        if self._last is not None:
+            self._last.reclaim_memory()
+        return False
+
+    setattr_(ct.StateSaver, "_reclaim_unless_refused", always)
+
+
 _STALL = "tests/test_save_stall.py"
 _NOT_SIMULATED_STALL = (
     "the simulation's writers call save() in its synchronous mode: save_state's host "
@@ -2410,6 +2446,17 @@ MUTANTS.update(
                 (
                     f"{_STALL}::test_a_local_copy_cut_short_is_never_kept_even_if_its_writes_"
                     "completed",
+                ),
+                why_not_simulated=_NOT_SIMULATED_STALL,
+            ),
+            Mutant(
+                "refused-save-cuts-local-copy",
+                "a save_state the manager refuses for its step, metadata or metrics never "
+                "cuts the previous save's local copy short",
+                _refused_save_cuts_local_copy,
+                tuple(
+                    f"{_STALL}::test_a_refused_save_never_cuts_the_previous_saves_local_copy[{arg}]"
+                    for arg in ("step", "metadata", "metrics")
                 ),
                 why_not_simulated=_NOT_SIMULATED_STALL,
             ),

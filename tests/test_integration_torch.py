@@ -397,6 +397,24 @@ def test_an_upload_the_store_refuses_fails_the_next_save_state(memory_target, ma
     assert refused.fired == 1
 
 
+def test_an_earlier_failure_is_raised_before_a_refused_save_states_own_error(
+    memory_target, manager_factory
+):
+    """A save_state refused for its arguments still waits for the previous upload and
+    raises its failure first, as save() does; then, called again, its own error."""
+    faulty = FaultInjectingStore(open_store(memory_target.url))
+    faulty.add(Rule(FailBefore(PermissionDeniedError), ops=WRITE_OPS, key="ckpt/*", times=1))
+    mgr = manager_factory(faulty)
+    first = save_state(mgr, 1, {"x": torch.ones(4)})
+    with pytest.raises(PermissionDeniedError) as raised:
+        save_state(mgr, 2, {"x": torch.ones(4)}, {"opaque": object()})
+    assert raised.value is first._future.exception()
+    with pytest.raises(ConfigurationError, match="metadata"):
+        save_state(mgr, 2, {"x": torch.ones(4)}, {"opaque": object()})
+    assert save_state(mgr, 2, {"x": torch.ones(4)}).result(timeout=60).step == 2
+    mgr.close()
+
+
 def test_save_state_without_numpy_names_the_extra(memory_target, manager_factory, monkeypatch):
     from cloudckpt.integrations import _torch_format
 

@@ -119,6 +119,47 @@ def test_a_local_copy_cut_short_is_never_kept_even_if_its_writes_completed(
     assert not list((mgr.staging.root / "attempts").iterdir())
 
 
+@pytest.mark.parametrize(
+    "step, metadata, metrics",
+    [
+        (-2, None, None),
+        (2, {"opaque": object()}, None),
+        (2, None, {"loss": "high"}),
+    ],
+    ids=["step", "metadata", "metrics"],
+)
+def test_a_refused_save_never_cuts_the_previous_saves_local_copy(
+    file_target, manager_factory, monkeypatch, step, metadata, metrics
+):
+    """A save_state the manager refuses (bad step, metadata or metrics) reuses no buffers:
+    step 1's local copy, still being written, is not cut short for it."""
+    from cloudckpt.errors import ConfigurationError
+
+    gate = threading.Event()
+    wrote: list = []
+    _hold_step_1s_staged_write(monkeypatch, gate, wrote)
+    mgr = manager_factory(file_target, keep_local=2)
+    try:
+        first = save_state(mgr, 1, _state(1))
+        first.result(timeout=60)
+        refused = cf.ThreadPoolExecutor(1).submit(
+            save_state, mgr, step, _state(2), metadata, metrics=metrics
+        )
+        # Not a timing of the fix: before it, the refused save cut step 1's copy short at
+        # once and raised; the gate opens in any case (the fixed save waits for the copy).
+        cf.wait([refused], timeout=1)
+    finally:
+        gate.set()
+    with pytest.raises(ConfigurationError):
+        refused.result(timeout=60)
+    first._job.local_copy.result(timeout=60)
+    assert wrote == [True]
+    assert not first._job.stop_local_copy.is_set()
+    assert save_state(mgr, 2, _state(2)).result(timeout=60).step == 2
+    mgr.close()
+    assert _kept(mgr.staging.root) == ["000000000001", "000000000002"]
+
+
 class _Recording(cf.ThreadPoolExecutor):
     """A copier pool that records the bytes of each task it is given."""
 

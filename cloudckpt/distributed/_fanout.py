@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import io
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from cloudckpt import digest
 from cloudckpt.distributed._comm import _OK, Comm
@@ -43,6 +44,8 @@ from cloudckpt.fetch import fetch_chunk
 from cloudckpt.manifests import ChunkRef, FileEntry
 from cloudckpt.stores import Store
 from cloudckpt.transfer import TransferEngine
+
+_T = TypeVar("_T")
 
 log = logging.getLogger("cloudckpt.distributed")
 
@@ -117,12 +120,18 @@ class Received:
             piece = item[start : start + len(view)]
             view[: len(piece)] = piece
             return len(piece)
-        try:
-            with open(item, "rb") as f:
-                f.seek(start)
-                return f.readinto(view)
-        except OSError:
-            return None
+        return read_local(item, start, lambda f: f.readinto(view))
+
+
+def read_local(path: Path, offset: int, read: Callable[[io.BufferedReader], _T]) -> _T | None:
+    """``read(f)`` of a local file opened at ``offset``; None if it cannot be read (a
+    chunk a leader holds locally is then taken from elsewhere)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return read(f)
+    except OSError:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

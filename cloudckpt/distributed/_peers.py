@@ -251,12 +251,7 @@ def node_chunks(
 def read_at(where: tuple[Path, int], size: int) -> bytes | None:
     """``size`` bytes of a local file at an offset (None if it cannot be read)."""
     path, offset = where
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return f.read(size)
-    except OSError:
-        return None
+    return _fanout.read_local(path, offset, lambda f: f.read(size))
 
 
 def _load(copies: NodeCopies, commit_id: str) -> _Node | None:

@@ -197,9 +197,10 @@ class StateSaver:
             # outcome is its handle's: if it failed and no one has been told, the
             # manager's save() below raises it (and this save starts nothing).
             if self._previous is not None:
-                if self._last is not None:  # its local copy does not hold this save's stall
-                    self._last.reclaim_memory()
+                refused = self._reclaim_unless_refused(step, metadata, metrics)
                 self._previous.result()  # background() itself raises only on a bug
+                if refused:  # an earlier failure first, as ever, then why it is refused
+                    self.manager.save(step, metadata, metrics=metrics)
             items, buffers = self._plan(flat)  # may allocate (and pin) host memory
             # Validates step, metadata and metrics.
             handle = self.manager.save(step, metadata, metrics=metrics)
@@ -259,6 +260,21 @@ class StateSaver:
                 raise cell["enter_error"]
             handle.blocking_seconds = time.perf_counter() - started
             return handle
+
+    def _reclaim_unless_refused(
+        self, step: int, metadata: Mapping[str, Any] | None, metrics: Mapping[str, Any] | None
+    ) -> bool:
+        """Cut the previous save's local copy short (``reclaim_memory``: it does not hold
+        this save's stall) unless the manager would refuse this save's step, metadata or
+        metrics: a refused save reuses no buffers, so that step keeps its local copy.
+        True if refused (``manager.save()`` then raises why)."""
+        try:
+            self.manager.check_save_args(step, metadata, metrics)
+        except Exception:
+            return True
+        if self._last is not None:
+            self._last.reclaim_memory()
+        return False
 
     def _cuda_ops(self, items: list[Item]) -> CudaOps | None:
         if self._cuda is None and any(it.kind == "dma" for it in items):
