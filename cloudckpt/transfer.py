@@ -3,11 +3,13 @@
 Uploads: each file above ``multipart_threshold`` goes up in parts sized from the file size
 within S3's limits (5 MiB..5 GiB, at most 10,000 parts), always a multiple of the 8 MiB
 digest chunk. Workers read their part with ``preadv`` (no shared file position) into a
-reused buffer (a fresh 8 MiB ``bytes`` per part cost more CPU in page faults than the copy
-itself: 0.7 against 0.04 CPU-s per GiB, docs/performance.md), or take a ``MemoryFile``'s
-part as a view of its memory (no copy at all), compute the part's digest leaves and its
-CRC32C in the same pass, and upload it (one ``sendall``, no copy) with the CRC32C the
-store verifies. A part of exactly one chunk (``part_size=8 * MiB``) has its leaf registered as its SHA-256 (``digest.known_sha256``): a store that signs
+reused, page-aligned buffer (a fresh 8 MiB ``bytes`` per part cost more CPU in page faults
+than the copy itself: 0.7 against 0.04 CPU-s per GiB; a ``bytearray``'s memory is not
+cache-line aligned: ``aligned_buffer``; docs/performance.md), 1 MiB at a time, each block
+hashed and CRC'd right after it is read, while it is still in cache
+(``reading_digested``), or take a ``MemoryFile``'s part as a view of its memory (no copy
+at all) and compute the part's digest leaves and its CRC32C in one pass; then upload it
+(one ``sendall``, no copy) with the CRC32C the store verifies. A part of exactly one chunk (``part_size=8 * MiB``) has its leaf registered as its SHA-256 (``digest.known_sha256``): a store that signs
 payloads (S3 over plain HTTP) uses it instead of hashing the bytes a second time.
 
 Downloads: the workers, the retry policy and the short-read rule (``read_exact``) every
@@ -222,7 +224,7 @@ def aligned_buffer(size: int) -> memoryview:
     """``size`` bytes of fresh page-aligned memory (anonymous ``mmap``), writable. A large
     ``bytearray`` starts 16 bytes into its page (malloc's header), so every 64-byte load of
     BLAKE3, CRC32C and the copies into and out of the buffer spans two cache lines: a part
-    read, digested and sent from one costs about 0.1 CPU-s per GiB more
+    read, digested and sent from one costs 0.05-0.1 CPU-s per GiB more
     (docs/performance.md, "Upload client CPU")."""
     return memoryview(mmap.mmap(-1, size))
 
