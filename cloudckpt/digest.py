@@ -30,7 +30,7 @@ import contextlib
 import hashlib
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, cast
 
 import blake3
@@ -128,6 +128,33 @@ def leaves_and_crc32c(
     for i in range(0, len(view), chunk_size):
         digest, crc = leaf_and_crc32c(view[i : i + chunk_size], algorithm, crc)
         leaves.append(digest)
+    return leaves, crc
+
+
+def leaves_and_crc32c_as_read(
+    buf: bytearray | memoryview,
+    read: Callable[[memoryview, int], None],
+    chunk_size: int = CHUNK_SIZE,
+    algorithm: str | None = None,
+) -> tuple[list[bytes], int]:
+    """``leaves_and_crc32c(buf)`` of a buffer that ``read(block, at)`` fills as the pass
+    goes: each ``FUSED_BLOCK`` of ``buf`` is first filled with the bytes at offset ``at``
+    of ``buf``, then hashed and CRC'd while it is still in cache. A 32 MiB part read whole
+    and hashed afterwards has left the cache by then (the upload of a file costs about
+    0.05 CPU-s per GiB more, docs/performance.md "Upload client CPU"). On return ``buf``
+    holds exactly the bytes the leaves and the CRC are of. Raises what ``read`` raises,
+    and UnknownFormatError."""
+    view = memoryview(buf).cast("B")
+    leaves, crc = [], 0
+    for start in range(0, len(view), chunk_size):
+        chunk = view[start : start + chunk_size]
+        h = hasher(algorithm)
+        for i in range(0, len(chunk), FUSED_BLOCK):
+            block = chunk[i : i + FUSED_BLOCK]
+            read(block, start + i)  # before the block is hashed: the hash is of these bytes
+            h.update(block)
+            crc = _crc32c.extend(crc, block)
+        leaves.append(h.digest())
     return leaves, crc
 
 

@@ -3,11 +3,13 @@
 Uploads: each file above ``multipart_threshold`` goes up in parts sized from the file size
 within S3's limits (5 MiB..5 GiB, at most 10,000 parts), always a multiple of the 8 MiB
 digest chunk. Workers read their part with ``preadv`` (no shared file position) into a
-reused buffer (a fresh 8 MiB ``bytes`` per part cost more CPU in page faults than the copy
-itself: 0.7 against 0.04 CPU-s per GiB, docs/performance.md), or take a ``MemoryFile``'s
-part as a view of its memory (no copy at all), compute the part's digest leaves and its
-CRC32C in the same pass, and upload it (one ``sendall``, no copy) with the CRC32C the
-store verifies. A part of exactly one chunk (``part_size=8 * MiB``) has its leaf registered as its SHA-256 (``digest.known_sha256``): a store that signs
+reused, page-aligned buffer (a fresh 8 MiB ``bytes`` per part cost more CPU in page faults
+than the copy itself: 0.7 against 0.04 CPU-s per GiB; a ``bytearray``'s memory is not
+cache-line aligned: ``aligned_buffer``; docs/performance.md), 1 MiB at a time, each block
+hashed and CRC'd right after it is read, while it is still in cache
+(``reading_digested``), or take a ``MemoryFile``'s part as a view of its memory (no copy
+at all) and compute the part's digest leaves and its CRC32C in one pass; then upload it
+(one ``sendall``, no copy) with the CRC32C the store verifies. A part of exactly one chunk (``part_size=8 * MiB``) has its leaf registered as its SHA-256 (``digest.known_sha256``): a store that signs
 payloads (S3 over plain HTTP) uses it instead of hashing the bytes a second time.
 
 Downloads: the workers, the retry policy and the short-read rule (``read_exact``) every
@@ -27,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import dataclasses
+import mmap
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -195,26 +198,44 @@ class BufferPool(Generic[B]):
             self._free.clear()
 
 
+def _open_staged(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise StagingError(f"cannot read staged file {path}: {exc.strerror}") from None
+
+
+def _pread_full(fd: int, path: Path, offset: int, buf: memoryview) -> None:
+    """Fill ``buf`` from ``fd`` at ``offset``. Raises StagingError (the file is shorter)."""
+    got = 0
+    while got < len(buf):
+        if hasattr(os, "preadv"):
+            n = os.preadv(fd, [buf[got:]], offset + got)
+        else:  # (platforms without preadv: one copy more)
+            chunk = os.pread(fd, len(buf) - got, offset + got)
+            n = len(chunk)
+            buf[got : got + n] = chunk
+        if not n:
+            raise StagingError(f"staged file {path} shrank while it was being uploaded")
+        got += n
+
+
+def aligned_buffer(size: int) -> memoryview:
+    """``size`` bytes of fresh page-aligned memory (anonymous ``mmap``), writable. A large
+    ``bytearray`` starts 16 bytes into its page (malloc's header), so every 64-byte load of
+    BLAKE3, CRC32C and the copies into and out of the buffer spans two cache lines: a part
+    read, digested and sent from one costs 0.05-0.1 CPU-s per GiB more
+    (docs/performance.md, "Upload client CPU")."""
+    return memoryview(mmap.mmap(-1, size))
+
+
 def read_into(path: Path, offset: int, buf: memoryview) -> None:
     """Fill ``buf`` with the bytes of ``path`` at ``offset`` (``preadv``: no new object).
 
     Raises StagingError when the file cannot be opened or is shorter than the range."""
+    fd = _open_staged(path)
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        raise StagingError(f"cannot read staged file {path}: {exc.strerror}") from None
-    try:
-        got = 0
-        while got < len(buf):
-            if hasattr(os, "preadv"):
-                n = os.preadv(fd, [buf[got:]], offset + got)
-            else:  # (platforms without preadv: one copy more)
-                chunk = os.pread(fd, len(buf) - got, offset + got)
-                n = len(chunk)
-                buf[got : got + n] = chunk
-            if not n:
-                raise StagingError(f"staged file {path} shrank while it was being uploaded")
-            got += n
+        _pread_full(fd, path, offset, buf)
     finally:
         os.close(fd)
 
@@ -313,7 +334,8 @@ class TransferEngine:
         )
         # Download buffers (cloudckpt.download), kept between transfers.
         self.buffers = BufferPool(bytearray, self.config.concurrency)
-        self._part_buffers = BufferPool(bytearray, self.config.concurrency)
+        # Part buffers (uploads): page-aligned (``aligned_buffer``).
+        self._part_buffers = BufferPool(aligned_buffer, self.config.concurrency)
 
     def close(self, *, wait: bool = True) -> None:
         """Stop the workers; with ``wait=False`` do not wait for the ones still running."""
@@ -362,6 +384,36 @@ class TransferEngine:
         try:
             read_into(source, offset, view)
             yield view
+        finally:
+            view.release()
+            self._part_buffers.give(buf)
+
+    @contextlib.contextmanager
+    def reading_digested(
+        self, source: Path | MemoryFile, offset: int, length: int
+    ) -> Iterator[tuple[memoryview, list[bytes], int]]:
+        """``reading(source, offset, length)`` with the digest leaves and the CRC32C of
+        the bytes (``digest.leaves_and_crc32c``), computed in the same pass: a file's
+        range is read into the reused buffer a block at a time, and each block is hashed
+        while it is still in cache (``digest.leaves_and_crc32c_as_read``). The leaves and
+        the CRC are of exactly the bytes in the view. Raises StagingError."""
+        if isinstance(source, MemoryFile):
+            view = source.view(offset, length)
+            leaves, crc = digest.leaves_and_crc32c(view)
+            yield view, leaves, crc
+            return
+        size = max(length, self.config.part_size)
+        buf = self._part_buffers.take(round_up(size, digest.CHUNK_SIZE))
+        view = memoryview(buf)[:length]
+        try:
+            fd = _open_staged(source)
+            try:
+                leaves, crc = digest.leaves_and_crc32c_as_read(
+                    view, lambda block, at: _pread_full(fd, source, offset + at, block)
+                )
+            finally:
+                os.close(fd)
+            yield view, leaves, crc
         finally:
             view.release()
             self._part_buffers.give(buf)
@@ -472,8 +524,7 @@ class _FileUpload:
         ]
 
     def _single(self) -> tuple[list[bytes], None]:
-        with self.engine.reading(self.path, 0, self.before.size) as data:
-            leaves, crc = digest.leaves_and_crc32c(data)
+        with self.engine.reading_digested(self.path, 0, self.before.size) as (data, leaves, crc):
             known = digest.known_leaf(data, leaves[0]) if len(leaves) == 1 else nullcontext()
             with known, digest.known_crc32c(data, crc):
                 self.engine._retry(
@@ -486,8 +537,8 @@ class _FileUpload:
         self, upload: MultipartUpload, number: int, offset: int
     ) -> tuple[list[bytes], PartInfo]:
         length = min(self.part_size, self.before.size - offset)
-        with self.engine.reading(self.path, offset, length) as data:
-            leaves, crc_value = digest.leaves_and_crc32c(data)  # one pass over the part
+        # One pass over the part: read, digest leaves and CRC32C, block by block.
+        with self.engine.reading_digested(self.path, offset, length) as (data, leaves, crc_value):
             crc = crc32c_text(crc_value)
             # A one-chunk SHA-256 part's leaf is its SHA-256: a payload-signing store reuses it.
             known = digest.known_leaf(data, leaves[0]) if len(leaves) == 1 else nullcontext()

@@ -1292,6 +1292,29 @@ def _fused_crc_misses_a_byte(setattr_: Callable[[Any, str, Any], None]) -> None:
     setattr_(digest, "leaf_and_crc32c", fused)
 
 
+def _part_hashed_before_read(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The one pass over a part read block by block hashes and CRCs each block before the
+    block is read into the reused buffer: the leaves and the CRC are of what the buffer held
+    before (zeros, or another part's bytes), not of the bytes sent."""
+    from cloudckpt import _crc32c, digest
+
+    def as_read(buf, read, chunk_size=digest.CHUNK_SIZE, algorithm=None):
+        view = memoryview(buf).cast("B")
+        leaves, crc = [], 0
+        for start in range(0, len(view), chunk_size):
+            chunk = view[start : start + chunk_size]
+            h = digest.hasher(algorithm)
+            for i in range(0, len(chunk), digest.FUSED_BLOCK):
+                block = chunk[i : i + digest.FUSED_BLOCK]
+                h.update(block)
+                crc = _crc32c.extend(crc, block)
+                read(block, start + i)
+            leaves.append(h.digest())
+        return leaves, crc
+
+    setattr_(digest, "leaves_and_crc32c_as_read", as_read)
+
+
 def _short_judged_by_the_answers(setattr_: Callable[[Any, str, Any], None]) -> None:
     """Answers short on every retry are taken for a short object without asking the store
     the object's size (as before simulation seed 1430): a proxy that cuts every answer
@@ -1551,6 +1574,19 @@ MUTANTS.update(
                     "tests/test_transfer_crc.py::test_a_first_save_sends_the_crc_from_the_digest_pass",
                 ),
                 why_not_simulated="not reachable: the simulation's memory store takes no CRC with a put",
+            ),
+            Mutant(
+                "part-hashed-before-read",
+                "a part read block by block is digested and CRC'd after each block is read: "
+                "the leaves and the CRC are of the bytes sent",
+                _part_hashed_before_read,
+                (
+                    "tests/test_upload_buffers.py::test_a_part_read_block_by_block_gets_the_"
+                    "leaves_and_crc_of_its_bytes[chunks]",
+                    "tests/test_upload_buffers.py::test_files_uploaded_through_reused_buffers_"
+                    "get_the_digests_of_their_bytes",
+                ),
+                why_not_simulated="pending: seeds not yet scanned (tools/mutation_scan.py)",
             ),
             Mutant(
                 "short-judged-by-the-answers",

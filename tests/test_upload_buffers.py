@@ -153,3 +153,77 @@ def test_default_parts_hold_several_chunks_each_checked_and_verified(seaweedfs_t
         assert (restored.path / "w.bin").read_bytes() == data
     finally:
         mgr.close()
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def test_part_buffers_are_page_aligned(tmp_path):
+    """A bytearray's memory starts 16 bytes into its page: every 64-byte load of the
+    digest, the CRC and the copies would span two cache lines (docs/performance.md)."""
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(2 * MiB))
+    engine = TransferEngine(TransferConfig(concurrency=2))
+    try:
+        with engine.reading(path, 0, MiB) as view:
+            assert _address(view) % 4096 == 0
+        with engine.reading_digested(path, 5, MiB) as (view, _, _):
+            assert _address(view) % 4096 == 0
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    "length",
+    [0, 1, digest.FUSED_BLOCK + 7, digest.CHUNK_SIZE + 3 * MiB + 5],
+    ids=["empty", "one-byte", "blocks", "chunks"],
+)
+def test_a_part_read_block_by_block_gets_the_leaves_and_crc_of_its_bytes(tmp_path, length):
+    """Each block is read, then hashed and CRC'd (in cache); the buffer is reused and held
+    other bytes before: the leaves and the CRC are of exactly the bytes read, and of the
+    bytes the view hands the store."""
+    data = os.urandom(2 * digest.CHUNK_SIZE)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    engine = TransferEngine(TransferConfig(concurrency=1))
+    try:
+        with engine.reading(path, 0, 2 * digest.CHUNK_SIZE) as stale:
+            owner = stale.obj  # the buffer now holds the file's first bytes
+        offset = 12345
+        expected = data[offset : offset + length]
+        with engine.reading_digested(path, offset, length) as (view, leaves, crc):
+            assert view.obj is owner
+            assert view.tobytes() == expected
+            assert leaves == digest.leaves_of(expected)
+            assert crc == _crc32c.value(expected)
+        mem = MemoryFile([data[:offset], data[offset:]])
+        with engine.reading_digested(mem, offset, length) as (view, leaves, crc):
+            assert view.tobytes() == expected
+            assert (leaves, crc) == (digest.leaves_of(expected), _crc32c.value(expected))
+    finally:
+        engine.close()
+
+
+def test_files_uploaded_through_reused_buffers_get_the_digests_of_their_bytes(tmp_path):
+    """Several files of several parts each, through two reused part buffers: each entry's
+    digest is the file's, and the store holds the file's bytes."""
+    from cloudckpt.stores import memory
+
+    store = memory.MemoryStore(f"reuse-{os.urandom(4).hex()}")
+    files = []
+    for i, size in enumerate([3 * digest.CHUNK_SIZE + 17, 2 * digest.CHUNK_SIZE, 5 * MiB]):
+        path = tmp_path / f"f{i}"
+        path.write_bytes(os.urandom(size))
+        files.append((path.name, path))
+    config = TransferConfig(
+        concurrency=2, part_size=digest.CHUNK_SIZE, multipart_threshold=digest.CHUNK_SIZE
+    )
+    engine = TransferEngine(config)
+    try:
+        entries = engine.upload_files(store, "ck/", files)
+    finally:
+        engine.close()
+    for entry, (name, path) in zip(entries, files, strict=True):
+        assert entry.digest == digest.tree_digest_of_file(path)
+        assert store.get(f"ck/{name}")[0] == path.read_bytes()
