@@ -505,6 +505,8 @@ class SaveQueue:
 
     def _fail_queued(self, exc: BaseException) -> None:
         """The worker stops (a simulated crash): every queued save fails with ``exc``."""
+        # Said loudly: a save handed over later is never run (the process is as dead).
+        log.critical("the save worker stopped: %r; queued saves fail with it", exc)
         with self._cv:
             self._inflight = None
             for queued in self._queue:

@@ -226,7 +226,15 @@ def aligned_buffer(size: int) -> memoryview:
     BLAKE3, CRC32C and the copies into and out of the buffer spans two cache lines: a part
     read, digested and sent from one costs 0.05-0.1 CPU-s per GiB more
     (docs/performance.md, "Upload client CPU")."""
-    return memoryview(mmap.mmap(-1, size))
+    if size <= 0:
+        return memoryview(bytearray(0))
+    # Private anonymous memory (not shmem): a forked worker (a DataLoader's) gets
+    # copy-on-write pages, not shared ones, and transparent huge pages apply.
+    flags = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
+    try:
+        return memoryview(mmap.mmap(-1, size, **flags))
+    except OSError as exc:  # ENOMEM: say so, not "staged file unreadable"
+        raise MemoryError(f"cannot map a {size}-byte upload buffer: {exc.strerror}") from exc
 
 
 def read_into(path: Path, offset: int, buf: memoryview) -> None:

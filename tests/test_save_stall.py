@@ -132,7 +132,7 @@ def test_a_refused_save_never_cuts_the_previous_saves_local_copy(
     file_target, manager_factory, monkeypatch, step, metadata, metrics
 ):
     """A save_state the manager refuses (bad step, metadata or metrics) reuses no buffers:
-    step 1's local copy, still being written, is not cut short for it."""
+    step 1's local copy, still being written, is not cut short for it, nor waited for."""
     from cloudckpt.errors import ConfigurationError
 
     gate = threading.Event()
@@ -145,9 +145,9 @@ def test_a_refused_save_never_cuts_the_previous_saves_local_copy(
         refused = cf.ThreadPoolExecutor(1).submit(
             save_state, mgr, step, _state(2), metadata, metrics=metrics
         )
-        # Not a timing of the fix: before it, the refused save cut step 1's copy short at
-        # once and raised; the gate opens in any case (the fixed save waits for the copy).
-        cf.wait([refused], timeout=1)
+        # It waits for step 1's outcome (committed), not for its local copy, held here.
+        cf.wait([refused], timeout=20)
+        assert refused.done(), "a refused save_state waited for the previous local copy"
     finally:
         gate.set()
     with pytest.raises(ConfigurationError):

@@ -197,10 +197,13 @@ class StateSaver:
             # outcome is its handle's: if it failed and no one has been told, the
             # manager's save() below raises it (and this save starts nothing).
             if self._previous is not None:
-                refused = self._reclaim_unless_refused(step, metadata, metrics)
+                if self._reclaim_unless_refused(step, metadata, metrics):
+                    # An earlier failure first, as ever, then why this one is refused.
+                    # The previous save's outcome is enough: its local copy (nice 19,
+                    # up to a minute beside busy CPUs) is not waited for, nor cut.
+                    self._wait_for_previous_outcome()
+                    self.manager.save(step, metadata, metrics=metrics)  # raises
                 self._previous.result()  # background() itself raises only on a bug
-                if refused:  # an earlier failure first, as ever, then why it is refused
-                    self.manager.save(step, metadata, metrics=metrics)
             items, buffers = self._plan(flat)  # may allocate (and pin) host memory
             # Validates step, metadata and metrics.
             handle = self.manager.save(step, metadata, metrics=metrics)
@@ -275,6 +278,15 @@ class StateSaver:
         if self._last is not None:
             self._last.reclaim_memory()
         return False
+
+    def _wait_for_previous_outcome(self) -> None:
+        """Until the previous save has committed or failed (its handle), or its background
+        write has ended (a failure before hand-over); its local copy may still run."""
+        assert self._previous is not None
+        waiting: list[cf.Future[Any]] = [self._previous]
+        if self._last is not None:
+            waiting.append(self._last.handle._future)
+        cf.wait(waiting, return_when=cf.FIRST_COMPLETED)
 
     def _cuda_ops(self, items: list[Item]) -> CudaOps | None:
         if self._cuda is None and any(it.kind == "dma" for it in items):
