@@ -265,6 +265,15 @@ def _local_copy_trusted(setattr_: Callable[[Any, str, Any], None]) -> None:
     setattr_(fetch, "_run_local", trusting)
 
 
+def _local_piece_unchecked(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A chunk of a local copy, read and hashed piece by piece while its pieces are hot in
+    cache, is accepted without comparing that hash with its name (its leaf digest is then
+    taken from the manifest: nothing else notices)."""
+    from cloudckpt import fetch
+
+    setattr_(fetch, "_named", lambda leaves, data, ref: True)
+
+
 def _cp_file_digest_unchecked(setattr_: Callable[[Any, str, Any], None]) -> None:
     """`cp` commits once every chunk matched its name, without checking that they make up
     each file's recorded digest."""
@@ -665,6 +674,23 @@ MUTANTS = {
             tuple(
                 f"{_RESUME}::test_a_damaged_local_copy_is_never_used[{damage}]"
                 for damage in ("flip", "truncate", "other-step")
+            ),
+            why_not_simulated=(
+                "the simulation's hosts keep no staging directory between crashes; the fast "
+                "tests damage a kept copy by hand"
+            ),
+        ),
+        Mutant(
+            "local-piece-unchecked",
+            "a kept local copy's chunk, hashed piece by piece as it is read, is used only if "
+            "that hash is its name",
+            _local_piece_unchecked,
+            # (Its chunks are its leaves, so nothing but the chunk's own check can notice;
+            # the one read engine checks a copy restored into memory the same way.)
+            tuple(
+                "tests/test_local_restore.py::test_kept_copy_hashing_threads_and_a_flipped_"
+                f"byte_is_still_caught[{cores}]"
+                for cores in (2, 64)
             ),
             why_not_simulated=(
                 "the simulation's hosts keep no staging directory between crashes; the fast "

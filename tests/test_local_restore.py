@@ -191,3 +191,36 @@ def test_kept_copy_hashing_threads_and_a_flipped_byte_is_still_caught(
     assert _read(res.path) == _files(1)
     big = [h for h in hints if h >= digest.THREADED_MIN]
     assert hints and (big if cores == 64 else not big)
+
+
+def test_a_kept_copy_is_hashed_piece_by_piece_as_it_is_read(memory_target, tmp_path, monkeypatch):
+    """Issue 31, items 4-5: with a unit per core, each unit of the kept copy is read
+    ``HOT_PIECE`` bytes at a time and each piece hashed right after it landed, while it is
+    in cache (no 8 MiB leaf hashed after it left L2); the restore is still exact."""
+    from cloudckpt import digest, fetch
+
+    staging = tmp_path / "staging"
+    _save(memory_target.url, staging)
+    sizes: list[int] = []
+    real = digest.hasher
+
+    class Spy:
+        def __init__(self, inner: digest.Hasher) -> None:
+            self.inner = inner
+
+        def update(self, data: memoryview) -> None:
+            sizes.append(memoryview(data).nbytes)
+            self.inner.update(data)
+
+        def digest(self) -> bytes:
+            return self.inner.digest()
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(digest, "hasher", lambda *a, **k: Spy(real(*a, **k)))
+    mgr = CheckpointManager(memory_target.url, staging_dir=staging)
+    res = mgr.restore(tmp_path / "r")
+    mgr.close()
+    assert res.bytes_downloaded == 0 and _read(res.path) == _files(1)
+    big = [n for n in sizes if n > 1024]
+    assert big and max(big) <= fetch.HOT_PIECE
+    assert sum(big) >= 4 * MiB  # a.bin and sub/b.bin, every byte hashed
