@@ -677,7 +677,13 @@ def _local_units(reader: _Reader, units: Sequence[_Unit]) -> list[bool]:
                 raise
 
     workers = min(len(units), max(LOCAL_WORKERS_MIN, os.cpu_count() or 1))
-    reader.engine.wait_all([reader.engine.submit(drain) for _ in range(workers)])
+    try:
+        reader.engine.wait_all([reader.engine.submit(drain) for _ in range(workers)])
+    except BaseException:
+        # An interrupt is not waited for (``wait_all``): the workers still running take
+        # no further unit, as cancelled units would not have started.
+        failed.set()
+        raise
     return ok
 
 

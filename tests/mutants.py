@@ -274,6 +274,38 @@ def _local_piece_unchecked(setattr_: Callable[[Any, str, Any], None]) -> None:
     setattr_(fetch, "_named", lambda leaves, data, ref: True)
 
 
+def _local_workers_run_on(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The workers reading a kept copy go on taking units after one failed (the restore
+    raised, and bytes keep landing behind it)."""
+    import os
+    import threading
+
+    from cloudckpt import fetch
+
+    def running_on(reader, units):
+        ok = [False] * len(units)
+        todo = iter(range(len(units)))
+        lock = threading.Lock()
+
+        def drain():
+            while True:
+                with lock:
+                    i = next(todo, None)
+                if i is None:
+                    return
+                try:
+                    ok[i] = fetch._local_unit(reader, units[i])
+                except Exception:
+                    continue
+
+        workers = min(len(units), max(fetch.LOCAL_WORKERS_MIN, os.cpu_count() or 1))
+        futures = [reader.engine.submit(drain) for _ in range(workers)]
+        reader.engine.wait_all(futures)
+        return ok
+
+    setattr_(fetch, "_local_units", running_on)
+
+
 def _cp_file_digest_unchecked(setattr_: Callable[[Any, str, Any], None]) -> None:
     """`cp` commits once every chunk matched its name, without checking that they make up
     each file's recorded digest."""
@@ -696,6 +728,16 @@ MUTANTS = {
                 "the simulation's hosts keep no staging directory between crashes; the fast "
                 "tests damage a kept copy by hand"
             ),
+        ),
+        Mutant(
+            "local-workers-run-on",
+            "the workers reading a kept copy take no further unit once one failed",
+            _local_workers_run_on,
+            (
+                "tests/test_local_restore.py::test_a_failed_unit_of_a_kept_copy_stops_the_"
+                "other_workers",
+            ),
+            why_not_simulated="the simulation's hosts keep no staging directory between crashes",
         ),
         Mutant(
             "cp-file-digest-unchecked",

@@ -224,3 +224,39 @@ def test_a_kept_copy_is_hashed_piece_by_piece_as_it_is_read(memory_target, tmp_p
     big = [n for n in sizes if n > 1024]
     assert big and max(big) <= fetch.HOT_PIECE
     assert sum(big) >= 4 * MiB  # a.bin and sub/b.bin, every byte hashed
+
+
+def test_a_failed_unit_of_a_kept_copy_stops_the_other_workers(memory_target, tmp_path, monkeypatch):
+    """The workers reading a kept copy take no further unit once one failed (as the
+    transfer engine's queued units are cancelled): nothing keeps landing bytes after the
+    restore raised."""
+    import threading
+    import time
+
+    from cloudckpt import fetch
+
+    staging = tmp_path / "staging"
+    mgr = CheckpointManager(memory_target.url, staging_dir=staging)
+    with mgr.save(step=1) as d:
+        (d / "big.bin").write_bytes(random.Random(3).randbytes(12 * 8 * MiB))
+    mgr.close()
+    calls: list[int] = []
+    lock = threading.Lock()
+    real = fetch._local_unit
+
+    def failing(reader, unit):
+        with lock:
+            calls.append(1)
+            first = len(calls) == 1
+        if first:
+            raise RuntimeError("a sink failed")
+        time.sleep(0.05)
+        return real(reader, unit)
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(fetch, "_local_unit", failing)
+    again = CheckpointManager(memory_target.url, staging_dir=staging)
+    with pytest.raises(RuntimeError, match="a sink failed"):
+        again.restore(tmp_path / "r")
+    again.close()
+    assert len(calls) <= fetch.LOCAL_WORKERS_MIN + 1 < 12
