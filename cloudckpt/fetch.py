@@ -23,6 +23,8 @@ buffers of a DCP plan's items, files of a directory: ``cloudckpt.download``, or 
 - A local copy (``FileJob.local``: the staged copy of a committed checkpoint,
   ``cloudckpt.localcopy``) is read first, at local-disk speed, with the same checks; what
   does not verify (a chunk, or a whole file without chunks) is then read from the store.
+  It is read on one worker per core (``_local_units``), ``HOT_PIECE`` bytes at a time,
+  each piece hashed as soon as it landed, while it is still in cache.
 
 Hashing: each unit is hashed by the worker that landed it, on that one thread, when the
 read has at least as many units as the machine has cores (the workers are the
@@ -61,12 +63,11 @@ from cloudckpt.errors import (
     CorruptionError,
     MissingChunkError,
     ObjectNotFoundError,
-    StagingError,
 )
 from cloudckpt.failpoints import hit as failpoint
 from cloudckpt.manifests import ChunkRef, FileEntry
 from cloudckpt.stores import Store
-from cloudckpt.transfer import BufferPool, Progress, TransferEngine, read_into, round_up
+from cloudckpt.transfer import BufferPool, Progress, TransferEngine, round_up
 
 LEAF = digest.CHUNK_SIZE
 
@@ -297,11 +298,18 @@ class _Reader:
 
         if local:
             assert job.local is not None
-            if not _pread_into(job.local, piece.offset, view):
+            f = self.files[index]
+            algorithm = ref.algorithm if ref is not None else f.entry.algorithm
+            # A chunk is one leaf of its own (its name); a whole file's range is cut into
+            # the file's leaves.
+            leaf_size = max(piece.size, 1) if ref is not None else f.leaf_size
+            leaves, hash_s = _pread_leaves(
+                job.local, piece.offset, view, leaf_size, algorithm, self.threaded
+            )
+            if leaves is None or (ref is not None and not _named(leaves, view, ref)):
                 raise _LocalRejected
-            if ref is not None and not check(view, ref):
-                raise _LocalRejected
-        elif ref is not None:
+            return ([] if ref is not None else leaves), hash_s
+        if ref is not None:
             fetch_chunk(self.engine, self.store, ref, view, check, self.stats._request)
         else:
             self.stats._request()
@@ -446,14 +454,72 @@ def fetch_chunk(
     raise MissingChunkError(f"chunk {ref.key} does not match its digest")
 
 
-def _pread_into(path: Path, offset: int, view: memoryview) -> bool:
-    """Fill ``view`` from ``path`` at ``offset`` (``transfer.read_into``); False if the
-    file is missing, unreadable or short."""
+#: A local copy is read this much at a time, each piece hashed right after it landed,
+#: while it (and the page-cache bytes it was copied from) are still in the core's L2 (1
+#: MiB on the benchmark's EPYC): hashing a whole 8 MiB leaf after it was read finds most
+#: of it evicted (docs/performance.md, "hashing while hot").
+HOT_PIECE = 512 * 1024
+#: Workers that read local copies at least (more, one per core, on larger machines): a
+#: copy not in the page cache still gets a few reads in flight.
+LOCAL_WORKERS_MIN = 4
+
+
+def _pread_leaves(
+    path: Path, offset: int, view: memoryview, leaf_size: int, algorithm: str | None, threaded: bool
+) -> tuple[list[bytes] | None, float]:
+    """Fill ``view`` from ``path`` at ``offset``, ``HOT_PIECE`` bytes at a time, each piece
+    hashed as soon as it landed. Returns the leaf digests of ``view`` (a leaf every
+    ``leaf_size`` bytes from its start; None if the file is missing, unreadable or
+    short) and the thread CPU time spent hashing. ``threaded``: BLAKE3 on several cores
+    (``_Reader.hash_on_workers``)."""
+    hashed = 0.0
     try:
-        read_into(path, offset, view)
-    except (StagingError, OSError):
-        return False
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None, hashed
+    try:
+        leaves = []
+        for lo in range(0, len(view), leaf_size):
+            hi = min(lo + leaf_size, len(view))
+            h = digest.hasher(algorithm, hi - lo if threaded else 0)
+            # Several threads hash each leaf (few units): it is read whole, then hashed.
+            step = hi - lo if threaded else HOT_PIECE
+            for at in range(lo, hi, step):
+                part = view[at : min(at + step, hi)]
+                if not _pread_exact(fd, part, offset + at):
+                    return None, hashed
+                started = time.thread_time()
+                h.update(part)
+                hashed += time.thread_time() - started
+            leaves.append(h.digest())
+        return leaves, hashed
+    except OSError:
+        return None, hashed
+    finally:
+        os.close(fd)
+
+
+def _pread_exact(fd: int, view: memoryview, offset: int) -> bool:
+    """Fill ``view`` from ``fd`` at ``offset``; False if the file ends first."""
+    got = 0
+    while got < len(view):
+        if hasattr(os, "preadv"):
+            n = os.preadv(fd, [view[got:]], offset + got)
+        else:  # (platforms without preadv: one copy more)
+            chunk = os.pread(fd, len(view) - got, offset + got)
+            n = len(chunk)
+            view[got : got + n] = chunk
+        if not n:
+            return False
+        got += n
     return True
+
+
+def _named(leaves: list[bytes], data: memoryview, ref: ChunkRef) -> bool:
+    """Whether a chunk whose bytes ``data`` hashed to ``leaves`` (one leaf; none for an
+    empty chunk) is the chunk ``ref`` names."""
+    got = leaves[0] if leaves else digest.leaf(data, ref.algorithm)
+    return got.hex() == ref.sha256
 
 
 def read_files(
@@ -572,7 +638,7 @@ def _run_local(
     units = [u for i in local for u in planned[i][0]]
     for i in local:
         reader.files[i].expect(len(planned[i][0]))
-    verified = reader.engine.wait_all([reader.engine.submit(_local_unit, reader, u) for u in units])
+    verified = _local_units(reader, units)
     rejected_units: list[_Unit] = []
     rejected_files: set[int] = set()
     for u, ok in zip(units, verified, strict=True):
@@ -585,6 +651,40 @@ def _run_local(
     again += [u for i in sorted(rejected_files) for u in planned[i][0]]
     reader.stats.local_rejected += len(again)
     return redo + again
+
+
+def _local_units(reader: _Reader, units: Sequence[_Unit]) -> list[bool]:
+    """``_local_unit`` for each of ``units``, on one worker per core (at least
+    ``LOCAL_WORKERS_MIN``), each taking the next unit as it finishes one: reading a copy
+    in the page cache is CPU work (the copy, the hash), and more threads than cores only
+    add hand-offs and evict each other's pieces from cache (docs/performance.md). Raises
+    as ``_local_unit`` (the other workers then stop)."""
+    ok = [False] * len(units)
+    todo = iter(range(len(units)))
+    lock = threading.Lock()
+    failed = threading.Event()
+
+    def drain() -> None:
+        while not failed.is_set():
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            try:
+                ok[i] = _local_unit(reader, units[i])
+            except BaseException:
+                failed.set()
+                raise
+
+    workers = min(len(units), max(LOCAL_WORKERS_MIN, os.cpu_count() or 1))
+    try:
+        reader.engine.wait_all([reader.engine.submit(drain) for _ in range(workers)])
+    except BaseException:
+        # An interrupt is not waited for (``wait_all``): the workers still running take
+        # no further unit, as cancelled units would not have started.
+        failed.set()
+        raise
+    return ok
 
 
 def _has_size(job: FileJob) -> bool:

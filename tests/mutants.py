@@ -265,6 +265,47 @@ def _local_copy_trusted(setattr_: Callable[[Any, str, Any], None]) -> None:
     setattr_(fetch, "_run_local", trusting)
 
 
+def _local_piece_unchecked(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A chunk of a local copy, read and hashed piece by piece while its pieces are hot in
+    cache, is accepted without comparing that hash with its name (its leaf digest is then
+    taken from the manifest: nothing else notices)."""
+    from cloudckpt import fetch
+
+    setattr_(fetch, "_named", lambda leaves, data, ref: True)
+
+
+def _local_workers_run_on(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The workers reading a kept copy go on taking units after one failed (the restore
+    raised, and bytes keep landing behind it)."""
+    import os
+    import threading
+
+    from cloudckpt import fetch
+
+    def running_on(reader, units):
+        ok = [False] * len(units)
+        todo = iter(range(len(units)))
+        lock = threading.Lock()
+
+        def drain():
+            while True:
+                with lock:
+                    i = next(todo, None)
+                if i is None:
+                    return
+                try:
+                    ok[i] = fetch._local_unit(reader, units[i])
+                except Exception:
+                    continue
+
+        workers = min(len(units), max(fetch.LOCAL_WORKERS_MIN, os.cpu_count() or 1))
+        futures = [reader.engine.submit(drain) for _ in range(workers)]
+        reader.engine.wait_all(futures)
+        return ok
+
+    setattr_(fetch, "_local_units", running_on)
+
+
 def _cp_file_digest_unchecked(setattr_: Callable[[Any, str, Any], None]) -> None:
     """`cp` commits once every chunk matched its name, without checking that they make up
     each file's recorded digest."""
@@ -670,6 +711,33 @@ MUTANTS = {
                 "the simulation's hosts keep no staging directory between crashes; the fast "
                 "tests damage a kept copy by hand"
             ),
+        ),
+        Mutant(
+            "local-piece-unchecked",
+            "a kept local copy's chunk, hashed piece by piece as it is read, is used only if "
+            "that hash is its name",
+            _local_piece_unchecked,
+            # (Its chunks are its leaves, so nothing but the chunk's own check can notice;
+            # the one read engine checks a copy restored into memory the same way.)
+            tuple(
+                "tests/test_local_restore.py::test_kept_copy_hashing_threads_and_a_flipped_"
+                f"byte_is_still_caught[{cores}]"
+                for cores in (2, 64)
+            ),
+            why_not_simulated=(
+                "the simulation's hosts keep no staging directory between crashes; the fast "
+                "tests damage a kept copy by hand"
+            ),
+        ),
+        Mutant(
+            "local-workers-run-on",
+            "the workers reading a kept copy take no further unit once one failed",
+            _local_workers_run_on,
+            (
+                "tests/test_local_restore.py::test_a_failed_unit_of_a_kept_copy_stops_the_"
+                "other_workers",
+            ),
+            why_not_simulated="the simulation's hosts keep no staging directory between crashes",
         ),
         Mutant(
             "cp-file-digest-unchecked",

@@ -191,3 +191,72 @@ def test_kept_copy_hashing_threads_and_a_flipped_byte_is_still_caught(
     assert _read(res.path) == _files(1)
     big = [h for h in hints if h >= digest.THREADED_MIN]
     assert hints and (big if cores == 64 else not big)
+
+
+def test_a_kept_copy_is_hashed_piece_by_piece_as_it_is_read(memory_target, tmp_path, monkeypatch):
+    """Issue 31, items 4-5: with a unit per core, each unit of the kept copy is read
+    ``HOT_PIECE`` bytes at a time and each piece hashed right after it landed, while it is
+    in cache (no 8 MiB leaf hashed after it left L2); the restore is still exact."""
+    from cloudckpt import digest, fetch
+
+    staging = tmp_path / "staging"
+    _save(memory_target.url, staging)
+    sizes: list[int] = []
+    real = digest.hasher
+
+    class Spy:
+        def __init__(self, inner: digest.Hasher) -> None:
+            self.inner = inner
+
+        def update(self, data: memoryview) -> None:
+            sizes.append(memoryview(data).nbytes)
+            self.inner.update(data)
+
+        def digest(self) -> bytes:
+            return self.inner.digest()
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(digest, "hasher", lambda *a, **k: Spy(real(*a, **k)))
+    mgr = CheckpointManager(memory_target.url, staging_dir=staging)
+    res = mgr.restore(tmp_path / "r")
+    mgr.close()
+    assert res.bytes_downloaded == 0 and _read(res.path) == _files(1)
+    big = [n for n in sizes if n > 1024]
+    assert big and max(big) <= fetch.HOT_PIECE
+    assert sum(big) >= 4 * MiB  # a.bin and sub/b.bin, every byte hashed
+
+
+def test_a_failed_unit_of_a_kept_copy_stops_the_other_workers(memory_target, tmp_path, monkeypatch):
+    """The workers reading a kept copy take no further unit once one failed (as the
+    transfer engine's queued units are cancelled): nothing keeps landing bytes after the
+    restore raised."""
+    import threading
+    import time
+
+    from cloudckpt import fetch
+
+    staging = tmp_path / "staging"
+    mgr = CheckpointManager(memory_target.url, staging_dir=staging)
+    with mgr.save(step=1) as d:
+        (d / "big.bin").write_bytes(random.Random(3).randbytes(12 * 8 * MiB))
+    mgr.close()
+    calls: list[int] = []
+    lock = threading.Lock()
+    real = fetch._local_unit
+
+    def failing(reader, unit):
+        with lock:
+            calls.append(1)
+            first = len(calls) == 1
+        if first:
+            raise RuntimeError("a sink failed")
+        time.sleep(0.05)
+        return real(reader, unit)
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(fetch, "_local_unit", failing)
+    again = CheckpointManager(memory_target.url, staging_dir=staging)
+    with pytest.raises(RuntimeError, match="a sink failed"):
+        again.restore(tmp_path / "r")
+    again.close()
+    assert len(calls) <= fetch.LOCAL_WORKERS_MIN + 1 < 12
