@@ -63,11 +63,12 @@ from cloudckpt.errors import (
     CorruptionError,
     MissingChunkError,
     ObjectNotFoundError,
+    StagingError,
 )
 from cloudckpt.failpoints import hit as failpoint
 from cloudckpt.manifests import ChunkRef, FileEntry
 from cloudckpt.stores import Store
-from cloudckpt.transfer import BufferPool, Progress, TransferEngine, round_up
+from cloudckpt.transfer import BufferPool, Progress, TransferEngine, pread_full, round_up
 
 LEAF = digest.CHUNK_SIZE
 
@@ -486,33 +487,16 @@ def _pread_leaves(
             step = hi - lo if threaded else HOT_PIECE
             for at in range(lo, hi, step):
                 part = view[at : min(at + step, hi)]
-                if not _pread_exact(fd, part, offset + at):
-                    return None, hashed
+                pread_full(fd, path, offset + at, part)
                 started = time.thread_time()
                 h.update(part)
                 hashed += time.thread_time() - started
             leaves.append(h.digest())
         return leaves, hashed
-    except OSError:
+    except (StagingError, OSError):  # short, or unreadable
         return None, hashed
     finally:
         os.close(fd)
-
-
-def _pread_exact(fd: int, view: memoryview, offset: int) -> bool:
-    """Fill ``view`` from ``fd`` at ``offset``; False if the file ends first."""
-    got = 0
-    while got < len(view):
-        if hasattr(os, "preadv"):
-            n = os.preadv(fd, [view[got:]], offset + got)
-        else:  # (platforms without preadv: one copy more)
-            chunk = os.pread(fd, len(view) - got, offset + got)
-            n = len(chunk)
-            view[got : got + n] = chunk
-        if not n:
-            return False
-        got += n
-    return True
 
 
 def _named(leaves: list[bytes], data: memoryview, ref: ChunkRef) -> bool:

@@ -205,7 +205,7 @@ def _open_staged(path: Path) -> int:
         raise StagingError(f"cannot read staged file {path}: {exc.strerror}") from None
 
 
-def _pread_full(fd: int, path: Path, offset: int, buf: memoryview) -> None:
+def pread_full(fd: int, path: Path, offset: int, buf: memoryview) -> None:
     """Fill ``buf`` from ``fd`` at ``offset``. Raises StagingError (the file is shorter)."""
     got = 0
     while got < len(buf):
@@ -243,7 +243,7 @@ def read_into(path: Path, offset: int, buf: memoryview) -> None:
     Raises StagingError when the file cannot be opened or is shorter than the range."""
     fd = _open_staged(path)
     try:
-        _pread_full(fd, path, offset, buf)
+        pread_full(fd, path, offset, buf)
     finally:
         os.close(fd)
 
@@ -417,7 +417,7 @@ class TransferEngine:
             fd = _open_staged(source)
             try:
                 leaves, crc = digest.leaves_and_crc32c_as_read(
-                    view, lambda block, at: _pread_full(fd, source, offset + at, block)
+                    view, lambda block, at: pread_full(fd, source, offset + at, block)
                 )
             finally:
                 os.close(fd)
