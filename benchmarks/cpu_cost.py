@@ -82,9 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--source", choices=("files", "state"), default="files")
     args = p.parse_args(argv)
 
-    from benchmarks.harness import S3Target, _write_files
+    from benchmarks.harness import S3Target, whole_file_upload
     from benchmarks.peers import Peers
-    from cloudckpt import CheckpointManager
     from cloudckpt.transfer import TransferConfig
 
     without = {w.strip() for w in args.without.split(",") if w.strip()}
@@ -97,15 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     s3t = S3Target("bench")
     work = Path(tempfile.mkdtemp(prefix="cloudckpt-cpu-cost-"))
     try:
-        files = _write_files(work / "src", args.mib * MiB, args.files)
-        gib = sum(f.stat().st_size for f in files) / GiB
-        mgr = CheckpointManager(
-            s3t.url("ck/"),
-            storage_options=s3t.storage_options("unsigned"),
-            staging_dir=work / "staging",
-            keep_last=1,
-            auto_gc=False,
-            chunking="off",
+        files, gib, mgr = whole_file_upload(
+            s3t,
+            work,
+            args.mib,
+            args.files,
             transfer=TransferConfig(concurrency=args.concurrency, **part_size),
         )
         peers = Peers(s3t, "unsigned")

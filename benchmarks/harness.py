@@ -41,6 +41,25 @@ def _write_files(root: Path, total: int, count: int, seed: int = 0) -> list[Path
     return paths
 
 
+def whole_file_upload(s3: S3Target, work: Path, mib: int, files: int, **manager: Any) -> Any:
+    """The client-CPU drivers' setup: ``files`` random files of ``mib`` MiB in all under
+    ``work/src``, and a manager saving them whole (``chunking="off"``) to the bench
+    endpoint, unsigned, staged under ``work/staging``. Returns (files, GiB, manager)."""
+    from cloudckpt import CheckpointManager
+
+    paths = _write_files(work / "src", mib * MiB, files)
+    mgr = CheckpointManager(
+        s3.url("ck/"),
+        storage_options=s3.storage_options("unsigned"),
+        staging_dir=work / "staging",
+        keep_last=1,
+        auto_gc=False,
+        chunking="off",
+        **manager,
+    )
+    return paths, sum(f.stat().st_size for f in paths) / GiB, mgr
+
+
 def _rm(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 

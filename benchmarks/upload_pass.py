@@ -39,9 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default="before,aligned,blocks,now")
     args = p.parse_args(argv)
 
-    from benchmarks.harness import S3Target, _write_files
+    from benchmarks.harness import S3Target, whole_file_upload
     from benchmarks.peers import Peers
-    from cloudckpt import CheckpointManager, digest, transfer
+    from cloudckpt import digest, transfer
 
     now_pass = transfer.TransferEngine.reading_digested
 
@@ -67,16 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     s3t = S3Target("bench")
     work = Path(tempfile.mkdtemp(prefix="cloudckpt-upload-pass-"))
     try:
-        files = _write_files(work / "src", args.mib * MiB, args.files)
-        gib = sum(f.stat().st_size for f in files) / GiB
-        mgr = CheckpointManager(
-            s3t.url("ck/"),
-            storage_options=s3t.storage_options("unsigned"),
-            staging_dir=work / "staging",
-            keep_last=1,
-            auto_gc=False,
-            chunking="off",
-        )
+        files, gib, mgr = whole_file_upload(s3t, work, args.mib, args.files)
         peers = Peers(s3t, "unsigned")
         cpu: dict[str, list[float]] = {v: [] for v in [*wanted, "obstore"]}
         order = [*wanted, "obstore"]

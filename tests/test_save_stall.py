@@ -56,6 +56,23 @@ def _hold_step_1s_staged_write(monkeypatch, gate: threading.Event, wrote: list) 
     monkeypatch.setattr(Attempt, "write_files", held)
 
 
+def _step_1_committed_with_its_copy_held(monkeypatch, manager_factory, target):
+    """Step 1 saved and committed, its staged local copy held until ``gate`` is set
+    (``_hold_step_1s_staged_write``). Returns the manager, step 1's handle, the gate and
+    the list the held write appends to."""
+    gate = threading.Event()
+    wrote: list = []
+    _hold_step_1s_staged_write(monkeypatch, gate, wrote)
+    mgr = manager_factory(target, keep_local=2)
+    try:
+        first = save_state(mgr, 1, _state(1))
+        assert first.result(timeout=60).step == 1
+    except BaseException:
+        gate.set()
+        raise
+    return mgr, first, gate, wrote
+
+
 def _kept(staging) -> list[str]:
     return sorted(p.name[:12] for p in (staging / COMMITTED_DIR).iterdir())
 
@@ -63,12 +80,10 @@ def _kept(staging) -> list[str]:
 def test_the_next_save_does_not_wait_for_the_previous_saves_local_copy(
     file_target, manager_factory, monkeypatch, tmp_path
 ):
-    gate = threading.Event()
-    wrote: list = []
-    _hold_step_1s_staged_write(monkeypatch, gate, wrote)
-    mgr = manager_factory(file_target, keep_local=2)
+    mgr, _, gate, wrote = _step_1_committed_with_its_copy_held(
+        monkeypatch, manager_factory, file_target
+    )
     try:
-        assert save_state(mgr, 1, _state(1)).result(timeout=60).step == 1
         # Step 1 is committed; its staged copy, kept as the local tier, is held. Step 2
         # reuses the buffers that copy reads: it returns without waiting for it.
         second = cf.ThreadPoolExecutor(1).submit(save_state, mgr, 2, _state(2))
@@ -100,13 +115,10 @@ def test_a_local_copy_cut_short_is_never_kept_even_if_its_writes_completed(
     """Step 1's held write completes after step 2 copied its state into the same buffers:
     what it wrote is step 2's bytes under step 1's name. It must not become step 1's local
     copy (a restore would find it damaged at best)."""
-    gate = threading.Event()
-    wrote: list = []
-    _hold_step_1s_staged_write(monkeypatch, gate, wrote)
-    mgr = manager_factory(file_target, keep_local=2)
+    mgr, first, gate, wrote = _step_1_committed_with_its_copy_held(
+        monkeypatch, manager_factory, file_target
+    )
     try:
-        first = save_state(mgr, 1, _state(1))
-        first.result(timeout=60)
         second = cf.ThreadPoolExecutor(1).submit(save_state, mgr, 2, _state(2))
         handle = second.result(timeout=30)  # step 2's bytes are in the buffers now
     finally:
@@ -135,13 +147,10 @@ def test_a_refused_save_never_cuts_the_previous_saves_local_copy(
     step 1's local copy, still being written, is not cut short for it, nor waited for."""
     from cloudckpt.errors import ConfigurationError
 
-    gate = threading.Event()
-    wrote: list = []
-    _hold_step_1s_staged_write(monkeypatch, gate, wrote)
-    mgr = manager_factory(file_target, keep_local=2)
+    mgr, first, gate, wrote = _step_1_committed_with_its_copy_held(
+        monkeypatch, manager_factory, file_target
+    )
     try:
-        first = save_state(mgr, 1, _state(1))
-        first.result(timeout=60)
         refused = cf.ThreadPoolExecutor(1).submit(
             save_state, mgr, step, _state(2), metadata, metrics=metrics
         )
