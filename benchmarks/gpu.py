@@ -611,7 +611,7 @@ class GPUBench:
 
     def drop(self, name: str, ckpt: str) -> None:
         """Delete one committed checkpoint's objects (``ckpt``: its prefix, ``ckpt/<id>/``;
-        unmeasured; run.py does the same)."""
+        unmeasured; the CPU groups' ``after`` steps do the same)."""
         if self.endpoint is not None:
             self.endpoint.reset(f"bench/{name}/{ckpt}")
         else:

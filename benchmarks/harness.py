@@ -1,7 +1,8 @@
 """What every benchmark group shares: the contenders, comparisons and groups the harness
-(``benchmarks/run.py``) runs, the S3 and GCS targets they write to, and test data. The
-groups in other modules (``resume``, ``dcp_restore``, ``cpu_cost``) import from here, never
-from ``run``, so no import runs back up (issue 29 item 6)."""
+(``benchmarks/rounds.py``, for ``benchmarks/run.py``) runs, the S3 and GCS targets they
+write to, and test data. The groups in other modules (``torch_group``, ``s3_groups``,
+``resume``, ``dcp_restore``, ``cpu_cost``, ...) import from here, never from ``run``, so no
+import runs back up (issue 29 item 6)."""
 
 from __future__ import annotations
 
