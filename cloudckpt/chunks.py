@@ -418,29 +418,44 @@ class _Uploader:
         failpoint("save.after_part")
 
     def span(self, source: Path | MemoryFile, offset: int, pieces: list[tuple[int, int]]):
-        """One leaf: read it, hash it and its chunks, upload the chunks the index lacks."""
+        """One leaf: read it into a reused page-aligned buffer a block at a time, hashing
+        the leaf and its chunks (and, on a first save, each chunk's CRC32C) while each block
+        is in cache (``TransferEngine.reading_hashed``, ``digest.leaf_and_pieces_as_read``),
+        then upload the chunks the index lacks."""
         length = sum(n for _, n in pieces)
-        with self.engine.reading(source, offset, length) as data:
-            return self._span(data, offset, pieces)
-
-    def _span(self, data: memoryview, offset: int, pieces: list[tuple[int, int]]):
-        length = len(data)
-        algorithm = self.algorithm
         # With nothing to reuse every chunk is sent: its transfer CRC32C is computed in the
         # same pass as its digest. With an index most chunks of an incremental save are
         # reused, and a CRC of them would be wasted: the store computes it for those sent.
-        crc: int | None = None
-        if not self.index and len(pieces) == 1:
-            leaf, crc = digest.leaf_and_crc32c(data, algorithm)
-        else:
-            leaf = digest.leaf(data, algorithm)
+        crc32c = not self.index
+        sizes = [n for _, n in pieces]
+        with self.engine.reading_hashed(
+            source,
+            offset,
+            length,
+            lambda view, read: digest.leaf_and_pieces_as_read(
+                view, read, sizes, self.algorithm, crc32c=crc32c
+            ),
+        ) as (data, hashed):
+            return self._span(data, offset, pieces, *hashed)
+
+    def _span(
+        self,
+        data: memoryview,
+        offset: int,
+        pieces: list[tuple[int, int]],
+        leaf: bytes,
+        names: list[bytes],
+        crcs: list[int] | None,
+    ) -> tuple[bytes, list[ChunkRef]]:
+        """Name and upload (or reuse) the chunks of one leaf, ``data``, whose digest is
+        ``leaf``: ``pieces`` (file offset, size) with digests ``names`` and, where known,
+        CRC32Cs ``crcs``, all computed from exactly these bytes."""
+        length = len(data)
+        algorithm = self.algorithm
         refs = []
-        for off, n in pieces:
-            if n == length:
-                chunk, sha, chunk_crc = data, leaf.hex(), crc
-            else:
-                chunk = data[off - offset : off - offset + n]
-                sha, chunk_crc = digest.hexleaf(chunk, algorithm), None
+        for i, (off, n) in enumerate(pieces):
+            chunk = data if n == length else data[off - offset : off - offset + n]
+            sha, chunk_crc = names[i].hex(), None if crcs is None else crcs[i]
             ref = ChunkRef(self.prefix, sha, n, algorithm)
             known = None if ref.name in self.owed else self.index.get(ref.name, n)
             if known is not None and not self.checked.trusted(

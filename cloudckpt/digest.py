@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol, cast
 
 import blake3
@@ -131,31 +132,90 @@ def leaves_and_crc32c(
     return leaves, crc
 
 
+#: Fills ``block`` with the bytes at offset ``at`` of the buffer being digested.
+Reader = Callable[[memoryview, int], None]
+
+
+def blocks_as_read(
+    buf: bytearray | memoryview, read: Reader | None, cuts: Iterable[int] = ()
+) -> Iterator[tuple[int, memoryview]]:
+    """The one loop that fills a buffer and digests it while in cache: each
+    ``FUSED_BLOCK`` of ``buf`` is first filled by ``read(block, at)`` (None: ``buf``
+    already holds its bytes), then yielded as ``(at, piece)`` pieces, split at every
+    offset of ``cuts`` (ascending) inside it, so that each piece lies within one range
+    between cuts (a leaf, a chunk). Nothing of a block is yielded before it was read: a
+    caller's hash and CRC are of exactly the bytes ``buf`` ends up holding."""
+    view = memoryview(buf).cast("B")
+    pending = iter(cuts)
+    cut = next(pending, None)
+    for at in range(0, len(view), FUSED_BLOCK):
+        block = view[at : at + FUSED_BLOCK]
+        if read is not None:
+            read(block, at)  # before the block is yielded: the hash is of these bytes
+        lo, end = at, at + len(block)
+        while cut is not None and cut < end:
+            if cut > lo:
+                yield lo, view[lo:cut]
+                lo = cut
+            cut = next(pending, None)
+        yield lo, view[lo:end]
+
+
 def leaves_and_crc32c_as_read(
     buf: bytearray | memoryview,
-    read: Callable[[memoryview, int], None],
+    read: Reader | None,
     chunk_size: int = CHUNK_SIZE,
     algorithm: str | None = None,
 ) -> tuple[list[bytes], int]:
     """``leaves_and_crc32c(buf)`` of a buffer that ``read(block, at)`` fills as the pass
-    goes: each ``FUSED_BLOCK`` of ``buf`` is first filled with the bytes at offset ``at``
-    of ``buf``, then hashed and CRC'd while it is still in cache. A 32 MiB part read whole
-    and hashed afterwards has left the cache by then (the upload of a file costs about
-    0.05 CPU-s per GiB more, docs/performance.md "Upload client CPU"). On return ``buf``
-    holds exactly the bytes the leaves and the CRC are of. Raises what ``read`` raises,
-    and UnknownFormatError."""
-    view = memoryview(buf).cast("B")
-    leaves, crc = [], 0
-    for start in range(0, len(view), chunk_size):
-        chunk = view[start : start + chunk_size]
-        h = hasher(algorithm)
-        for i in range(0, len(chunk), FUSED_BLOCK):
-            block = chunk[i : i + FUSED_BLOCK]
-            read(block, start + i)  # before the block is hashed: the hash is of these bytes
-            h.update(block)
-            crc = _crc32c.extend(crc, block)
-        leaves.append(h.digest())
-    return leaves, crc
+    goes (``blocks_as_read``): each ``FUSED_BLOCK`` of ``buf`` is first filled with the
+    bytes at offset ``at`` of ``buf``, then hashed and CRC'd while it is still in cache. A
+    32 MiB part read whole and hashed afterwards has left the cache by then (the upload of
+    a file costs about 0.05 CPU-s per GiB more, docs/performance.md "Upload client CPU").
+    On return ``buf`` holds exactly the bytes the leaves and the CRC are of. Raises what
+    ``read`` raises, and UnknownFormatError."""
+    size = memoryview(buf).nbytes
+    hashers = [hasher(algorithm) for _ in range(0, size, chunk_size)]
+    crc = 0
+    for at, piece in blocks_as_read(buf, read, range(chunk_size, size, chunk_size)):
+        hashers[at // chunk_size].update(piece)
+        crc = _crc32c.extend(crc, piece)
+    return [h.digest() for h in hashers], crc
+
+
+def leaf_and_pieces_as_read(
+    buf: bytearray | memoryview,
+    read: Reader | None,
+    sizes: Sequence[int],
+    algorithm: str | None = None,
+    *,
+    crc32c: bool = False,
+) -> tuple[bytes, list[bytes], list[int] | None]:
+    """The digest of ``buf`` (one leaf, or less), the digests of its pieces (consecutive,
+    of ``sizes`` bytes: a chunked file's chunks in that leaf) and, with ``crc32c``, each
+    piece's CRC32C, in one pass over a buffer that ``read`` fills as it goes
+    (``blocks_as_read``): each block hashed (and CRC'd) while in cache, as
+    ``leaves_and_crc32c_as_read`` does for a whole file's part. A single piece is the leaf:
+    its digest is the leaf's, not computed twice. Raises ValueError (the sizes do not
+    add up to ``buf``), what ``read`` raises, and UnknownFormatError."""
+    size = memoryview(buf).nbytes
+    ends = list(itertools.accumulate(sizes))
+    if not ends or ends[-1] != size or any(n < 0 for n in sizes):
+        raise ValueError(f"pieces of {list(sizes)} bytes do not make up {size} bytes")
+    whole = hasher(algorithm)
+    split = [hasher(algorithm) for _ in sizes] if len(sizes) > 1 else []
+    crcs = [0] * len(sizes)
+    i = 0
+    for at, piece in blocks_as_read(buf, read, ends[:-1]):
+        while at >= ends[i]:
+            i += 1
+        whole.update(piece)
+        if split:
+            split[i].update(piece)
+        if crc32c:
+            crcs[i] = _crc32c.extend(crcs[i], piece)
+    leaf = whole.digest()
+    return leaf, [h.digest() for h in split] or [leaf], crcs if crc32c else None
 
 
 def leaves_of(

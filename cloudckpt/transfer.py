@@ -7,7 +7,8 @@ reused, page-aligned buffer (a fresh 8 MiB ``bytes`` per part cost more CPU in p
 than the copy itself: 0.7 against 0.04 CPU-s per GiB; a ``bytearray``'s memory is not
 cache-line aligned: ``aligned_buffer``; docs/performance.md), 1 MiB at a time, each block
 hashed and CRC'd right after it is read, while it is still in cache
-(``reading_digested``), or take a ``MemoryFile``'s part as a view of its memory (no copy
+(``reading_digested``; a chunked file's leaves, ``cloudckpt.chunks``, are read the same way
+into the same buffers: ``reading_hashed``), or take a ``MemoryFile``'s part as a view of its memory (no copy
 at all) and compute the part's digest leaves and its CRC32C in one pass; then upload it
 (one ``sendall``, no copy) with the CRC32C the store verifies. A part of exactly one chunk (``part_size=8 * MiB``) has its leaf registered as its SHA-256 (``digest.known_sha256``): a store that signs
 payloads (S3 over plain HTTP) uses it instead of hashing the bytes a second time.
@@ -167,6 +168,7 @@ class Progress:
 
 
 B = TypeVar("B", bytearray, memoryview)
+T = TypeVar("T")
 
 
 class BufferPool(Generic[B]):
@@ -397,18 +399,22 @@ class TransferEngine:
             self._part_buffers.give(buf)
 
     @contextlib.contextmanager
-    def reading_digested(
-        self, source: Path | MemoryFile, offset: int, length: int
-    ) -> Iterator[tuple[memoryview, list[bytes], int]]:
-        """``reading(source, offset, length)`` with the digest leaves and the CRC32C of
-        the bytes (``digest.leaves_and_crc32c``), computed in the same pass: a file's
-        range is read into the reused buffer a block at a time, and each block is hashed
-        while it is still in cache (``digest.leaves_and_crc32c_as_read``). The leaves and
-        the CRC are of exactly the bytes in the view. Raises StagingError."""
+    def reading_hashed(
+        self,
+        source: Path | MemoryFile,
+        offset: int,
+        length: int,
+        hash_pass: Callable[[memoryview, digest.Reader | None], T],
+    ) -> Iterator[tuple[memoryview, T]]:
+        """``reading(source, offset, length)`` with what ``hash_pass(view, read)`` returns,
+        computed as the view is filled: a file's range is read into the reused buffer by
+        ``read(block, at)`` a block at a time (``digest.blocks_as_read``), each block hashed
+        while it is still in cache; a ``MemoryFile``'s view already holds its bytes (``read``
+        is None). What ``hash_pass`` returns is of exactly the bytes in the view, which is
+        what is sent. Raises StagingError, and what ``hash_pass`` raises."""
         if isinstance(source, MemoryFile):
             view = source.view(offset, length)
-            leaves, crc = digest.leaves_and_crc32c(view)
-            yield view, leaves, crc
+            yield view, hash_pass(view, None)
             return
         size = max(length, self.config.part_size)
         buf = self._part_buffers.take(round_up(size, digest.CHUNK_SIZE))
@@ -416,15 +422,26 @@ class TransferEngine:
         try:
             fd = _open_staged(source)
             try:
-                leaves, crc = digest.leaves_and_crc32c_as_read(
+                value = hash_pass(
                     view, lambda block, at: pread_full(fd, source, offset + at, block)
                 )
             finally:
                 os.close(fd)
-            yield view, leaves, crc
+            yield view, value
         finally:
             view.release()
             self._part_buffers.give(buf)
+
+    @contextlib.contextmanager
+    def reading_digested(
+        self, source: Path | MemoryFile, offset: int, length: int
+    ) -> Iterator[tuple[memoryview, list[bytes], int]]:
+        """``reading_hashed`` with the digest leaves and the CRC32C of the bytes
+        (``digest.leaves_and_crc32c_as_read``): a whole file's part."""
+        with self.reading_hashed(
+            source, offset, length, lambda view, read: digest.leaves_and_crc32c_as_read(view, read)
+        ) as (view, (leaves, crc)):
+            yield view, leaves, crc
 
     # -- helpers ------------------------------------------------------------------------
 

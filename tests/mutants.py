@@ -1347,8 +1347,13 @@ def _runs_listing_passes_newer_runs(setattr_: Callable[[Any, str, Any], None]) -
 
 
 def _fused_crc_misses_a_byte(setattr_: Callable[[Any, str, Any], None]) -> None:
-    """The CRC32C computed in the digest's pass leaves out the chunk's last byte."""
-    from cloudckpt import digest
+    """The CRC32C computed in the digest's pass leaves out the last byte: of a chunk
+    (``leaf_and_crc32c``; each chunk of a leaf read block by block,
+    ``leaf_and_pieces_as_read``) and of a part (``leaves_and_crc32c_as_read``)."""
+    from cloudckpt import _crc32c, digest
+
+    def short(view, start, n):
+        return _crc32c.value(view[start : start + max(0, n - 1)])
 
     original = digest.leaf_and_crc32c
 
@@ -1357,7 +1362,67 @@ def _fused_crc_misses_a_byte(setattr_: Callable[[Any, str, Any], None]) -> None:
         leaf, _ = original(view, algorithm, crc)
         return leaf, original(view[: max(0, len(view) - 1)], algorithm, crc)[1]
 
+    as_read = digest.leaves_and_crc32c_as_read
+
+    def part(buf, read, chunk_size=digest.CHUNK_SIZE, algorithm=None):
+        leaves, _ = as_read(buf, read, chunk_size, algorithm)
+        view = memoryview(buf).cast("B")
+        return leaves, short(view, 0, len(view))
+
+    pieces_as_read = digest.leaf_and_pieces_as_read
+
+    def pieces(buf, read, sizes, algorithm=None, *, crc32c=False):
+        leaf, names, crcs = pieces_as_read(buf, read, sizes, algorithm, crc32c=crc32c)
+        if crcs is not None:
+            view, at, crcs = memoryview(buf).cast("B"), 0, []
+            for n in sizes:
+                crcs.append(short(view, at, n))
+                at += n
+        return leaf, names, crcs
+
     setattr_(digest, "leaf_and_crc32c", fused)
+    setattr_(digest, "leaves_and_crc32c_as_read", part)
+    setattr_(digest, "leaf_and_pieces_as_read", pieces)
+
+
+def _block_hashed_before_read(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The one loop that reads a buffer block by block hands each block to the hashes
+    before reading it into the reused buffer: a chunked save names each chunk (and CRCs
+    it) by what the buffer held before (zeros, or another leaf's bytes), not by the bytes
+    sent."""
+    from cloudckpt import digest
+
+    def blocks_as_read(buf, read, cuts=()):
+        view = memoryview(buf).cast("B")
+        pending = iter(cuts)
+        cut = next(pending, None)
+        for at in range(0, len(view), digest.FUSED_BLOCK):
+            block = view[at : at + digest.FUSED_BLOCK]
+            lo, end = at, at + len(block)
+            while cut is not None and cut < end:
+                if cut > lo:
+                    yield lo, view[lo:cut]
+                    lo = cut
+                cut = next(pending, None)
+            yield lo, view[lo:end]
+            if read is not None:
+                read(block, at)
+
+    setattr_(digest, "blocks_as_read", blocks_as_read)
+
+
+def _cut_inside_a_block_ignored(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A chunk cut (a tensor's start or end) inside a 1 MiB block is ignored: the block
+    goes whole to the chunk it starts in, so that chunk is named (and CRC'd) by bytes of
+    its neighbour too, and its neighbour by fewer than its own."""
+    from cloudckpt import digest
+
+    original = digest.blocks_as_read
+
+    def blocks_as_read(buf, read, cuts=()):
+        return original(buf, read, [c for c in cuts if c % digest.FUSED_BLOCK == 0])
+
+    setattr_(digest, "blocks_as_read", blocks_as_read)
 
 
 def _part_hashed_before_read(setattr_: Callable[[Any, str, Any], None]) -> None:
@@ -1431,6 +1496,7 @@ def _faults_skip_get_range_into(setattr_: Callable[[Any, str, Any], None]) -> No
 
 _CUT = "tests/test_store_conformance.py::test_a_cut_response_is_transient_on_every_backend"
 _SHORT = "tests/test_short_reads.py::"
+_HOT = "tests/test_chunks_hot.py::"
 _NOT_SIMULATED_STORES = "the simulation runs on the memory store; real backends are not in it"
 
 # --------------------------------------------------------------------------- digests (issue 31)
@@ -1640,8 +1706,37 @@ MUTANTS.update(
                 (
                     "tests/test_transfer_crc.py::test_one_pass_gives_the_leaf_and_crc_of_two_passes",
                     "tests/test_transfer_crc.py::test_a_first_save_sends_the_crc_from_the_digest_pass",
+                    f"{_HOT}test_one_pass_gives_the_leaf_chunks_and_crcs_of_separate_passes",
+                    f"{_HOT}test_each_chunk_is_named_and_crcd_from_exactly_the_bytes_sent[file]",
+                    "tests/test_upload_buffers.py::test_a_part_read_block_by_block_gets_the_"
+                    "leaves_and_crc_of_its_bytes[chunks]",
                 ),
                 why_not_simulated="not reachable: the simulation's memory store takes no CRC with a put",
+            ),
+            Mutant(
+                "block-hashed-before-read",
+                "a leaf read block by block into a reused buffer is hashed, cut into chunks "
+                "and CRC'd after each block is read: chunk names and CRCs are of the bytes sent",
+                _block_hashed_before_read,
+                (
+                    f"{_HOT}test_each_chunk_is_named_and_crcd_from_exactly_the_bytes_sent[file]",
+                    f"{_HOT}test_an_incremental_save_names_new_chunks_from_their_bytes_and_"
+                    "sends_no_crc",
+                    f"{_HOT}test_one_pass_gives_the_leaf_chunks_and_crcs_of_separate_passes",
+                ),
+                why_not_simulated="pending: seeds not yet scanned (tools/mutation_scan.py)",
+            ),
+            Mutant(
+                "cut-inside-a-block-ignored",
+                "each chunk of a leaf read block by block is hashed and CRC'd from its own "
+                "bytes only, wherever its cut falls inside a block",
+                _cut_inside_a_block_ignored,
+                (
+                    f"{_HOT}test_each_chunk_is_named_and_crcd_from_exactly_the_bytes_sent[file]",
+                    f"{_HOT}test_each_chunk_is_named_and_crcd_from_exactly_the_bytes_sent[memory]",
+                    f"{_HOT}test_one_pass_gives_the_leaf_chunks_and_crcs_of_separate_passes",
+                ),
+                why_not_simulated="pending: seeds not yet scanned (tools/mutation_scan.py)",
             ),
             Mutant(
                 "part-hashed-before-read",
