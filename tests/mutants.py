@@ -1383,6 +1383,24 @@ def _part_hashed_before_read(setattr_: Callable[[Any, str, Any], None]) -> None:
     setattr_(digest, "leaves_and_crc32c_as_read", as_read)
 
 
+def _restore_tensors_pooled(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """New host tensors are carved from a kept buffer per size, reused by the next load (a
+    pool, as the engine's read buffers are): a second load overwrites the tensors the first
+    one returned."""
+    from cloudckpt.integrations import _torch_restore as tr
+
+    kept: dict[tuple[Any, ...], Any] = {}
+    original = tr.new_host_tensor
+
+    def pooled(shape, dtype, file_offset):
+        key = (tuple(shape), dtype)
+        if key not in kept:
+            kept[key] = original(shape, dtype, file_offset)
+        return kept[key]
+
+    setattr_(tr, "new_host_tensor", pooled)
+
+
 def _short_judged_by_the_answers(setattr_: Callable[[Any, str, Any], None]) -> None:
     """Answers short on every retry are taken for a short object without asking the store
     the object's size (as before simulation seed 1430): a proxy that cuts every answer
@@ -1642,6 +1660,17 @@ MUTANTS.update(
                     "tests/test_transfer_crc.py::test_a_first_save_sends_the_crc_from_the_digest_pass",
                 ),
                 why_not_simulated="not reachable: the simulation's memory store takes no CRC with a put",
+            ),
+            Mutant(
+                "restore-tensors-pooled",
+                "every tensor a load returns owns its memory: nothing handed to a caller is "
+                "pooled or reused by a later load",
+                _restore_tensors_pooled,
+                (
+                    "tests/test_restore_buffers.py::test_new_tensors_of_a_load_are_in_phase_"
+                    "and_each_owns_its_memory",
+                ),
+                why_not_simulated="the simulation restores directories, not tensors",
             ),
             Mutant(
                 "part-hashed-before-read",
