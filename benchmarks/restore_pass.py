@@ -9,11 +9,13 @@ per round, in one process, the order alternated each round; obstore's unverified
 reads of the same bytes (a safetensors file) into new tensors in the same rounds. Variants
 (``--variants``): ``before`` (the buffers as they were: ``bytearray`` scratch buffers, new
 tensors from ``torch.empty``, their pages faulted in one by one), ``unpopulated`` (new
-tensors in phase with the file, page-aligned scratch buffers, pages faulted in one by one)
-and ``now`` (what cloudckpt does: also each range's pages mapped in one call before it
+tensors in phase with the file, page-aligned scratch buffers, pages faulted in one by one),
+``unphased`` (``now`` with new tensors from ``torch.empty``) and ``now`` (what cloudckpt does: also each range's pages mapped in one call before it
 lands). ``--same-host``: load from the writer's kept local copy instead. Prints each one's
 client CPU-seconds per GiB (``time.process_time``) and wall time: median and range.
 Nothing is asserted; with the machine shared, compare within one run.
+
+    python -m benchmarks.restore_pass --kept-copy-pass   # a kept copy's pass, per buffer
 """
 
 from __future__ import annotations
@@ -72,6 +74,53 @@ def _unpopulated() -> Iterator[None]:
         tr.populate = saved
 
 
+@contextlib.contextmanager
+def _unphased() -> Iterator[None]:
+    """What cloudckpt does, but new tensors from ``torch.empty`` (not in phase)."""
+    import torch
+
+    from cloudckpt.integrations import _torch_restore as tr
+
+    saved = tr.new_host_tensor
+    tr.new_host_tensor = lambda shape, dtype, file_offset: torch.empty(shape, dtype=dtype)
+    try:
+        yield
+    finally:
+        tr.new_host_tensor = saved
+
+
+def kept_copy_pass(mib: int, rounds: int) -> None:
+    """``fetch._pread_leaves`` (a kept copy read 512 KiB at a time, each piece hashed while
+    hot: ``verify_local``'s and ``verify_files``' path) of a ``mib`` MiB file in the page
+    cache into a 16 MiB ``bytearray`` against a page-aligned buffer, alternated; thread
+    CPU-s per GiB."""
+    import os
+
+    from cloudckpt import fetch, transfer
+
+    work = Path(tempfile.mkdtemp(prefix="cloudckpt-kept-pass-"))
+    try:
+        path = work / "f.bin"
+        path.write_bytes(os.urandom(mib * MiB))
+        bufs = {
+            "bytearray": memoryview(bytearray(16 * MiB)),
+            "aligned": transfer.aligned_buffer(16 * MiB),
+        }
+        cpu: dict[str, list[float]] = {k: [] for k in bufs}
+        for r in range(rounds + 1):
+            for name in list(bufs) if r % 2 == 0 else list(bufs)[::-1]:
+                c0 = time.thread_time()
+                for off in range(0, mib * MiB, 16 * MiB):
+                    fetch._pread_leaves(path, off, bufs[name], 8 * MiB, None, False)
+                if r:
+                    cpu[name].append((time.thread_time() - c0) * GiB / (mib * MiB))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"kept copy of {mib} MiB read and hashed, {rounds} rounds; thread CPU-s per GiB")
+    for name, xs in cpu.items():
+        print(f"  {name:<9} median {statistics.median(xs):.3f} [{min(xs):.3f}-{max(xs):.3f}]")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.restore_pass", description=__doc__.split("\n")[0]
@@ -86,7 +135,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="load from the writer's kept local copy (verified, nothing downloaded)",
     )
+    p.add_argument(
+        "--kept-copy-pass",
+        action="store_true",
+        help="only time a kept copy's read-and-hash pass into each kind of buffer",
+    )
     args = p.parse_args(argv)
+    if args.kept_copy_pass:
+        kept_copy_pass(min(args.mib, 256), args.rounds)
+        return 0
 
     import torch
     from safetensors.torch import save_file
@@ -100,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     variants: dict[str, Callable[[], Any]] = {
         "before": _before,
         "unpopulated": _unpopulated,
+        "unphased": _unphased,
         "now": contextlib.nullcontext,
     }
     wanted = [v.strip() for v in args.variants.split(",") if v.strip()]

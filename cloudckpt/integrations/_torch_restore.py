@@ -479,15 +479,17 @@ def _header_bytes(
 def new_host_tensor(shape: Sequence[int], dtype: torch.dtype, file_offset: int) -> torch.Tensor:
     """A new CPU tensor for the bytes at ``file_offset`` of the file, placed in phase with
     the file: its first byte has the same offset within a 64-byte cache line as
-    ``file_offset``. The store's ranges start at chunk boundaries (multiples of 4 KiB in
-    the file), so each one then lands at, and is hashed from, a cache-line aligned address;
-    a tensor's bytes start wherever the safetensors header ends, so with ``torch.empty``
-    (64-byte aligned) every 64-byte load and store of the socket copy and of BLAKE3 would
-    span two cache lines (docs/performance.md, "Restore buffers in phase"). The tensor is a
-    view, at most 63 bytes in, of a fresh uint8 tensor of its own (an ordinary, resizable
-    torch storage, freed with the tensor; ``storage_offset()`` is then not 0). Small
-    tensors (under ``PHASED_MIN``), and bytes whose offset is not a multiple of the
-    element size (no aligned placement exists), get a plain ``torch.empty``."""
+    ``file_offset``. Reads start at chunk boundaries (multiples of 4 KiB in the file), and
+    a kept copy is read 512 KiB at a time, each piece hashed while in cache
+    (``fetch.HOT_PIECE``), so each piece then lands at, and is hashed from, a cache-line
+    aligned address; a tensor's bytes start wherever the safetensors header ends, so with
+    ``torch.empty`` (64-byte aligned) every 64-byte load and store of the copy and of
+    BLAKE3 would span two cache lines (docs/performance.md, "Restore buffers"). The tensor
+    is a view, at most 63 bytes in, of a fresh uint8 tensor of its own (an ordinary,
+    resizable torch storage, freed with the tensor, never pooled; its ``storage_offset()``
+    is then not 0). Small tensors (under ``PHASED_MIN``), and bytes whose offset is not a
+    multiple of the element size (no aligned placement exists), get a plain
+    ``torch.empty``."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = itemsize
     for d in shape:
