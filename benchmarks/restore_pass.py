@@ -8,10 +8,9 @@ manager (an empty staging directory: every byte from the store, verified) once p
 per round, in one process, the order alternated each round; obstore's unverified ranged
 reads of the same bytes (a safetensors file) into new tensors in the same rounds. Variants
 (``--variants``): ``before`` (the buffers as they were: ``bytearray`` scratch buffers, new
-tensors from ``torch.empty``, their pages faulted in one by one), ``unpopulated`` (new
-tensors in phase with the file, page-aligned scratch buffers, pages faulted in one by one),
-``unphased`` (``now`` with new tensors from ``torch.empty``) and ``now`` (what cloudckpt does: also each range's pages mapped in one call before it
-lands). ``--same-host``: load from the writer's kept local copy instead. Prints each one's
+tensors' pages faulted in one by one), ``unpopulated`` (page-aligned scratch buffers, pages
+faulted in one by one) and ``now`` (what cloudckpt does: also each range's pages mapped in
+one call before it lands). ``--same-host``: load from the writer's kept local copy instead. Prints each one's
 client CPU-seconds per GiB (``time.process_time``) and wall time: median and range.
 Nothing is asserted; with the machine shared, compare within one run.
 
@@ -38,27 +37,21 @@ GiB = 1 << 30
 @contextlib.contextmanager
 def _before() -> Iterator[None]:
     """The read buffers as they were before page-aligned restore buffers."""
-    import torch
-
     from cloudckpt.integrations import _torch_restore as tr
 
-    saved = tr.TensorSink.scratch, tr.new_host_tensor, tr.populate
+    saved = tr.TensorSink.scratch, tr.populate
 
     def scratch(self: Any, size: int) -> memoryview:
         if self.ops is None:
             return memoryview(bytearray(size))
         return saved[0](self, size)
 
-    def empty(shape: Any, dtype: Any, file_offset: int) -> Any:
-        return torch.empty(shape, dtype=dtype)
-
     tr.TensorSink.scratch = scratch  # type: ignore[method-assign]
-    tr.new_host_tensor = empty
     tr.populate = lambda address, nbytes: None
     try:
         yield
     finally:
-        tr.TensorSink.scratch, tr.new_host_tensor, tr.populate = saved  # type: ignore[method-assign]
+        tr.TensorSink.scratch, tr.populate = saved  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -72,21 +65,6 @@ def _unpopulated() -> Iterator[None]:
         yield
     finally:
         tr.populate = saved
-
-
-@contextlib.contextmanager
-def _unphased() -> Iterator[None]:
-    """What cloudckpt does, but new tensors from ``torch.empty`` (not in phase)."""
-    import torch
-
-    from cloudckpt.integrations import _torch_restore as tr
-
-    saved = tr.new_host_tensor
-    tr.new_host_tensor = lambda shape, dtype, file_offset: torch.empty(shape, dtype=dtype)
-    try:
-        yield
-    finally:
-        tr.new_host_tensor = saved
 
 
 def kept_copy_pass(mib: int, rounds: int) -> None:
@@ -157,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
     variants: dict[str, Callable[[], Any]] = {
         "before": _before,
         "unpopulated": _unpopulated,
-        "unphased": _unphased,
         "now": contextlib.nullcontext,
     }
     wanted = [v.strip() for v in args.variants.split(",") if v.strip()]

@@ -1392,10 +1392,10 @@ def _restore_tensors_pooled(setattr_: Callable[[Any, str, Any], None]) -> None:
     kept: dict[tuple[Any, ...], Any] = {}
     original = tr.new_host_tensor
 
-    def pooled(shape, dtype, file_offset):
+    def pooled(shape, dtype):
         key = (tuple(shape), dtype)
         if key not in kept:
-            kept[key] = original(shape, dtype, file_offset)
+            kept[key] = original(shape, dtype)
         return kept[key]
 
     setattr_(tr, "new_host_tensor", pooled)
@@ -1667,7 +1667,7 @@ MUTANTS.update(
                 "pooled or reused by a later load",
                 _restore_tensors_pooled,
                 (
-                    "tests/test_restore_buffers.py::test_new_tensors_of_a_load_are_in_phase_"
+                    "tests/test_restore_buffers.py::test_new_tensors_of_a_load_are_ordinary_"
                     "and_each_owns_its_memory",
                 ),
                 why_not_simulated="the simulation restores directories, not tensors",

@@ -78,9 +78,6 @@ from cloudckpt.transfer import TransferEngine, aligned_buffer
 
 HEAD_PROBE = 64 * 1024  # bytes of the safetensors file read first, for its header
 MAX_HEADER = 100 * 1024 * 1024
-#: New host tensors at least this big are placed in phase with the file (``new_host_tensor``).
-PHASED_MIN = 1024 * 1024
-CACHE_LINE = 64
 
 log = logging.getLogger("cloudckpt.restore")
 
@@ -476,33 +473,14 @@ def _header_bytes(
 # --------------------------------------------------------------------------- the sink
 
 
-def new_host_tensor(shape: Sequence[int], dtype: torch.dtype, file_offset: int) -> torch.Tensor:
-    """A new CPU tensor for the bytes at ``file_offset`` of the file, placed in phase with
-    the file: its first byte has the same offset within a 64-byte cache line as
-    ``file_offset``. Reads start at chunk boundaries (multiples of 4 KiB in the file), and
-    a kept copy is read 512 KiB at a time, each piece hashed while in cache
-    (``fetch.HOT_PIECE``), so each piece then lands at, and is hashed from, a cache-line
-    aligned address; a tensor's bytes start wherever the safetensors header ends, so with
-    ``torch.empty`` (64-byte aligned) every 64-byte load and store of the copy and of
-    BLAKE3 would span two cache lines (docs/performance.md, "Restore buffers"). The tensor
-    is a view, at most 63 bytes in, of a fresh uint8 tensor of its own (an ordinary,
-    resizable torch storage, freed with the tensor, never pooled; its ``storage_offset()``
-    is then not 0). Small tensors (under ``PHASED_MIN``), and bytes whose offset is not a
-    multiple of the element size (no aligned placement exists), get a plain
-    ``torch.empty``."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = itemsize
-    for d in shape:
-        nbytes *= d
-    if nbytes < PHASED_MIN or file_offset % itemsize:
-        return torch.empty(tuple(shape), dtype=dtype)
-    raw = torch.empty(nbytes + CACHE_LINE, dtype=torch.uint8)
-    # From the address itself, whatever the allocator's alignment (at least 16: malloc's,
-    # so the shift stays a multiple of the element size).
-    shift = (file_offset - raw.data_ptr()) % CACHE_LINE
-    if shift % itemsize:
-        return torch.empty(tuple(shape), dtype=dtype)
-    return raw[shift : shift + nbytes].view(dtype).view(tuple(shape))
+def new_host_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A new CPU tensor for a load: an ordinary ``torch.empty`` (64-byte aligned,
+    ``storage_offset()`` 0, a storage of its own the caller owns; never pooled). Placing
+    it in phase with the file instead (its first byte on the file offset's position in a
+    cache line) saved 0.03-0.04 CPU-s per GiB on a kept copy, but left a view a few bytes
+    into its storage, misaligned for the caller's own kernels for the rest of the run:
+    docs/performance.md, "Restore buffers"."""
+    return torch.empty(tuple(shape), dtype=dtype)
 
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14 (Python's mmap module names it from 3.12 only)
@@ -949,7 +927,7 @@ class _Loader:
         if on_device:
             assert self.ops is not None
             return self.ops.empty(s.shape, s.dtype)
-        return new_host_tensor(s.shape, s.dtype, s.start)
+        return new_host_tensor(s.shape, s.dtype)
 
 
 def load_from_store(

@@ -535,9 +535,7 @@ def load_state(
         report: a ``LoadReport`` to fill (from a run): where the time went, bytes read.
 
     Returns: the state, as saved; with ``into``, holding ``into``'s tensor objects where
-    it had them, filled. A new CPU tensor of 1 MiB or more may start a few bytes into a
-    storage of its own (``storage_offset()`` not 0: placed for cache-line aligned reads,
-    docs/performance.md "Restore buffers"); each owns its memory.
+    it had them, filled. Each new tensor owns its memory.
 
     Raises: CheckpointNotFoundError (nothing committed, or no such step), CorruptionError
     (no intact checkpoint, unknown format, missing tensor), CloudCkptError (not a
