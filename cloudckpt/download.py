@@ -24,7 +24,7 @@ from pathlib import Path
 from cloudckpt.fetch import LEAF, FileJob, Waiter, read_files
 from cloudckpt.manifests import FileEntry
 from cloudckpt.stores import Store
-from cloudckpt.transfer import TransferEngine
+from cloudckpt.transfer import TransferEngine, aligned_buffer
 
 
 def create_sized(dest: Path, path: str, size: int) -> Path:
@@ -79,7 +79,7 @@ class _Directory:
         return None
 
     def scratch(self, size: int) -> memoryview:
-        return memoryview(bytearray(size))
+        return aligned_buffer(size)
 
     def verified(self, job: int) -> None:
         _fsync_path(self.targets[job])

@@ -68,7 +68,14 @@ from cloudckpt.errors import (
 from cloudckpt.failpoints import hit as failpoint
 from cloudckpt.manifests import ChunkRef, FileEntry
 from cloudckpt.stores import Store
-from cloudckpt.transfer import BufferPool, Progress, TransferEngine, pread_full, round_up
+from cloudckpt.transfer import (
+    BufferPool,
+    Progress,
+    TransferEngine,
+    aligned_buffer,
+    pread_full,
+    round_up,
+)
 
 LEAF = digest.CHUNK_SIZE
 
@@ -254,7 +261,7 @@ class _Reader:
         stats: ReadStats,
         leaf_size: int,
         *,
-        buffers: BufferPool[bytearray] | None = None,
+        buffers: BufferPool[memoryview] | None = None,
         progress: Callable[[int], None] | None = None,
         verified: Callable[[int], None] | None = None,
     ) -> None:
@@ -515,7 +522,7 @@ def read_files(
     *,
     leaf_size: int = LEAF,
     stats: ReadStats | None = None,
-    buffers: BufferPool[bytearray] | None = None,
+    buffers: BufferPool[memoryview] | None = None,
     progress: Callable[[int], None] | None = None,
     verified: Callable[[int], None] | None = None,
     damaged: Callable[[int, CorruptionError, bool], None] | None = None,
@@ -704,7 +711,7 @@ class _Discard:
         return None
 
     def scratch(self, size: int) -> memoryview:
-        return memoryview(bytearray(size))
+        return aligned_buffer(size)  # a local copy is hashed while hot: aligned pays
 
 
 def verify_files(

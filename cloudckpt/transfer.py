@@ -223,11 +223,13 @@ def pread_full(fd: int, path: Path, offset: int, buf: memoryview) -> None:
 
 
 def aligned_buffer(size: int) -> memoryview:
-    """``size`` bytes of fresh page-aligned memory (anonymous ``mmap``), writable. A large
+    """``size`` bytes of fresh page-aligned memory (anonymous ``mmap``), writable: the
+    upload's part buffers and the restore's read and scratch buffers. A large
     ``bytearray`` starts 16 bytes into its page (malloc's header), so every 64-byte load of
     BLAKE3, CRC32C and the copies into and out of the buffer spans two cache lines: a part
-    read, digested and sent from one costs 0.05-0.1 CPU-s per GiB more
-    (docs/performance.md, "Upload client CPU")."""
+    read, digested and sent from one costs 0.05-0.1 CPU-s per GiB more, a kept copy read
+    and hashed 0.1 (docs/performance.md, "Upload client CPU", "Restore buffers"). The
+    memory lives as long as the view (or a view of it). Raises MemoryError (ENOMEM)."""
     if size <= 0:
         return memoryview(bytearray(0))
     # Private anonymous memory (not shmem): a forked worker (a DataLoader's) gets
@@ -236,7 +238,7 @@ def aligned_buffer(size: int) -> memoryview:
     try:
         return memoryview(mmap.mmap(-1, size, **flags))
     except OSError as exc:  # ENOMEM: say so, not "staged file unreadable"
-        raise MemoryError(f"cannot map a {size}-byte upload buffer: {exc.strerror}") from exc
+        raise MemoryError(f"cannot map a {size}-byte buffer: {exc.strerror}") from exc
 
 
 def read_into(path: Path, offset: int, buf: memoryview) -> None:
@@ -342,8 +344,9 @@ class TransferEngine:
         self._pool: cf.Executor = executor or cf.ThreadPoolExecutor(
             self.config.concurrency, thread_name_prefix="cloudckpt-transfer"
         )
-        # Download buffers (cloudckpt.download), kept between transfers.
-        self.buffers = BufferPool(bytearray, self.config.concurrency)
+        # Read buffers (cloudckpt.download, fetch.verify_files), kept between transfers:
+        # page-aligned too (a kept copy read into them is hashed while hot, ``fetch``).
+        self.buffers = BufferPool(aligned_buffer, self.config.concurrency)
         # Part buffers (uploads): page-aligned (``aligned_buffer``).
         self._part_buffers = BufferPool(aligned_buffer, self.config.concurrency)
 

@@ -1448,6 +1448,24 @@ def _part_hashed_before_read(setattr_: Callable[[Any, str, Any], None]) -> None:
     setattr_(digest, "leaves_and_crc32c_as_read", as_read)
 
 
+def _restore_tensors_pooled(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """New host tensors are carved from a kept buffer per size, reused by the next load (a
+    pool, as the engine's read buffers are): a second load overwrites the tensors the first
+    one returned."""
+    from cloudckpt.integrations import _torch_restore as tr
+
+    kept: dict[tuple[Any, ...], Any] = {}
+    original = tr.new_host_tensor
+
+    def pooled(shape, dtype):
+        key = (tuple(shape), dtype)
+        if key not in kept:
+            kept[key] = original(shape, dtype)
+        return kept[key]
+
+    setattr_(tr, "new_host_tensor", pooled)
+
+
 def _short_judged_by_the_answers(setattr_: Callable[[Any, str, Any], None]) -> None:
     """Answers short on every retry are taken for a short object without asking the store
     the object's size (as before simulation seed 1430): a proxy that cuts every answer
@@ -1737,6 +1755,17 @@ MUTANTS.update(
                     f"{_HOT}test_one_pass_gives_the_leaf_chunks_and_crcs_of_separate_passes",
                 ),
                 why_not_simulated="pending: seeds not yet scanned (tools/mutation_scan.py)",
+            ),
+            Mutant(
+                "restore-tensors-pooled",
+                "every tensor a load returns owns its memory: nothing handed to a caller is "
+                "pooled or reused by a later load",
+                _restore_tensors_pooled,
+                (
+                    "tests/test_restore_buffers.py::test_new_tensors_of_a_load_are_ordinary_"
+                    "and_each_owns_its_memory",
+                ),
+                why_not_simulated="the simulation restores directories, not tensors",
             ),
             Mutant(
                 "part-hashed-before-read",

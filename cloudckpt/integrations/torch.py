@@ -535,7 +535,7 @@ def load_state(
         report: a ``LoadReport`` to fill (from a run): where the time went, bytes read.
 
     Returns: the state, as saved; with ``into``, holding ``into``'s tensor objects where
-    it had them, filled.
+    it had them, filled. Each new tensor owns its memory.
 
     Raises: CheckpointNotFoundError (nothing committed, or no such step), CorruptionError
     (no intact checkpoint, unknown format, missing tensor), CloudCkptError (not a
