@@ -1242,6 +1242,23 @@ def _after_each_error_ends_the_worker(setattr_: Callable[[Any, str, Any], None])
     setattr_(savequeue.SaveQueue, "_after_save", unguarded)
 
 
+def _stopped_worker_accepts_saves(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A worker stopped by a BaseException fails the saves queued, but takes new ones (as
+    before issue 31): they are never run, and their result(), wait() and close() wait."""
+    from cloudckpt import savequeue
+
+    def fail_queued(self: Any, exc: BaseException) -> None:
+        savequeue.log.critical("the save worker stopped: %r; queued saves fail with it", exc)
+        with self._cv:
+            self._inflight = None
+            for queued in self._queue:
+                queued.handle._future.set_exception(exc)
+            self._queue.clear()
+            self._cv.notify_all()
+
+    setattr_(savequeue.SaveQueue, "_fail_queued", fail_queued)
+
+
 def _repair_past_newer_manifests(setattr_: Callable[[Any, str, Any], None]) -> None:
     """Repair never reads the manifests its rebuilt LATEST leaves unreferenced (as before
     the safety audit): a newer version's commits, whose records are lost, are rolled back."""
@@ -1575,6 +1592,24 @@ MUTANTS.update(
                     "test_a_failing_after_each_never_stops_later_saves_nor_fails_a_committed_one",
                 ),
                 why_not_simulated="the simulation's managers run no automatic GC",
+            ),
+            Mutant(
+                "stopped-worker-accepts-saves",
+                "once a BaseException stopped the save worker, every later save is refused "
+                "at once, saying why; nothing waits for it",
+                _stopped_worker_accepts_saves,
+                tuple(
+                    f"tests/test_savequeue_stopped.py::{name}"
+                    for name in (
+                        "test_after_a_crash_on_the_worker_every_later_save_is_refused_at_once",
+                        "test_saves_waiting_for_a_slot_or_still_in_their_block_fail_when_the_"
+                        "worker_stops",
+                        "test_a_keyboard_interrupt_on_the_worker_refuses_later_saves_and_close_"
+                        "returns",
+                    )
+                ),
+                why_not_simulated="a simulated writer that crashed never saves again with "
+                "that manager (its next life is a new one)",
             ),
             Mutant(
                 "repair-past-newer-manifests",
