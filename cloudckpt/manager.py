@@ -171,7 +171,10 @@ class ManagerBase:
             prepare=lambda: self.recovery.claim_if_needed(),
         )
         mode = self.save_mode
-        self.auto_gc = AutoGC(self.store, auto_gc, gc_interval, threaded=mode.collective)
+        # GC on a thread of its own: a hung one never holds up a save (cloudckpt.autogc).
+        self.auto_gc = AutoGC(
+            self.store, auto_gc, gc_interval, on_crash=lambda exc: self.queue.halt(exc)
+        )
         self._pipeline = mode.pipeline(self)
         #: The save queue (``cloudckpt.savequeue``).
         self.queue = SaveQueue(
