@@ -381,9 +381,10 @@ class ManagerBase:
         self.queue.wait(timeout)
 
     def gc_if_due(self) -> None:
-        """Collect garbage now if ``auto_gc`` is on and ``gc_interval`` has passed since
-        the last collection (after each save; the DCP writer after each commit). A
-        failure is logged, not raised."""
+        """Start a collection on its own thread if ``auto_gc`` is on and ``gc_interval``
+        has passed since the last one started (after each save; the DCP writer after each
+        commit); never waits for one (``cloudckpt.autogc``). A failure is logged, not
+        raised."""
         self.auto_gc.if_due()
 
     def latest(self) -> CheckpointInfo | None:
