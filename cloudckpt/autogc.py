@@ -1,8 +1,15 @@
 """Automatic garbage collection after commits, at most every ``interval`` seconds.
 
-Inline (one host: on the save worker, after a save) or on a thread of its own (many
-ranks: a long collection on the worker would hold the coordinator back from the next
-save's collectives while the other ranks time out). A failure is logged, never raised.
+Each collection runs on a thread of its own, never on the save worker: a slow or hung one
+(a store that stops answering its listings) would otherwise hold up every later save's
+upload and commit, and, on many ranks, the coordinator's next collectives while the other
+ranks time out. A collection still running when the next is due is not stacked beside it:
+that one is skipped, and the skip is logged (once per running collection). Running beside
+this process's saves is safe: GC runs beside writers anyway (any host, ``cloudckpt gc``),
+and its rules (grace on the store's clock, chunks named by a fresh LATEST, writers that
+refuse old attempts) do not depend on which thread runs it (docs/design.md §8). A failure
+is logged, never raised; a ``BaseException`` there (a simulated crash) is the process's
+death, as on the save worker: it goes to ``on_crash`` (the save queue stops for good).
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from cloudckpt.errors import CloudCkptError
 from cloudckpt.gc import collect_garbage
@@ -17,31 +25,53 @@ from cloudckpt.stores import Store
 
 log = logging.getLogger("cloudckpt")
 
+#: How long ``close()`` waits for a collection still running (without a timeout of its
+#: own): a hung one must not hang the manager's close. GC is safe to cut at any point.
+CLOSE_WAIT_S = 60.0
+
 
 class AutoGC:
-    """Collects garbage in ``store`` when due (module docstring)."""
+    """Collects garbage in ``store`` when due, on a thread of its own (module docstring)."""
 
-    def __init__(self, store: Store, enabled: bool, interval: float, threaded: bool) -> None:
+    def __init__(
+        self,
+        store: Store,
+        enabled: bool,
+        interval: float,
+        on_crash: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.store = store
         self.enabled = enabled
         self.interval = interval
-        self.threaded = threaded
+        self._on_crash = on_crash
         self._last = time.monotonic()
         self._thread: threading.Thread | None = None
+        self._started = 0.0  # when the running collection started
+        self._skip_logged = False  # the running collection's skip was logged
+        self._lock = threading.Lock()  # the save worker and the DCP writer may both ask
 
     def if_due(self) -> None:
-        """Collect now if enabled and ``interval`` has passed since the last collection
-        (a threaded one: unless the last one still runs). Never raises."""
-        if not self.enabled or time.monotonic() - self._last < self.interval:
-            return
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._last = time.monotonic()
-        if not self.threaded:
-            self._collect()
-            return
-        self._thread = threading.Thread(target=self._collect, name="cloudckpt-gc", daemon=True)
-        self._thread.start()
+        """Start a collection if enabled and ``interval`` has passed since the last one
+        started, unless the last one still runs (skipped, logged). Never raises, never
+        waits for a collection."""
+        with self._lock:
+            now = time.monotonic()
+            if not self.enabled or now - self._last < self.interval:
+                return
+            if self._thread is not None and self._thread.is_alive():
+                if not self._skip_logged:
+                    self._skip_logged = True
+                    log.warning(
+                        "automatic garbage collection skipped: the last one has been running "
+                        "for %.0fs (a slow or unresponsive store?); saves go on without it",
+                        now - self._started,
+                    )
+                return
+            self._last = self._started = now
+            self._skip_logged = False
+            thread = threading.Thread(target=self._collect, name="cloudckpt-gc", daemon=True)
+            thread.start()
+            self._thread = thread  # once started: is_alive() is False before
 
     def _collect(self) -> None:
         try:
@@ -50,11 +80,24 @@ class AutoGC:
             log.warning("background garbage collection failed: %s", exc)
         except Exception as exc:
             # Not an error cloudckpt expects (an adapter's untranslated exception, a bug):
-            # still GC's failure, never the saves'. Raised here it would end the save
-            # worker it runs on, and every later save would wait forever for it.
+            # still GC's failure, never the saves'; logged, as nothing else would tell.
             log.error("background garbage collection failed: %r", exc, exc_info=True)
+        except BaseException as exc:  # a simulated crash: the process is as dead
+            if self._on_crash is None:
+                raise
+            self._on_crash(exc)
 
-    def close(self) -> None:
-        """Wait for a collection still running on its own thread."""
-        if self._thread is not None:
-            self._thread.join()
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for a collection still running, at most ``timeout`` (``CLOSE_WAIT_S``
+        without one); one still running then is left to end with the process (logged):
+        every step of GC is safe to interrupt, and the next collection finishes its work."""
+        thread = self._thread
+        if thread is None:
+            return
+        thread.join(CLOSE_WAIT_S if timeout is None else max(0.0, timeout))
+        if thread.is_alive():
+            log.warning(
+                "automatic garbage collection still running at close, after %.0fs; not "
+                "waited for (it is safe to interrupt; the next collection finishes its work)",
+                time.monotonic() - self._started,
+            )

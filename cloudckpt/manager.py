@@ -171,7 +171,10 @@ class ManagerBase:
             prepare=lambda: self.recovery.claim_if_needed(),
         )
         mode = self.save_mode
-        self.auto_gc = AutoGC(self.store, auto_gc, gc_interval, threaded=mode.collective)
+        # GC on a thread of its own: a hung one never holds up a save (cloudckpt.autogc).
+        self.auto_gc = AutoGC(
+            self.store, auto_gc, gc_interval, on_crash=lambda exc: self.queue.halt(exc)
+        )
         self._pipeline = mode.pipeline(self)
         #: The save queue (``cloudckpt.savequeue``).
         self.queue = SaveQueue(
@@ -291,10 +294,12 @@ class ManagerBase:
 
         Raises (at once): the exception of an earlier save that failed in the background
         and that no one has been told of yet (``cloudckpt.savequeue``; this call then
-        starts nothing); ConfigurationError (bad step, metadata or metrics). On entering:
-        FencedError (a newer writer owns the run), StagingError (staging disk).
+        starts nothing); CloudCkptError once the background saver has stopped for good
+        (restart the process); ConfigurationError (bad step, metadata or metrics). On
+        entering: FencedError (a newer writer owns the run), StagingError (staging disk).
         """
         self.check_open()
+        self.queue.check_running()  # a stopped worker refuses every save, on every rank
         if not self.queue.collective:  # ranks would learn of it at different moments
             self.queue.raise_earlier_failure()
         metadata, cleaned = self.check_save_args(step, metadata, metrics)
@@ -376,9 +381,10 @@ class ManagerBase:
         self.queue.wait(timeout)
 
     def gc_if_due(self) -> None:
-        """Collect garbage now if ``auto_gc`` is on and ``gc_interval`` has passed since
-        the last collection (after each save; the DCP writer after each commit). A
-        failure is logged, not raised."""
+        """Start a collection on its own thread if ``auto_gc`` is on and ``gc_interval``
+        has passed since the last one started (after each save; the DCP writer after each
+        commit); never waits for one (``cloudckpt.autogc``). A failure is logged, not
+        raised."""
         self.auto_gc.if_due()
 
     def latest(self) -> CheckpointInfo | None:

@@ -30,6 +30,17 @@ does not raise earlier failures (the ranks learn of them at slightly different m
 and a save refused on one rank only would misalign the collectives); its ``wait()`` and
 ``close()`` do.
 
+A ``BaseException`` on the worker (a simulated crash, or ``KeyboardInterrupt`` /
+``SystemExit`` raised on that thread; or on automatic GC's thread, ``halt``) stops it for
+good, as if the process had died there: the save running and those queued fail with it,
+and from then on every new save is refused at once, loudly (``save()``, entering a save,
+its hand-over, ``save_state``): a ``CloudCkptError`` that says the background saver
+stopped, why (chained), and that the process must be restarted (it resumes from LATEST).
+It is not restarted in place: that exception means the process was asked to stop, or is
+as dead; what the interrupted save left half done (its commit's outcome, the pipeline's
+state) is for a fresh process to sort out from LATEST and the staging journal, its tested
+path (docs/design.md §12).
+
 ``collective=True`` is the mode of ranks saving together: a save whose block failed on
 this rank still runs (``QueuedSave.error`` says why), so that every rank fails it at once
 instead of the others waiting for this one. ``BackgroundWrite`` is the writer interface of
@@ -222,6 +233,17 @@ def _abandoned_error(handle: SaveHandle, exc: BaseException) -> CloudCkptError:
     return error
 
 
+def _stopped_error(cause: BaseException) -> CloudCkptError:
+    """The error every save fails with once the worker has stopped on ``cause``."""
+    error = CloudCkptError(
+        f"the background saver stopped on {cause!r}: no further save can run in this process",
+        hint="This save was not stored. Restart the process: it resumes from the committed "
+        "checkpoint (LATEST, resume()); the cause is chained (a traceback prints it first)",
+    )
+    error.__cause__ = cause
+    return error
+
+
 def check_queue_options(backpressure: str, max_pending: int) -> None:
     """Raises ConfigurationError for a backpressure or max_pending out of range."""
     if backpressure not in ("block", "drop_oldest"):
@@ -263,8 +285,9 @@ class SaveQueue:
     Args:
         staging: where each save's attempt is staged.
         run: what a queued save does (the save pipeline); returns its ``CommitInfo``.
-        after_each: called on the worker after each save (automatic GC); its failure is
-            logged, never the save's, and never stops the worker (``_after_save``).
+        after_each: called on the worker after each save (automatic GC, which only starts
+            a collection on a thread of its own); its failure is logged, never the save's,
+            and never stops the worker (``_after_save``).
         max_pending, backpressure: as ``CheckpointManager`` takes them.
         before_open: called before a save is opened (a fenced writer refuses there).
         collective: ranks save together (module docstring).
@@ -297,6 +320,8 @@ class SaveQueue:
         self._worker: threading.Thread | None = None
         #: Set by ``stop()``: the worker ends once the queue is empty.
         self.closing = False
+        #: Why the worker stopped for good (``_fail_queued``): every new save is refused.
+        self.stopped: BaseException | None = None
         #: Test hook (cloudckpt.testing.simulation): run each save in the thread that
         #: hands it over instead of on the background thread, so a seeded scheduler can
         #: interleave managers deterministically.
@@ -317,6 +342,7 @@ class SaveQueue:
         if handle._job is not None:
             raise RuntimeError("a SaveHandle can be entered only once")
         with self._cv:
+            self.check_running()
             if self._before_open is not None:
                 self._before_open()
             while len(self._queue) + self._reserved >= self._max_pending and (
@@ -326,6 +352,7 @@ class SaveQueue:
                     self._drop(self._queue.popleft())
                     continue
                 self._cv.wait()
+            self.check_running()  # it may have stopped while this save waited for a slot
             self._reserved += 1
             self._open[handle] = threading.get_ident()
         try:
@@ -383,7 +410,8 @@ class SaveQueue:
     def hand_over(self, handle: SaveHandle) -> None:
         """The block has ended: queue the save for the worker. Raises StagingError (its
         journal cannot be written; the save is abandoned), except in ``collective`` mode,
-        where the save runs with that error."""
+        where the save runs with that error; CloudCkptError if the worker has stopped
+        (``stopped``: the save is refused, its handle fails with it too)."""
         job = self.staged(handle)
         try:
             job.attempt.set_state(STAGED, sync=False)
@@ -392,19 +420,31 @@ class SaveQueue:
                 self.abandon(handle, exc)
                 raise
             job.error = exc  # still take part in the save, reporting the failure
-        self._enqueue(job)
+        if not self._enqueue(job):
+            handle._reported = not handle._background  # raised to the block's caller here
+            refused = handle._future.exception()
+            assert refused is not None
+            raise refused
 
-    def _enqueue(self, job: QueuedSave) -> None:
-        """Queue a save whose block has ended for the background worker."""
+    def _enqueue(self, job: QueuedSave) -> bool:
+        """Queue a save whose block has ended for the background worker; False if the
+        worker has stopped: the save is refused (removed; its handle fails)."""
         job.handle.handed_over_at = time.perf_counter()
         with self._cv:
             self._reserved -= 1
             self._open.pop(job.handle, None)
-            self._queue.append(job)
+            stopped = self.stopped  # checked with the append: _fail_queued takes the rest
+            if stopped is None:
+                self._queue.append(job)
+                self._ensure_worker()
             self._handles.append(job.handle)
-            self._ensure_worker()
             self._cv.notify_all()
+        if stopped is not None:
+            job.attempt.remove()
+            job.handle._future.set_exception(_stopped_error(stopped))
+            return False
         self.drain()
+        return True
 
     # -- saves a crashed process staged (``cloudckpt.recovery``) --
 
@@ -420,12 +460,18 @@ class SaveQueue:
         return threading.current_thread() is self._worker
 
     def put_first(self, jobs: list[QueuedSave]) -> None:
-        """Queue ``jobs`` ahead of every waiting save (older saves commit first)."""
+        """Queue ``jobs`` ahead of every waiting save (older saves commit first). Once the
+        worker has stopped each fails at once (its staged files stay for a restart)."""
         with self._cv:
-            self._queue.extendleft(reversed(jobs))
+            stopped = self.stopped
+            if stopped is None:
+                self._queue.extendleft(reversed(jobs))
+                self._ensure_worker()
             self._handles.extend(j.handle for j in jobs)
-            self._ensure_worker()
             self._cv.notify_all()
+        if stopped is not None:
+            for job in jobs:
+                job.handle._future.set_exception(_stopped_error(stopped))
 
     def run_now(self, jobs: list[QueuedSave]) -> None:
         """Run ``jobs`` in this thread; each reports to its own handle (a failure is
@@ -504,15 +550,30 @@ class SaveQueue:
         return True
 
     def _fail_queued(self, exc: BaseException) -> None:
-        """The worker stops (a simulated crash): every queued save fails with ``exc``."""
-        # Said loudly: a save handed over later is never run (the process is as dead).
-        log.critical("the save worker stopped: %r; queued saves fail with it", exc)
+        """The worker stops for good (a simulated crash, Ctrl-C or SystemExit on it): every
+        queued save fails with ``exc``, and every later one is refused (``stopped``)."""
+        log.critical(
+            "the save worker stopped: %r; queued saves fail with it and every later save is "
+            "refused (restart the process: it resumes from LATEST)",
+            exc,
+        )
         with self._cv:
-            self._inflight = None
+            self.stopped = exc
             for queued in self._queue:
                 queued.handle._future.set_exception(exc)
             self._queue.clear()
             self._cv.notify_all()
+
+    def halt(self, exc: BaseException) -> None:
+        """Stop for good on ``exc``, raised on a thread beside the worker (automatic GC's:
+        a simulated crash there is the process's death too); a save in flight ends as it
+        would, nothing after it runs."""
+        self._fail_queued(exc)
+
+    def check_running(self) -> None:
+        """Raises CloudCkptError once the worker has stopped for good (``stopped``)."""
+        if self.stopped is not None:
+            raise _stopped_error(self.stopped)
 
     def stop(self) -> None:
         """End the worker once the queue is empty, and wait for it."""

@@ -1217,7 +1217,8 @@ def _gc_collects_newer_by_name(setattr_: Callable[[Any, str, Any], None]) -> Non
 
 def _autogc_error_ends_the_worker(setattr_: Callable[[Any, str, Any], None]) -> None:
     """Automatic GC logs only cloudckpt's own errors (as before the safety audit): any
-    other exception ends the save worker it runs on, and later saves wait forever."""
+    other exception ends the thread it runs on, unlogged by GC (the save worker, before
+    issue 31: later saves waited forever)."""
     from cloudckpt import autogc
     from cloudckpt.errors import CloudCkptError
 
@@ -1240,6 +1241,81 @@ def _after_each_error_ends_the_worker(setattr_: Callable[[Any, str, Any], None])
         return True
 
     setattr_(savequeue.SaveQueue, "_after_save", unguarded)
+
+
+def _stopped_worker_accepts_saves(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A worker stopped by a BaseException fails the saves queued, but takes new ones (as
+    before issue 31): they are never run, and their result(), wait() and close() wait."""
+    from cloudckpt import savequeue
+
+    def fail_queued(self: Any, exc: BaseException) -> None:
+        savequeue.log.critical("the save worker stopped: %r; queued saves fail with it", exc)
+        with self._cv:
+            self._inflight = None
+            for queued in self._queue:
+                queued.handle._future.set_exception(exc)
+            self._queue.clear()
+            self._cv.notify_all()
+
+    setattr_(savequeue.SaveQueue, "_fail_queued", fail_queued)
+
+
+def _gc_on_the_save_worker(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """Automatic GC runs on the save worker, after the save (one host, before issue 31):
+    a hung collection holds up every later save."""
+    from cloudckpt import autogc
+
+    def inline(self: Any) -> None:
+        if not self.enabled or time.monotonic() - self._last < self.interval:
+            return
+        self._last = time.monotonic()
+        self._collect()
+
+    setattr_(autogc.AutoGC, "if_due", inline)
+
+
+def _gc_stacked(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A collection due while the last one still runs starts beside it: hung ones pile up."""
+    import threading
+
+    from cloudckpt import autogc
+
+    def stacked(self: Any) -> None:
+        if not self.enabled or time.monotonic() - self._last < self.interval:
+            return
+        self._last = time.monotonic()
+        self._thread = threading.Thread(target=self._collect, daemon=True)
+        self._thread.start()
+
+    setattr_(autogc.AutoGC, "if_due", stacked)
+
+
+def _gc_close_waits_forever(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The manager's close() waits for a running collection however long it takes."""
+    from cloudckpt import autogc
+
+    def close(self: Any, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    setattr_(autogc.AutoGC, "close", close)
+
+
+def _gc_crash_spares_the_saves(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A simulated crash in automatic GC ends only GC's thread; the saves go on, as no dead
+    process would."""
+    from cloudckpt import autogc
+    from cloudckpt.errors import CloudCkptError
+
+    def collect(self: Any) -> None:
+        try:
+            autogc.collect_garbage(self.store)
+        except CloudCkptError as exc:
+            autogc.log.warning("background garbage collection failed: %s", exc)
+        except Exception as exc:
+            autogc.log.error("background garbage collection failed: %r", exc)
+
+    setattr_(autogc.AutoGC, "_collect", collect)
 
 
 def _repair_past_newer_manifests(setattr_: Callable[[Any, str, Any], None]) -> None:
@@ -1657,6 +1733,60 @@ MUTANTS.update(
                 (
                     "tests/test_autogc.py::"
                     "test_a_failing_after_each_never_stops_later_saves_nor_fails_a_committed_one",
+                ),
+                why_not_simulated="the simulation's managers run no automatic GC",
+            ),
+            Mutant(
+                "stopped-worker-accepts-saves",
+                "once a BaseException stopped the save worker, every later save is refused "
+                "at once, saying why; nothing waits for it",
+                _stopped_worker_accepts_saves,
+                tuple(
+                    f"tests/test_savequeue_stopped.py::{name}"
+                    for name in (
+                        "test_after_a_crash_on_the_worker_every_later_save_is_refused_at_once",
+                        "test_saves_waiting_for_a_slot_or_still_in_their_block_fail_when_the_"
+                        "worker_stops",
+                        "test_a_keyboard_interrupt_on_the_worker_refuses_later_saves_and_close_"
+                        "returns",
+                    )
+                ),
+                why_not_simulated="a simulated writer that crashed never saves again with "
+                "that manager (its next life is a new one)",
+            ),
+            Mutant(
+                "gc-on-the-save-worker",
+                "a slow or hung automatic GC never holds up a later save",
+                _gc_on_the_save_worker,
+                ("tests/test_autogc.py::test_a_hung_gc_never_holds_up_a_later_save",),
+                why_not_simulated="the simulation's managers run no automatic GC",
+            ),
+            Mutant(
+                "gc-stacked",
+                "an automatic GC due while the last still runs is skipped and logged, never "
+                "started beside it",
+                _gc_stacked,
+                (
+                    "tests/test_autogc.py::"
+                    "test_a_gc_still_running_when_the_next_is_due_is_skipped_and_logged",
+                ),
+                why_not_simulated="the simulation's managers run no automatic GC",
+            ),
+            Mutant(
+                "gc-close-waits-forever",
+                "close() waits for a running automatic GC only a bounded time",
+                _gc_close_waits_forever,
+                ("tests/test_autogc.py::test_close_does_not_wait_forever_for_a_hung_gc",),
+                why_not_simulated="the simulation's managers run no automatic GC",
+            ),
+            Mutant(
+                "gc-crash-spares-the-saves",
+                "a simulated crash in automatic GC, off the save worker, still stops the "
+                "saves as a dead process",
+                _gc_crash_spares_the_saves,
+                (
+                    "tests/test_autogc.py::"
+                    "test_a_simulated_crash_in_automatic_gc_stops_the_saves_as_a_dead_process",
                 ),
                 why_not_simulated="the simulation's managers run no automatic GC",
             ),

@@ -1,11 +1,19 @@
 """Automatic GC after saves (``cloudckpt.autogc``): its failure is logged, never the
-saves' failure, and never stops the saves that follow (docs/design.md §8)."""
+saves' failure, and never stops the saves that follow; it runs off the save worker, so a
+slow or hung one never holds up a later save, and is never stacked (docs/design.md §8)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
+import time
 
-from cloudckpt import CheckpointManager, protocol
+import pytest
+
+from cloudckpt import CheckpointManager, autogc, protocol
+from cloudckpt.errors import CloudCkptError
+from cloudckpt.failpoints import SimulatedCrash
 from cloudckpt.stores import open_store
 from cloudckpt.testing.wrappers import ForwardingStore
 
@@ -79,3 +87,116 @@ def test_a_failing_after_each_never_stops_later_saves_nor_fails_a_committed_one(
     failed = [r for r in caplog.records if "background garbage collection failed" in r.message]
     assert len(failed) == 3 and all(r.levelno == logging.ERROR for r in failed)
     assert "the after-save hook broke" in caplog.text
+
+
+class HangingGC(ForwardingStore):
+    """A store whose listing of incomplete uploads (only GC asks) hangs until ``release``
+    is set: a store that stopped answering one kind of request."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.calls = 0
+
+    def list_multipart(self, prefix=""):
+        self.calls += 1
+        self.entered.set()
+        self.release.wait(60)
+        return self.inner.list_multipart(prefix)
+
+
+def _save(mgr, step):
+    handle = mgr.save(step=step)
+    with handle as d:
+        (d / "weights").write_bytes(b"w%d" % step * 100)
+    return handle
+
+
+@contextlib.contextmanager
+def _hung_gc(memory_target, tmp_path):
+    """A manager (the default ``max_pending=1``) whose first automatic GC, due after step 1
+    committed, hangs; released and closed at the end."""
+    store = HangingGC(open_store(memory_target.url))
+    mgr = CheckpointManager(store, staging_dir=tmp_path / "s", gc_interval=0)
+    try:
+        assert _save(mgr, 1).result(timeout=30).step == 1
+        assert store.entered.wait(15), "GC never started"
+        yield mgr, store
+    finally:
+        store.release.set()
+        mgr.close(timeout=30)
+
+
+def test_a_hung_gc_never_holds_up_a_later_save(memory_target, tmp_path):
+    with _hung_gc(memory_target, tmp_path) as (mgr, _):
+        # Before the fix GC ran on the save worker: step 2 waited behind it (forever).
+        for step in (2, 3):
+            assert _save(mgr, step).result(timeout=15).step == step
+        latest = mgr.latest()
+        assert latest is not None and latest.step == 3
+
+
+def test_a_gc_still_running_when_the_next_is_due_is_skipped_and_logged(
+    memory_target, tmp_path, caplog
+):
+    with (
+        caplog.at_level(logging.WARNING, logger="cloudckpt"),
+        _hung_gc(memory_target, tmp_path) as (mgr, store),
+    ):
+        for step in (2, 3):
+            _save(mgr, step).result(timeout=15)
+        deadline = time.monotonic() + 10
+        while "garbage collection skipped" not in caplog.text:
+            assert time.monotonic() < deadline, "a due GC was neither run nor skipped"
+            time.sleep(0.05)
+        time.sleep(0.2)  # step 3's turn, had it started one
+        assert store.calls == 1  # never stacked beside the hung one
+    skips = [r for r in caplog.records if "garbage collection skipped" in r.getMessage()]
+    assert len(skips) == 1  # once per running collection, not once per save
+
+
+def test_close_does_not_wait_forever_for_a_hung_gc(memory_target, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(autogc, "CLOSE_WAIT_S", 0.5)
+    store = HangingGC(open_store(memory_target.url))
+    mgr = CheckpointManager(store, staging_dir=tmp_path / "s", gc_interval=0)
+    try:
+        _save(mgr, 1).result(timeout=30)
+        assert store.entered.wait(15)
+        with caplog.at_level(logging.WARNING, logger="cloudckpt"):
+            closing = threading.Thread(target=mgr.close)
+            closing.start()
+            closing.join(10)
+            assert not closing.is_alive(), "close() waited for a hung GC"
+        assert "still running at close" in caplog.text
+    finally:
+        store.release.set()
+
+
+class CrashingGC(ForwardingStore):
+    """A store whose listing of incomplete uploads (only GC asks) is where the process
+    dies (a simulated crash)."""
+
+    def list_multipart(self, prefix=""):
+        raise SimulatedCrash("gc: list_multipart")
+
+
+def test_a_simulated_crash_in_automatic_gc_stops_the_saves_as_a_dead_process(
+    memory_target, tmp_path
+):
+    """GC runs beside the save worker now; a simulated crash there is still the whole
+    process's death: no later save runs (``cloudckpt.savequeue``)."""
+    mgr = CheckpointManager(
+        CrashingGC(open_store(memory_target.url)), staging_dir=tmp_path / "s", gc_interval=0
+    )
+    try:
+        _save(mgr, 1).result(timeout=30)
+        deadline = time.monotonic() + 15
+        while mgr.auto_gc._thread is None or mgr.auto_gc._thread.is_alive():
+            assert time.monotonic() < deadline, "GC never ran"
+            time.sleep(0.05)
+        with pytest.raises(CloudCkptError, match="the background saver stopped") as raised:
+            _save(mgr, 2)
+        assert isinstance(raised.value.__cause__, SimulatedCrash)
+    finally:
+        mgr.close(timeout=10)
