@@ -1524,6 +1524,23 @@ def _part_hashed_before_read(setattr_: Callable[[Any, str, Any], None]) -> None:
     setattr_(digest, "leaves_and_crc32c_as_read", as_read)
 
 
+def _populate_rounds_outward(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """``populate`` maps the pages a range only partly covers too: the edge pages may be
+    another object's memory (a neighbouring tensor's, the allocator's)."""
+    import mmap
+
+    from cloudckpt.integrations import _torch_restore as tr
+
+    original = tr.populate
+
+    def outward(address: int, nbytes: int) -> None:
+        page = mmap.PAGESIZE
+        lo = address // page * page
+        original(lo, -(-(address + nbytes) // page) * page - lo)
+
+    setattr_(tr, "populate", outward)
+
+
 def _restore_tensors_pooled(setattr_: Callable[[Any, str, Any], None]) -> None:
     """New host tensors are carved from a kept buffer per size, reused by the next load (a
     pool, as the engine's read buffers are): a second load overwrites the tensors the first
@@ -1885,6 +1902,17 @@ MUTANTS.update(
                     f"{_HOT}test_one_pass_gives_the_leaf_chunks_and_crcs_of_separate_passes",
                 ),
                 why_not_simulated="pending: seeds not yet scanned (tools/mutation_scan.py)",
+            ),
+            Mutant(
+                "populate-rounds-outward",
+                "a new tensor's range has only the whole pages inside it mapped ahead; the "
+                "partial pages at its edges are left as they are",
+                _populate_rounds_outward,
+                (
+                    "tests/test_restore_buffers.py::test_populate_maps_exactly_the_whole_pages_"
+                    "inside_the_range",
+                ),
+                why_not_simulated="the simulation restores directories, not tensors",
             ),
             Mutant(
                 "restore-tensors-pooled",

@@ -124,6 +124,44 @@ def test_populate_maps_pages_and_keeps_their_bytes():
         m.close()
 
 
+def _kernel_has_populate_write() -> bool:
+    import platform
+
+    if platform.system() != "Linux":
+        return False
+    major, minor = (int(x) for x in platform.release().split(".")[:2])
+    return (major, minor) >= (5, 14)
+
+
+@pytest.mark.skipif(
+    not _kernel_has_populate_write(), reason="MADV_POPULATE_WRITE needs Linux 5.14 or later"
+)
+def test_populate_maps_exactly_the_whole_pages_inside_the_range(monkeypatch):
+    """The pages ``populate`` maps are resident afterwards (``mincore``), and only whole
+    pages inside the range are: the partial pages at either edge may be another object's
+    memory, never touched."""
+    monkeypatch.setattr(tr, "_populate_works", True)
+    page = mmap.PAGESIZE
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    m = mmap.mmap(-1, 16 * page)  # fresh anonymous memory: no page resident yet
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+
+    def resident() -> list[int]:
+        vec = ctypes.create_string_buffer(16)
+        assert libc.mincore(base, 16 * page, vec) == 0, ctypes.get_errno()
+        return [i for i in range(16) if vec.raw[i] & 1]
+
+    assert resident() == []
+    tr.populate(base + 5, 3 * page)  # pages 0 and 3 only in part
+    assert resident() == [1, 2]
+    tr.populate(base + 9 * page, 2 * page)
+    assert resident() == [1, 2, 9, 10]
+    tr.populate(base, 16 * page)
+    assert resident() == list(range(16))
+    assert m[:] == bytes(16 * page)  # mapped as a write would, still zeros
+
+
 def test_a_kernel_without_populate_is_asked_once(monkeypatch):
     """Linux before 5.14 answers EINVAL: the pages then fault in one by one, as before."""
     asked = []
