@@ -294,9 +294,10 @@ class ManagerBase:
 
         Raises (at once): the exception of an earlier save that failed in the background
         and that no one has been told of yet (``cloudckpt.savequeue``; this call then
-        starts nothing); CloudCkptError once the background saver has stopped for good
-        (restart the process); ConfigurationError (bad step, metadata or metrics). On
-        entering: FencedError (a newer writer owns the run), StagingError (staging disk).
+        starts nothing); SaverStoppedError once the background saver has stopped for good
+        (restart the process; not a save to retry); ConfigurationError (bad step, metadata
+        or metrics). On entering: FencedError (a newer writer owns the run), StagingError
+        (staging disk).
         """
         self.check_open()
         self.queue.check_running()  # a stopped worker refuses every save, on every rank

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from cloudckpt import CheckpointManager, autogc, protocol
-from cloudckpt.errors import CloudCkptError
+from cloudckpt.errors import SaverStoppedError
 from cloudckpt.failpoints import SimulatedCrash
 from cloudckpt.stores import open_store
 from cloudckpt.testing.wrappers import ForwardingStore
@@ -195,7 +195,7 @@ def test_a_simulated_crash_in_automatic_gc_stops_the_saves_as_a_dead_process(
         while mgr.auto_gc._thread is None or mgr.auto_gc._thread.is_alive():
             assert time.monotonic() < deadline, "GC never ran"
             time.sleep(0.05)
-        with pytest.raises(CloudCkptError, match="the background saver stopped") as raised:
+        with pytest.raises(SaverStoppedError, match="the background saver stopped") as raised:
             _save(mgr, 2)
         assert isinstance(raised.value.__cause__, SimulatedCrash)
     finally:
