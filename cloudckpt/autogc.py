@@ -25,8 +25,9 @@ from cloudckpt.stores import Store
 
 log = logging.getLogger("cloudckpt")
 
-#: How long ``close()`` waits for a collection still running (without a timeout of its
-#: own): a hung one must not hang the manager's close. GC is safe to cut at any point.
+#: The longest ``close()`` waits for a collection still running (less when the manager's
+#: ``close(timeout=...)`` has less left): a hung one must not hang the manager's close.
+#: GC is safe to cut at any point.
 CLOSE_WAIT_S = 60.0
 
 
@@ -88,13 +89,16 @@ class AutoGC:
             self._on_crash(exc)
 
     def close(self, timeout: float | None = None) -> None:
-        """Wait for a collection still running, at most ``timeout`` (``CLOSE_WAIT_S``
-        without one); one still running then is left to end with the process (logged):
-        every step of GC is safe to interrupt, and the next collection finishes its work."""
+        """Wait for a collection still running, at most ``timeout`` (what is left of the
+        manager's ``close(timeout=...)``) and never more than ``CLOSE_WAIT_S``; one still
+        running then is left to end with the process (logged): every step of GC is safe to
+        interrupt, and the next collection finishes its work."""
         thread = self._thread
         if thread is None:
             return
-        thread.join(CLOSE_WAIT_S if timeout is None else max(0.0, timeout))
+        # Capped even under a long timeout: that one is for the saves; GC need not finish.
+        wait = CLOSE_WAIT_S if timeout is None else min(max(0.0, timeout), CLOSE_WAIT_S)
+        thread.join(wait)
         if thread.is_alive():
             log.warning(
                 "automatic garbage collection still running at close, after %.0fs; not "

@@ -31,6 +31,7 @@ credentials: URLs are redacted before they reach a message (see ``redact_url``).
     ├── DestinationNotEmptyError      a restore target holds files, or cannot be one
     ├── StagingError                  local staging failed (disk full, files changed under us)
     ├── SaveDroppedError              a queued save was replaced by a newer one (backpressure)
+    ├── SaverStoppedError             the background saver stopped for good; restart, never retry
     ├── ChunkSourceDroppedError       chunks a save reuses lost their retained source (retried)
     │   ├── ReusedChunkMissingError   chunks a save reuses are not in the store (re-uploaded)
     │   └── ResumedChunksTooOldError  chunks resumed from an interrupted attempt grew too old
@@ -82,6 +83,7 @@ __all__ = [
     "ResumedChunksTooOldError",
     "ReusedChunkMissingError",
     "SaveDroppedError",
+    "SaverStoppedError",
     "StagingError",
     "StaleAttemptError",
     "StoreConflictError",
@@ -418,6 +420,25 @@ class SaveDroppedError(CloudCkptError):
     default_hint = (
         "Saves arrive faster than uploads finish. Save less often, raise max_pending, or "
         "use backpressure='block' so no save is dropped"
+    )
+
+
+class SaverStoppedError(CloudCkptError):
+    """This process's background saver stopped for good: an exception that ends a process
+    (``KeyboardInterrupt`` or ``SystemExit`` raised on the save worker, a simulated crash
+    there or on automatic GC's thread) ended it; that exception is the ``__cause__``.
+    Every later save (``save()``, ``save_dir()``, ``save_state()``, a save waiting for a
+    queue slot or handed over from its block) raises this at once, and none is stored.
+
+    Not a failed save to retry: a training loop that retries failed saves (a
+    ``StoreError``, ``CommitConflictError``...) must catch this class first and stop
+    instead, since every retry raises it again. Restart the process; it resumes from the
+    committed checkpoint."""
+
+    default_hint = (
+        "This save was not stored, and no save can run in this process any more: do not "
+        "retry it. Restart the process: it resumes from the committed checkpoint (LATEST, "
+        "resume()); the cause is chained (a traceback prints it first)"
     )
 
 

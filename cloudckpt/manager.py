@@ -294,9 +294,10 @@ class ManagerBase:
 
         Raises (at once): the exception of an earlier save that failed in the background
         and that no one has been told of yet (``cloudckpt.savequeue``; this call then
-        starts nothing); CloudCkptError once the background saver has stopped for good
-        (restart the process); ConfigurationError (bad step, metadata or metrics). On
-        entering: FencedError (a newer writer owns the run), StagingError (staging disk).
+        starts nothing); SaverStoppedError once the background saver has stopped for good
+        (restart the process; not a save to retry); ConfigurationError (bad step, metadata
+        or metrics). On entering: FencedError (a newer writer owns the run), StagingError
+        (staging disk).
         """
         self.check_open()
         self.queue.check_running()  # a stopped worker refuses every save, on every rank
@@ -421,20 +422,25 @@ class ManagerBase:
     def close(self, timeout: float | None = None) -> None:
         """Wait for pending saves (see ``wait``), then release threads, staging and store.
 
+        ``timeout`` bounds the wait for pending saves, and a running automatic GC gets
+        what is left of it (never more than ``autogc.CLOSE_WAIT_S``, 60 s, the bound
+        without a timeout): GC is safe to interrupt, so one still running is not waited for.
+
         Raises, after everything is released: the exception of the earliest failed save
         that no one has been told of (``cloudckpt.savequeue``; any further ones are logged, as
         nothing can raise them later); TimeoutError.
         """
         if self._closed:
             return
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             self.queue.wait(timeout)
         except BaseException:
-            self._shutdown()
+            self._shutdown(deadline)
             for h, exc in self.queue.take_unreported():
                 log.error("the save of step %d also failed: %r", h.step, exc)
             raise
-        self._shutdown()
+        self._shutdown(deadline)
         # Saves started by other threads after wait() returned are done now too.
         failures = self.queue.take_unreported()
         for h, exc in failures[1:]:
@@ -442,9 +448,10 @@ class ManagerBase:
         if failures:
             raise failures[0][1]
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, deadline: float | None = None) -> None:
         self.queue.stop()
-        self.auto_gc.close()
+        # A running GC gets what is left of close()'s timeout (at most CLOSE_WAIT_S).
+        self.auto_gc.close(None if deadline is None else deadline - time.monotonic())
         self._pipeline.close()  # local copies being finished write into staging
         self.engine.close()
         self.staging.close()

@@ -34,8 +34,9 @@ A ``BaseException`` on the worker (a simulated crash, or ``KeyboardInterrupt`` /
 ``SystemExit`` raised on that thread; or on automatic GC's thread, ``halt``) stops it for
 good, as if the process had died there: the save running and those queued fail with it,
 and from then on every new save is refused at once, loudly (``save()``, entering a save,
-its hand-over, ``save_state``): a ``CloudCkptError`` that says the background saver
-stopped, why (chained), and that the process must be restarted (it resumes from LATEST).
+its hand-over, ``save_state``): a ``SaverStoppedError`` that says the background saver
+stopped, why (chained), and that the process must be restarted (it resumes from LATEST);
+its own class, so a loop that retries failed saves can tell it apart and stop.
 It is not restarted in place: that exception means the process was asked to stop, or is
 as dead; what the interrupted save left half done (its commit's outcome, the pipeline's
 state) is for a fresh process to sort out from LATEST and the staging journal, its tested
@@ -64,7 +65,12 @@ from typing import Any, Literal, Protocol
 
 from cloudckpt import attempt_layout
 from cloudckpt.attempts import CommitInfo
-from cloudckpt.errors import CloudCkptError, ConfigurationError, SaveDroppedError
+from cloudckpt.errors import (
+    CloudCkptError,
+    ConfigurationError,
+    SaveDroppedError,
+    SaverStoppedError,
+)
 from cloudckpt.staging import STAGED, Attempt, StagingArea
 from cloudckpt.transfer import MemoryFile
 
@@ -233,12 +239,10 @@ def _abandoned_error(handle: SaveHandle, exc: BaseException) -> CloudCkptError:
     return error
 
 
-def _stopped_error(cause: BaseException) -> CloudCkptError:
+def _stopped_error(cause: BaseException) -> SaverStoppedError:
     """The error every save fails with once the worker has stopped on ``cause``."""
-    error = CloudCkptError(
-        f"the background saver stopped on {cause!r}: no further save can run in this process",
-        hint="This save was not stored. Restart the process: it resumes from the committed "
-        "checkpoint (LATEST, resume()); the cause is chained (a traceback prints it first)",
+    error = SaverStoppedError(
+        f"the background saver stopped on {cause!r}: no further save can run in this process"
     )
     error.__cause__ = cause
     return error
@@ -410,7 +414,7 @@ class SaveQueue:
     def hand_over(self, handle: SaveHandle) -> None:
         """The block has ended: queue the save for the worker. Raises StagingError (its
         journal cannot be written; the save is abandoned), except in ``collective`` mode,
-        where the save runs with that error; CloudCkptError if the worker has stopped
+        where the save runs with that error; SaverStoppedError if the worker has stopped
         (``stopped``: the save is refused, its handle fails with it too)."""
         job = self.staged(handle)
         try:
@@ -571,7 +575,7 @@ class SaveQueue:
         self._fail_queued(exc)
 
     def check_running(self) -> None:
-        """Raises CloudCkptError once the worker has stopped for good (``stopped``)."""
+        """Raises SaverStoppedError once the worker has stopped for good (``stopped``)."""
         if self.stopped is not None:
             raise _stopped_error(self.stopped)
 

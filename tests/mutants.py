@@ -1301,6 +1301,31 @@ def _gc_close_waits_forever(setattr_: Callable[[Any, str, Any], None]) -> None:
     setattr_(autogc.AutoGC, "close", close)
 
 
+def _gc_close_ignores_the_timeout(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """close(timeout=...) waits for a running automatic GC up to CLOSE_WAIT_S whatever is
+    left of the caller's timeout (as before this rule: up to 60 s past it)."""
+    from cloudckpt import autogc
+
+    original = autogc.AutoGC.close
+
+    def close(self: Any, timeout: float | None = None) -> None:
+        original(self, None)
+
+    setattr_(autogc.AutoGC, "close", close)
+
+
+def _gc_close_waits_the_whole_timeout(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A close(timeout=...) longer than CLOSE_WAIT_S is all given to a running automatic GC
+    (a close with a long timeout for its saves hangs that long on a hung GC)."""
+    from cloudckpt import autogc
+
+    def close(self: Any, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(autogc.CLOSE_WAIT_S if timeout is None else max(0.0, timeout))
+
+    setattr_(autogc.AutoGC, "close", close)
+
+
 def _gc_crash_spares_the_saves(setattr_: Callable[[Any, str, Any], None]) -> None:
     """A simulated crash in automatic GC ends only GC's thread; the saves go on, as no dead
     process would."""
@@ -1794,6 +1819,27 @@ MUTANTS.update(
                 "close() waits for a running automatic GC only a bounded time",
                 _gc_close_waits_forever,
                 ("tests/test_autogc.py::test_close_does_not_wait_forever_for_a_hung_gc",),
+                why_not_simulated="the simulation's managers run no automatic GC",
+            ),
+            Mutant(
+                "gc-close-ignores-the-timeout",
+                "close(timeout=...) gives a running automatic GC only what is left of it",
+                _gc_close_ignores_the_timeout,
+                (
+                    "tests/test_autogc.py::"
+                    "test_close_with_a_timeout_gives_a_hung_gc_only_what_is_left_of_it",
+                ),
+                why_not_simulated="the simulation's managers run no automatic GC",
+            ),
+            Mutant(
+                "gc-close-waits-the-whole-timeout",
+                "close() waits for a running automatic GC at most CLOSE_WAIT_S, even under a "
+                "longer timeout",
+                _gc_close_waits_the_whole_timeout,
+                (
+                    "tests/test_autogc.py::"
+                    "test_a_long_close_timeout_still_waits_for_a_hung_gc_at_most_close_wait_s",
+                ),
                 why_not_simulated="the simulation's managers run no automatic GC",
             ),
             Mutant(

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from cloudckpt import CheckpointManager, autogc, protocol
-from cloudckpt.errors import CloudCkptError
+from cloudckpt.errors import SaverStoppedError
 from cloudckpt.failpoints import SimulatedCrash
 from cloudckpt.stores import open_store
 from cloudckpt.testing.wrappers import ForwardingStore
@@ -173,6 +173,53 @@ def test_close_does_not_wait_forever_for_a_hung_gc(memory_target, tmp_path, monk
         store.release.set()
 
 
+def _close_in_thread(mgr, timeout: float | None, within: float) -> float:
+    """Close ``mgr`` on a thread; fails unless it returns within ``within`` seconds (a
+    close that waits on is left to the hung GC's release). Returns how long it took."""
+    started = time.monotonic()
+    closing = threading.Thread(target=mgr.close, kwargs={"timeout": timeout})
+    closing.start()
+    closing.join(within)
+    assert not closing.is_alive(), f"close(timeout={timeout}) waited on for a hung GC"
+    return time.monotonic() - started
+
+
+def test_close_with_a_timeout_gives_a_hung_gc_only_what_is_left_of_it(
+    memory_target, tmp_path, monkeypatch, caplog
+):
+    """close(timeout=1) returns in about 1 s, not after CLOSE_WAIT_S (before, the GC wait
+    ignored the caller's timeout: up to 60 s more)."""
+    monkeypatch.setattr(autogc, "CLOSE_WAIT_S", 30.0)
+    store = HangingGC(open_store(memory_target.url))
+    mgr = CheckpointManager(store, staging_dir=tmp_path / "s", gc_interval=0)
+    try:
+        _save(mgr, 1).result(timeout=30)
+        assert store.entered.wait(15)
+        with caplog.at_level(logging.WARNING, logger="cloudckpt"):
+            took = _close_in_thread(mgr, 1.0, within=8)
+        assert took >= 0.8  # what was left of the timeout was given to GC
+        assert "still running at close" in caplog.text
+    finally:
+        store.release.set()
+
+
+def test_a_long_close_timeout_still_waits_for_a_hung_gc_at_most_close_wait_s(
+    memory_target, tmp_path, monkeypatch, caplog
+):
+    """A timeout longer than CLOSE_WAIT_S is for the saves: GC still gets at most that."""
+    monkeypatch.setattr(autogc, "CLOSE_WAIT_S", 0.5)
+    store = HangingGC(open_store(memory_target.url))
+    mgr = CheckpointManager(store, staging_dir=tmp_path / "s", gc_interval=0)
+    try:
+        _save(mgr, 1).result(timeout=30)
+        assert store.entered.wait(15)
+        with caplog.at_level(logging.WARNING, logger="cloudckpt"):
+            _close_in_thread(mgr, 120.0, within=8)
+        assert "still running at close" in caplog.text
+    finally:
+        store.release.set()
+
+
 class CrashingGC(ForwardingStore):
     """A store whose listing of incomplete uploads (only GC asks) is where the process
     dies (a simulated crash)."""
@@ -195,7 +242,7 @@ def test_a_simulated_crash_in_automatic_gc_stops_the_saves_as_a_dead_process(
         while mgr.auto_gc._thread is None or mgr.auto_gc._thread.is_alive():
             assert time.monotonic() < deadline, "GC never ran"
             time.sleep(0.05)
-        with pytest.raises(CloudCkptError, match="the background saver stopped") as raised:
+        with pytest.raises(SaverStoppedError, match="the background saver stopped") as raised:
             _save(mgr, 2)
         assert isinstance(raised.value.__cause__, SimulatedCrash)
     finally:

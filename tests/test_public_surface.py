@@ -22,8 +22,9 @@ ERRORS_EXPORTED_AT_TOP = [
     "CredentialsError", "DestinationNotEmptyError", "FencedError", "MissingChunkError",
     "MissingDependencyError", "NeedsRepairError", "NotARunError", "ObjectNotFoundError",
     "OutcomeUnknownError", "PermissionDeniedError", "PreconditionFailedError",
-    "SaveDroppedError", "StagingError", "StaleAttemptError", "StoreConflictError", "StoreError",
-    "TransientStoreError", "UnknownFormatError", "UnsafePathError", "UnsupportedBackendError",
+    "SaveDroppedError", "SaverStoppedError", "StagingError", "StaleAttemptError",
+    "StoreConflictError", "StoreError", "TransientStoreError", "UnknownFormatError",
+    "UnsafePathError", "UnsupportedBackendError",
 ]  # fmt: skip
 
 SURFACE = {

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from cloudckpt import CheckpointManager, failpoints, protocol
-from cloudckpt.errors import CloudCkptError
+from cloudckpt.errors import CloudCkptError, SaverStoppedError
 from cloudckpt.failpoints import SimulatedCrash
 
 STOPPED = "the background saver stopped"
@@ -28,8 +28,9 @@ def _save(mgr: CheckpointManager, step: int):
 
 
 def _assert_stopped(exc: BaseException, cause: type[BaseException]) -> None:
-    """``exc`` says the saver stopped, why (chained) and what to do."""
-    assert isinstance(exc, CloudCkptError)
+    """``exc`` says the saver stopped, why (chained) and what to do, in a class of its own:
+    a loop that retries failed saves must tell it apart (cloudckpt.SaverStoppedError)."""
+    assert type(exc) is SaverStoppedError and isinstance(exc, CloudCkptError)
     assert STOPPED in str(exc) and "Restart the process" in str(exc) and "LATEST" in str(exc)
     assert isinstance(exc.__cause__, cause)
     assert cause.__name__ in str(exc)
@@ -48,13 +49,13 @@ def test_after_a_crash_on_the_worker_every_later_save_is_refused_at_once(memory_
         left = _staged(staging)  # the crashed save's journal stays, as a dead process's
         # Before the fix each of these was accepted and never run: its result(), wait()
         # and close() waited forever (with max_pending full, save() blocked at hand-over).
-        with pytest.raises(CloudCkptError) as raised:
+        with pytest.raises(SaverStoppedError) as raised:
             mgr.save(step=2)
         _assert_stopped(raised.value, SimulatedCrash)
         src = tmp_path / "src"
         src.mkdir()
         _write(src, 3)
-        with pytest.raises(CloudCkptError, match=STOPPED):
+        with pytest.raises(SaverStoppedError, match=STOPPED):
             mgr.save_dir(3, src)
         assert _staged(staging) == left  # nothing new staged
         mgr.wait(timeout=10)  # the crash was reported (result above): nothing to raise
@@ -107,9 +108,9 @@ def test_saves_waiting_for_a_slot_or_still_in_their_block_fail_when_the_worker_s
         for handle in (h1, h2):
             with pytest.raises(SimulatedCrash):
                 handle.result(timeout=15)
-        with pytest.raises(CloudCkptError, match=STOPPED):
+        with pytest.raises(SaverStoppedError, match=STOPPED):
             h3.__exit__(None, None, None)  # the hand-over
-        with pytest.raises(CloudCkptError, match=STOPPED):
+        with pytest.raises(SaverStoppedError, match=STOPPED):
             h3.result(timeout=0)
         assert len(_staged(staging)) == 2  # 1 and 2, as a dead process left them; not 3
         mgr.wait(timeout=10)
@@ -136,7 +137,7 @@ def test_a_keyboard_interrupt_on_the_worker_refuses_later_saves_and_close_return
         assert worker is not None
         worker.join(15)  # the interrupt ends the worker thread
         assert not worker.is_alive()
-        with pytest.raises(CloudCkptError) as raised:
+        with pytest.raises(SaverStoppedError) as raised:
             _save(mgr, 2)
         _assert_stopped(raised.value, KeyboardInterrupt)
         mgr.wait(timeout=10)

@@ -425,6 +425,7 @@ def save_state(
     ``CheckpointManager``: a save whose files could not be written or uploaded in the
     background is raised by the next ``save_state``, ``manager.save()``, ``wait()`` or
     ``close()``, whichever comes first, and this call then saves nothing);
+    SaverStoppedError (the background saver stopped for good: restart, do not retry);
     MissingDependencyError (numpy is not installed); ConfigurationError (unsupported
     keys, a cycle, bad step or metadata), FencedError, StagingError. Failures after the
     return are raised by ``handle.result()`` too.
