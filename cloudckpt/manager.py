@@ -300,7 +300,9 @@ class ManagerBase:
         (staging disk).
         """
         self.check_open()
-        self.queue.check_running()  # a stopped worker refuses every save, on every rank
+        # A stopped worker refuses every later save: this process's only (with many ranks,
+        # the others' next collectives then time out, as if this rank had died).
+        self.queue.check_running()
         if not self.queue.collective:  # ranks would learn of it at different moments
             self.queue.raise_earlier_failure()
         metadata, cleaned = self.check_save_args(step, metadata, metrics)

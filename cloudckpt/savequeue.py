@@ -432,7 +432,9 @@ class SaveQueue:
 
     def _enqueue(self, job: QueuedSave) -> bool:
         """Queue a save whose block has ended for the background worker; False if the
-        worker has stopped: the save is refused (removed; its handle fails)."""
+        worker has stopped: the save is refused (removed; its handle fails). Kept, it would
+        not be recovered: a restart commits only saves made durable on the worker
+        (``recovery.decide``), and a refused one never reached it."""
         job.handle.handed_over_at = time.perf_counter()
         with self._cv:
             self._reserved -= 1
@@ -538,7 +540,11 @@ class SaveQueue:
         """Run ``after_each`` once ``job`` is done; False if the worker must stop. Its
         failure is logged, never ``job``'s (whose outcome is already out) nor the worker's:
         raised here, it would end the thread, and every later save would never run, its
-        handle never resolve, a blocked ``save()`` and ``close()`` wait forever."""
+        handle never resolve, a blocked ``save()`` and ``close()`` wait forever. Once the
+        queue has stopped for good (``halt``: a crash on GC's thread while ``job`` ran) it
+        starts nothing more: the process is as dead."""
+        if self.stopped is not None:
+            return False
         try:
             self._after_each()
         except Exception as exc:

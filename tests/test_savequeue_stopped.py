@@ -118,6 +118,15 @@ def test_saves_waiting_for_a_slot_or_still_in_their_block_fail_when_the_worker_s
         gate.set()
         failpoints.disarm()
         mgr.close(timeout=10)
+    restarted = CheckpointManager(memory_target.url, staging_dir=staging)
+    try:
+        # Step 1 was made durable and uploaded before the crash: a restart commits it.
+        # Step 2 never reached the worker's sync (staged only): abandoned, as after a
+        # real crash (recovery.decide).
+        assert restarted.claim().step == 1
+        assert [c.step for c in restarted.list()] == [1]
+    finally:
+        restarted.close(timeout=10)
 
 
 class InterruptedAfterSave(CheckpointManager):
