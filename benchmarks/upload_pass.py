@@ -2,6 +2,7 @@
 
     python -m benchmarks.upload_pass --rounds 9                     # whole files
     python -m benchmarks.upload_pass --rounds 9 --chunking tensor   # the default: chunks
+    python -m benchmarks.upload_pass --rounds 9 --names             # dedup's naming pass
 
 Saves the same files with ``save_dir`` to the benchmark S3 endpoint (its own process;
 unsigned payload), in one process, swapping the pass per save; obstore's ``put`` of the
@@ -22,6 +23,16 @@ page-aligned buffer, then hashed on BLAKE3's threads, each of its cut chunks has
 a chunk's CRC32C computed in the pass only for a leaf of one chunk, else by the store) and
 ``now`` (the leaf read 1 MiB at a time, each block hashed into the leaf and its chunk and
 CRC'd while in cache: ``digest.leaf_and_pieces_as_read``).
+
+``--names``: no store and no save; the naming pass of a multi-rank save's cross-rank dedup
+(``distributed._chunks.chunk_names``) over the same safetensors files, staged and in the
+page cache, tensor chunking. Variants: ``before`` (the pass of 7bf9735: each leaf read
+whole into a part buffer, then each chunk hashed cold, on BLAKE3's threads for a chunk of
+at least 1 MiB) and ``now`` (1 MiB at a time, each block hashed into its chunk while in
+cache, no leaf digest: ``digest.pieces_as_read``); ``leaf`` is ``now`` with the leaf's
+digest computed too (the upload's ``digest.leaf_and_pieces_as_read``: what the chunk-only
+pass saves). All must give the same names. Process CPU (BLAKE3's threads included) and
+wall seconds per GiB.
 """
 
 from __future__ import annotations
@@ -88,7 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--chunking", choices=("off", "tensor"), default="off")
     p.add_argument("--variants", default="", help="default: all of the --chunking's")
+    p.add_argument("--names", action="store_true", help="time chunk_names only (no store)")
     args = p.parse_args(argv)
+    if args.names:
+        return _names(args)
 
     from benchmarks.harness import S3Target, whole_file_upload
     from benchmarks.peers import Peers
@@ -199,6 +213,91 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  {name:<8} median {med:.3f}  [{min(xs):.3f}-{max(xs):.3f}]  "
             f"obstore / this {obstore / med:.2f}"
+        )
+    return 0
+
+
+def _names(args: argparse.Namespace) -> int:
+    """``--names``: ``chunk_names`` before and now, alternated in one process."""
+    from cloudckpt import chunks, digest, transfer
+    from cloudckpt.distributed import _chunks
+    from cloudckpt.manifests import ChunkRef
+
+    def before(engine: Any, files: list[tuple[str, Path]], mode: Any) -> frozenset[str]:
+        """``chunk_names`` as of 7bf9735: each leaf read whole, each chunk hashed after."""
+        algorithm = digest.check(None)
+
+        def span(source: Path, offset: int, pieces: list[tuple[int, int]]) -> list[str]:
+            length = sum(n for _, n in pieces)
+            with engine.reading(source, offset, length) as data:
+                return [
+                    ChunkRef(
+                        "",
+                        digest.hexleaf(data[o - offset : o - offset + n], algorithm),
+                        n,
+                        algorithm,
+                    ).name
+                    for o, n in pieces
+                ]
+
+        futures = []
+        for rel, source in files:
+            size = source.stat().st_size
+            spans: dict[int, list[tuple[int, int]]] = {}
+            for off, n in chunks.plan(source, size, mode, name=rel.rsplit("/", 1)[-1]):
+                spans.setdefault(off // chunks.LEAF * chunks.LEAF, []).append((off, n))
+            futures += [engine.submit(span, source, at, p) for at, p in sorted(spans.items())]
+        return frozenset(n for names in engine.wait_all(futures) for n in names)
+
+    def with_leaf(engine: Any, files: list[tuple[str, Path]], mode: Any) -> frozenset[str]:
+        """``now`` on the upload's pass, the leaf's digest computed beside its chunks'."""
+        only = digest.pieces_as_read
+
+        def leaf_too(buf: Any, read: Any, sizes: Any, algorithm: Any = None) -> list[bytes]:
+            return digest.leaf_and_pieces_as_read(buf, read, sizes, algorithm)[1]
+
+        digest.pieces_as_read = leaf_too
+        try:
+            return _chunks.chunk_names(engine, files, mode)
+        finally:
+            digest.pieces_as_read = only
+
+    variants = {"before": before, "leaf": with_leaf, "now": _chunks.chunk_names}
+    wanted = [v.strip() for v in args.variants.split(",") if v.strip()] or list(variants)
+    if set(wanted) - set(variants):
+        raise SystemExit(f"--variants takes {', '.join(variants)} with --names")
+    work = Path(tempfile.mkdtemp(prefix="cloudckpt-names-pass-"))
+    try:
+        paths = _safetensors_files(work / "src", args.mib * MiB, args.files)
+        files = [(f"rank-00000/{p.name}", p) for p in paths]
+        gib = sum(p.stat().st_size for p in paths) / GiB
+        engine = transfer.TransferEngine()  # the default config, as a save's
+        cpu: dict[str, list[float]] = {v: [] for v in wanted}
+        wall: dict[str, list[float]] = {v: [] for v in wanted}
+        seen: set[frozenset[str]] = set()
+        for r in range(args.rounds + 1):  # round 0: warm-up (page cache, buffers, threads)
+            for name in wanted if r % 2 == 0 else wanted[::-1]:
+                c0, t0 = time.process_time(), time.perf_counter()
+                names = variants[name](engine, files, "tensor")
+                took, waited = time.process_time() - c0, time.perf_counter() - t0
+                seen.add(names)
+                if r:
+                    cpu[name].append(took / gib)
+                    wall[name].append(waited / gib)
+        engine.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if len(seen) != 1:
+        raise SystemExit("the variants named the chunks differently")
+    print(
+        f"chunk_names of {args.mib} MiB in {args.files} safetensors files ({len(names)} chunks), "
+        f"{args.rounds} rounds; process CPU-s and wall s per GiB"
+    )
+    for name in wanted:
+        c, w = cpu[name], wall[name]
+        print(
+            f"  {name:<8} CPU median {statistics.median(c):.3f}  [{min(c):.3f}-{max(c):.3f}]  "
+            f"wall median {statistics.median(w):.3f}  [{min(w):.3f}-{max(w):.3f}]"
         )
     return 0
 

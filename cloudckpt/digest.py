@@ -198,24 +198,56 @@ def leaf_and_pieces_as_read(
     ``leaves_and_crc32c_as_read`` does for a whole file's part. A single piece is the leaf:
     its digest is the leaf's, not computed twice. Raises ValueError (the sizes do not
     add up to ``buf``), what ``read`` raises, and UnknownFormatError."""
+    leaf, names, crcs = _pieces_pass(buf, read, sizes, algorithm, leaf=True, crc32c=crc32c)
+    assert leaf is not None
+    return leaf, names, crcs
+
+
+def pieces_as_read(
+    buf: bytearray | memoryview,
+    read: Reader | None,
+    sizes: Sequence[int],
+    algorithm: str | None = None,
+) -> list[bytes]:
+    """The digests of ``buf``'s pieces only (``leaf_and_pieces_as_read`` without the leaf
+    and the CRCs): the chunk names of a leaf, for a caller that needs no file digest (a
+    multi-rank save's naming pass, ``distributed._chunks.chunk_names``), so that a leaf cut
+    into several chunks is hashed once, not twice. Same pass, same loop, same errors."""
+    return _pieces_pass(buf, read, sizes, algorithm, leaf=False, crc32c=False)[1]
+
+
+def _pieces_pass(
+    buf: bytearray | memoryview,
+    read: Reader | None,
+    sizes: Sequence[int],
+    algorithm: str | None,
+    *,
+    leaf: bool,
+    crc32c: bool,
+) -> tuple[bytes | None, list[bytes], list[int] | None]:
+    """``leaf_and_pieces_as_read``, the leaf's digest only with ``leaf`` (None without)."""
     size = memoryview(buf).nbytes
     ends = list(itertools.accumulate(sizes))
     if not ends or ends[-1] != size or any(n < 0 for n in sizes):
         raise ValueError(f"pieces of {list(sizes)} bytes do not make up {size} bytes")
-    whole = hasher(algorithm)
+    # One piece: its digest is the leaf's. Several: one hash each, and the leaf's only if
+    # asked for.
+    whole = hasher(algorithm) if leaf or len(sizes) == 1 else None
     split = [hasher(algorithm) for _ in sizes] if len(sizes) > 1 else []
     crcs = [0] * len(sizes)
     i = 0
     for at, piece in blocks_as_read(buf, read, ends[:-1]):
         while at >= ends[i]:
             i += 1
-        whole.update(piece)
+        if whole is not None:
+            whole.update(piece)
         if split:
             split[i].update(piece)
         if crc32c:
             crcs[i] = _crc32c.extend(crcs[i], piece)
-    leaf = whole.digest()
-    return leaf, [h.digest() for h in split] or [leaf], crcs if crc32c else None
+    whole_digest = whole.digest() if whole is not None else None
+    names = [h.digest() for h in split] if split else [cast("bytes", whole_digest)]
+    return whole_digest if leaf else None, names, crcs if crc32c else None
 
 
 def leaves_of(

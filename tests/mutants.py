@@ -1512,6 +1512,27 @@ def _block_hashed_before_read(setattr_: Callable[[Any, str, Any], None]) -> None
     setattr_(digest, "blocks_as_read", blocks_as_read)
 
 
+def _dedup_names_before_read(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A multi-rank save's naming pass (``chunk_names``, cross-rank dedup) hashes each
+    leaf's reused buffer before the blocks are read into it: the names it sends in the
+    plan are of what the buffer held before (zeros, another leaf), not of the chunks the
+    upload then puts, so owners are chosen for chunks nobody holds and shared chunks are
+    put by every holder (or a rank names a chunk that is not its own)."""
+    from cloudckpt import digest
+
+    original = digest.pieces_as_read
+
+    def named_first(buf, read, sizes, algorithm=None):
+        names = original(buf, None, sizes, algorithm)  # the buffer as it is
+        if read is not None:
+            view = memoryview(buf).cast("B")
+            for at in range(0, len(view), digest.FUSED_BLOCK):
+                read(view[at : at + digest.FUSED_BLOCK], at)
+        return names
+
+    setattr_(digest, "pieces_as_read", named_first)
+
+
 def _cut_inside_a_block_ignored(setattr_: Callable[[Any, str, Any], None]) -> None:
     """A chunk cut (a tensor's start or end) inside a 1 MiB block is ignored: the block
     goes whole to the chunk it starts in, so that chunk is named (and CRC'd) by bytes of
@@ -1934,6 +1955,7 @@ MUTANTS.update(
                     f"{_HOT}test_an_incremental_save_names_new_chunks_from_their_bytes_and_"
                     "sends_no_crc",
                     f"{_HOT}test_one_pass_gives_the_leaf_chunks_and_crcs_of_separate_passes",
+                    f"{_HOT}test_chunk_names_are_the_names_the_upload_puts[tensor]",
                 ),
                 why_not_simulated="pending: seeds not yet scanned (tools/mutation_scan.py)",
             ),
@@ -1946,6 +1968,7 @@ MUTANTS.update(
                     f"{_HOT}test_each_chunk_is_named_and_crcd_from_exactly_the_bytes_sent[file]",
                     f"{_HOT}test_each_chunk_is_named_and_crcd_from_exactly_the_bytes_sent[memory]",
                     f"{_HOT}test_one_pass_gives_the_leaf_chunks_and_crcs_of_separate_passes",
+                    f"{_HOT}test_chunk_names_are_the_names_the_upload_puts[tensor]",
                 ),
                 why_not_simulated="pending: seeds not yet scanned (tools/mutation_scan.py)",
             ),
@@ -1959,6 +1982,20 @@ MUTANTS.update(
                     "inside_the_range",
                 ),
                 why_not_simulated="the simulation restores directories, not tensors",
+            ),
+            Mutant(
+                "dedup-names-before-read",
+                "a multi-rank save's chunk names (cross-rank dedup) are the digests of the "
+                "bytes its upload puts under them, each block hashed after it is read",
+                _dedup_names_before_read,
+                (
+                    f"{_HOT}test_chunk_names_are_the_names_the_upload_puts[tensor]",
+                    f"{_HOT}test_chunk_names_are_the_names_the_upload_puts[fixed]",
+                    f"{_HOT}test_one_pass_gives_the_leaf_chunks_and_crcs_of_separate_passes",
+                    "tests/test_distributed_dedup.py::test_a_dp2_save_uploads_each_shared_"
+                    "chunk_once_and_restores_exactly",
+                ),
+                why_not_simulated="the simulation has no multi-rank saves",
             ),
             Mutant(
                 "restore-tensors-pooled",

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from cloudckpt import _crc32c, chunks, digest, transfer
 from cloudckpt.chunks import ChunkIndex, upload_chunked
+from cloudckpt.distributed._chunks import chunk_names
 from cloudckpt.stores import OVERWRITE, ObjectInfo, PutMode
 from cloudckpt.stores.memory import MemoryStore, drop_memory_bucket
 from cloudckpt.testing.wrappers import ForwardingStore
@@ -170,8 +171,95 @@ def test_one_pass_gives_the_leaf_chunks_and_crcs_of_separate_passes(size, cuts, 
     pieces = [data[a:b] for a, b in itertools.pairwise(points)]
     assert names == [digest.leaf(p, algorithm) for p in pieces]
     assert crcs == ([_crc32c.value(p) for p in pieces] if crc32c else None)
+    # The pieces alone (a multi-rank save's naming pass): the same names, from a buffer
+    # that held other bytes again.
+    buf[:] = b"\xee" * size
+    assert digest.pieces_as_read(buf, read, sizes, algorithm) == names
+    assert bytes(buf) == data
 
 
 def test_pieces_that_do_not_make_up_the_leaf_are_refused():
     with pytest.raises(ValueError):
         digest.leaf_and_pieces_as_read(bytearray(10), None, [4, 5])
+
+
+# ------------------------------------------------------------------------------ chunk_names
+
+
+def _files(tmp_path: Path) -> list[tuple[str, Path]]:
+    """Staged files of every shape a save cuts: the safetensors model (tensor cuts inside
+    blocks, leaves of several chunks), a file of whole leaves and a ragged tail, a small
+    one, an empty one."""
+    made = {
+        "model.safetensors": _model(),
+        "blob.bin": os.urandom(2 * chunks.LEAF + 3 * MiB + 5),
+        "small.json": b'{"step": 7}',
+        "empty.bin": b"",
+    }
+    for name, data in made.items():
+        (tmp_path / name).write_bytes(data)
+    return [(f"rank-00001/{name}", tmp_path / name) for name in made]
+
+
+@pytest.mark.parametrize("mode", ["tensor", "fixed"])
+def test_chunk_names_are_the_names_the_upload_puts(tmp_path, store, monkeypatch, mode):
+    """A multi-rank save's naming pass (``chunk_names``, cross-rank dedup) gives exactly
+    the names ``upload_chunked`` puts the same files under, each the digest of the bytes
+    sent, reading each leaf a block at a time into a reused buffer that held other bytes
+    before, every byte once."""
+    files = _files(tmp_path)
+    reads: list[int] = []
+    real = transfer.pread_full
+
+    def spy(fd, p, offset, buf):
+        reads.append(len(buf))
+        real(fd, p, offset, buf)
+
+    engine = _stale_engine(tmp_path)
+    try:
+        monkeypatch.setattr(transfer, "pread_full", spy)
+        names = chunk_names(engine, files, mode)
+        monkeypatch.setattr(transfer, "pread_full", real)
+        entries, _ = upload_chunked(engine, store, "ck/a/", files, ChunkIndex(), mode)
+    finally:
+        engine.close()
+    put = {ref.name for e in entries for ref in e.chunks or ()}
+    assert names == put
+    assert len(names) > len(files) + 2  # several chunks (and cut leaves) among them
+    for ref in (r for e in entries for r in e.chunks or ()):
+        assert ref.sha256 == digest.hexleaf(store.puts[ref.key][0], ref.algorithm)
+    assert reads and max(reads) <= BLOCK  # never a whole leaf at once
+    assert sum(reads) == sum(path.stat().st_size for _, path in files)
+
+
+def test_chunk_names_hash_each_byte_once(tmp_path, monkeypatch):
+    """The naming pass computes the chunks' digests only: no leaf digest beside a leaf's
+    several chunks (it would hash their bytes twice) and no CRC32C."""
+    files = _files(tmp_path)[:2]
+    hashed = 0
+    real = digest.hasher
+
+    class Counting:
+        def __init__(self, inner: digest.Hasher) -> None:
+            self.inner = inner
+
+        def update(self, data: bytes | bytearray | memoryview, /) -> object:
+            nonlocal hashed
+            hashed += memoryview(data).nbytes
+            return self.inner.update(data)
+
+        def digest(self) -> bytes:
+            return self.inner.digest()
+
+    monkeypatch.setattr(digest, "hasher", lambda *a, **k: Counting(real(*a, **k)))
+    monkeypatch.setattr(_crc32c, "extend", lambda *a: pytest.fail("a CRC32C in the naming pass"))
+    engine = TransferEngine(TransferConfig(concurrency=2))
+    try:
+        chunk_names(engine, files, "tensor")
+    finally:
+        engine.close()
+    model = files[0][1]
+    cut = chunks.plan(model, model.stat().st_size, "tensor")
+    leaves = [off // chunks.LEAF for off, _ in cut]
+    assert len(set(leaves)) < len(leaves)  # some leaf holds several chunks
+    assert hashed == sum(path.stat().st_size for _, path in files)

@@ -22,14 +22,15 @@ ranks' managers abandon what a crash left: see the package docstring).
 Cross-rank dedup (docs/design.md §11, "One upload per chunk across ranks"). Every rank of
 a save uploads into one attempt prefix, where a chunk's key is its name: ranks that hold
 the same bytes (data-parallel replicas, replicated tensors) would put the same objects.
-Before the save's first round each rank names its chunks (``chunk_names``: one hashing
-pass) and sends them, with those its kept index can name (``RankChunks.reusable``), in its
-plan; the coordinator picks one owner for every chunk several ranks hold and some cannot
-reuse (``owners``: the lowest such rank) and sends the choice in the broadcast that opens
-the attempt. An owner puts its chunks even if its index holds them; the other holders
-name them under the attempt's prefix without a put. Nothing else is trusted: the
-commit's listing (``chunks.check_uploaded``) confirms every named chunk is stored whole,
-so an owner that failed to put one means no commit.
+Before the save's first round each rank names its chunks (``chunk_names``: one read and
+one hash of each byte, block by block while in cache) and sends them, with those its kept
+index can name (``RankChunks.reusable``), in its plan; the coordinator picks one owner
+for every chunk several ranks hold and some cannot reuse (``owners``: the lowest such
+rank) and sends the choice in the broadcast that opens the attempt. An owner puts its
+chunks even if its index holds them; the other holders name them under the attempt's
+prefix without a put. Nothing else is trusted: the commit's listing
+(``chunks.check_uploaded``) confirms every named chunk is stored whole, so an owner that
+failed to put one means no commit.
 """
 
 from __future__ import annotations
@@ -127,22 +128,26 @@ def chunk_names(
     engine: TransferEngine, files: Sequence[tuple[str, Path]], mode: ChunkingMode
 ) -> frozenset[str]:
     """The names of every chunk of ``files`` (path in the checkpoint, staged file) as
-    ``chunks.upload_chunked`` will cut and name them: one read and one hash of every
-    byte, on the transfer workers.
+    ``chunks.upload_chunked`` will cut and name them: the same spans (one per leaf), read
+    the same way (``TransferEngine.reading_hashed``: into a reused page-aligned buffer 1 MiB
+    at a time, each block hashed into the chunk it lies in while in cache), on the transfer
+    workers. Only the chunks' digests, no leaf digest and no CRC32C
+    (``digest.pieces_as_read``): each byte is read once and hashed once.
 
     Raises StagingError (a file unreadable).
     """
     algorithm = digest.check(None)
 
     def span(source: Path, offset: int, pieces: list[tuple[int, int]]) -> list[str]:
-        length = sum(n for _, n in pieces)
-        with engine.reading(source, offset, length) as data:
-            return [
-                ChunkRef(
-                    "", digest.hexleaf(data[o - offset : o - offset + n], algorithm), n, algorithm
-                ).name
-                for o, n in pieces
-            ]
+        sizes = [n for _, n in pieces]
+        with engine.reading_hashed(
+            source,
+            offset,
+            sum(sizes),
+            lambda view, read: digest.pieces_as_read(view, read, sizes, algorithm),
+        ) as (_, digests):
+            names = zip(digests, sizes, strict=True)
+            return [ChunkRef("", d.hex(), n, algorithm).name for d, n in names]
 
     futures = []
     for rel, source in files:
