@@ -6,16 +6,15 @@ wherever a tensor cut falls inside a block."""
 from __future__ import annotations
 
 import itertools
-import json
 import mmap
 import os
 import random
-import struct
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_chunks import _safetensors
 
 from cloudckpt import _crc32c, chunks, digest, transfer
 from cloudckpt.chunks import ChunkIndex, upload_chunked
@@ -46,17 +45,7 @@ def _model() -> bytes:
     leaves are cut into several chunks, one small tensor packed with its neighbour."""
     rng = random.Random(7)
     sizes = [3 * MiB // 2 + 3, 2 * MiB + 5, 100_000, 6 * MiB + 7, 9 * MiB + 11, 2 * MiB - 1]
-    tensors = {f"t{i}": rng.randbytes(n) for i, n in enumerate(sizes)}
-    header, offset = {}, 0
-    for name, data in tensors.items():
-        header[name] = {
-            "dtype": "U8",
-            "shape": [len(data)],
-            "data_offsets": [offset, offset + len(data)],
-        }
-        offset += len(data)
-    raw = json.dumps(header).encode()
-    return struct.pack("<Q", len(raw)) + raw + b"".join(tensors.values())
+    return _safetensors({f"t{i}": rng.randbytes(n) for i, n in enumerate(sizes)})
 
 
 @pytest.fixture
