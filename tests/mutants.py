@@ -1957,7 +1957,9 @@ MUTANTS.update(
                     f"{_HOT}test_one_pass_gives_the_leaf_chunks_and_crcs_of_separate_passes",
                     f"{_HOT}test_chunk_names_are_the_names_the_upload_puts[tensor]",
                 ),
-                why_not_simulated="pending: seeds not yet scanned (tools/mutation_scan.py)",
+                # hits 0, 1, 2 (python tools/mutation_scan.py)
+                seeds=range(0, 10),
+                violation="does not match its name",
             ),
             Mutant(
                 "cut-inside-a-block-ignored",
@@ -1970,7 +1972,9 @@ MUTANTS.update(
                     f"{_HOT}test_one_pass_gives_the_leaf_chunks_and_crcs_of_separate_passes",
                     f"{_HOT}test_chunk_names_are_the_names_the_upload_puts[tensor]",
                 ),
-                why_not_simulated="pending: seeds not yet scanned (tools/mutation_scan.py)",
+                # hits 0, 44, 50: saves of model.safetensors (the simulation's tensor cuts)
+                seeds=range(0, 60),
+                violation="does not match its name",
             ),
             Mutant(
                 "populate-rounds-outward",
@@ -2019,7 +2023,9 @@ MUTANTS.update(
                     "tests/test_upload_buffers.py::test_files_uploaded_through_reused_buffers_"
                     "get_the_digests_of_their_bytes",
                 ),
-                why_not_simulated="pending: seeds not yet scanned (tools/mutation_scan.py)",
+                # hits 4 (seeds 1, 2 show an I7 violation first)
+                seeds=range(0, 10),
+                violation="does not match its size and digest",
             ),
             Mutant(
                 "short-judged-by-the-answers",
@@ -2027,7 +2033,9 @@ MUTANTS.update(
                 "object that holds the bytes had its answers cut (a store failure, not damage)",
                 _short_judged_by_the_answers,
                 (f"{_SHORT}test_answers_cut_short_every_time_are_a_store_failure_not_damage",),
-                why_not_simulated="pending: seeds not yet scanned (tools/mutation_scan.py)",
+                # 1430 only in 0:2000: four short answers in a row (attempts=4, ShortRead at 15 %)
+                seeds=range(1430, 1431),
+                violation="I8: restore found damage where none was injected",
             ),
             Mutant(
                 "short-read-judged-at-once",
@@ -2040,7 +2048,9 @@ MUTANTS.update(
                     f"{_SHORT}test_a_short_read_is_read_again_before_a_file_is_judged_"
                     "truncated[seaweedfs-off]",
                 ),
-                why_not_simulated="pending: seeds not yet scanned (tools/mutation_scan.py)",
+                # hits 6, 7, 26
+                seeds=range(0, 10),
+                violation="I8",
             ),
             Mutant(
                 "wrapper-drops-get-range-into",

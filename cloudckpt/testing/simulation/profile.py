@@ -4,7 +4,10 @@ and the content of every save."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import random
+import struct
 
 from cloudckpt import digest
 from cloudckpt.errors import OutcomeUnknownError, PreconditionFailedError
@@ -59,6 +62,10 @@ class Profile:
     # cut short that the transport missed): readers must read again, never judge the
     # object truncated on one answer. Drawn by ``draw_short_reads`` (a generator of its own).
     p_short_read: float = 0.0
+    # The share of saves that hold a safetensors file (``model.safetensors``) whose tensors
+    # start and end inside 1 MiB blocks: a writer chunking by tensor cuts its chunks there
+    # (``chunks.plan``, ``digest.blocks_as_read``). Drawn by ``draw_tensors``.
+    p_safetensors: float = 0.0
 
     @classmethod
     def draw(
@@ -66,11 +73,18 @@ class Profile:
         rng: random.Random,
         retention_rng: random.Random | None = None,
         reads_rng: random.Random | None = None,
+        tensors_rng: random.Random | None = None,
     ) -> Profile:
         profile = cls._draw(rng)
         if retention_rng is not None:
             profile = profile.draw_retention(retention_rng)
+        if tensors_rng is not None:
+            profile = profile.draw_tensors(tensors_rng)
         return profile.draw_short_reads(reads_rng) if reads_rng is not None else profile
+
+    def draw_tensors(self, rng: random.Random) -> Profile:
+        """The share of saves with a safetensors file (none in three seeds of four)."""
+        return dataclasses.replace(self, p_safetensors=rng.choice([0, 0, 0, 0.6]))
 
     def draw_short_reads(self, rng: random.Random) -> Profile:
         """The rate of short ranged reads of data (none in half the seeds)."""
@@ -194,7 +208,8 @@ class Profile:
         depends on the writer and the step only."""
         parts = key.split(".")
         same = self.deterministic and len(parts) == 4 and all(p.isdigit() for p in parts[1:])
-        rng = random.Random(f"{parts[0]}@{parts[2]}" if same else key)
+        basis = f"{parts[0]}@{parts[2]}" if same else key
+        rng = random.Random(basis)
         names = rng.sample(["model.bin", "optim/state.bin", "rng.pt", "meta/trainer.json"], rng.randint(1, 3))  # fmt: skip
         files = {}
         for name in sorted(names):
@@ -210,4 +225,36 @@ class Profile:
             parts = key.split(".")
             stage = int(parts[2]) // 4 if len(parts) > 2 and parts[2].isdigit() else 0
             files["base/frozen.bin"] = random.Random(f"base{stage % 3}").randbytes(3000)
+        # From a generator of its own, after every other draw: a seed without safetensors
+        # saves exactly what it saved before they were added.
+        tensors = random.Random(f"{basis}/tensors")
+        if self.p_safetensors and tensors.random() < self.p_safetensors:
+            stage = int(parts[2]) // 4 if len(parts) > 2 and parts[2].isdigit() else 0
+            files["model.safetensors"] = _safetensors(tensors, stage % 3)
         return files
+
+
+@functools.lru_cache(maxsize=3)
+def _frozen_tensor(stage: int) -> bytes:
+    """A frozen tensor shared by the saves of a stage: over 1 MiB (``chunks.MIN_PIECE``),
+    so that a writer chunking by tensor gives it chunks of its own, reused by later saves."""
+    rng = random.Random(f"tensor{stage}")
+    return rng.randbytes(1024 * 1024 + rng.randint(1, 300_000))
+
+
+def _safetensors(rng: random.Random, stage: int) -> bytes:
+    """A small safetensors file (LoRA-like): a changing adapter, the stage's frozen tensor,
+    and (in half of them) a changing head. The header's length (padded by metadata) and
+    the adapter's size put the cuts (the header's end, the frozen tensor's start and end)
+    inside 1 MiB blocks, never on a block's edge: the chunks between them are hashed from
+    parts of blocks."""
+    tensors = [("adapter", rng.randbytes(rng.randint(1, 5000))), ("frozen", _frozen_tensor(stage))]
+    if rng.random() < 0.5:
+        tensors.append(("head", rng.randbytes(rng.randint(1, 3000))))
+    header: dict[str, object] = {"__metadata__": {"pad": "x" * rng.randint(0, 200)}}
+    at = 0
+    for name, data in tensors:
+        header[name] = {"dtype": "U8", "shape": [len(data)], "data_offsets": [at, at + len(data)]}
+        at += len(data)
+    head = json.dumps(header).encode()
+    return struct.pack("<Q", len(head)) + head + b"".join(data for _, data in tensors)

@@ -48,7 +48,10 @@ class Simulation:
         self.steps = steps
         self.rng = random.Random(seed)
         self.profile = Profile.draw(
-            self.rng, random.Random(f"{seed}/retention"), random.Random(f"{seed}/short-reads")
+            self.rng,
+            random.Random(f"{seed}/retention"),
+            random.Random(f"{seed}/short-reads"),
+            random.Random(f"{seed}/tensors"),
         )
         self.sched_rng = random.Random(f"{seed}/scheduler")
         self.crash_rng = random.Random(f"{seed}/crash")
