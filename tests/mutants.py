@@ -3009,6 +3009,22 @@ def _close_timeout_calls_every_save_durable(setattr_: Callable[[Any, str, Any], 
     setattr_(savequeue.SaveQueue, "durable", staticmethod(lambda handle: True))
 
 
+def _close_waits_for_local_copies_forever(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """close(timeout) waits for the local copies still being finished with no bound (as
+    before: a copy written at a low priority on a busy host, or a hung staging disk)."""
+    import concurrent.futures as cf
+
+    from cloudckpt import localsave
+
+    def close(self: Any, timeout: float | None = None) -> bool:
+        with self._lock:
+            keeping = list(self._keeping)
+        cf.wait(keeping)
+        return True
+
+    setattr_(localsave.LocalSave, "close", close)
+
+
 _CLOSE = "tests/test_close_timeout.py"
 _NOT_SIMULATED_CLOSE = "the simulation's managers close without a timeout"
 
@@ -3032,6 +3048,17 @@ MUTANTS.update(
                     f"{_CLOSE}::test_close_with_a_hung_upload_returns_in_time_and_releases_nothing",
                     f"{_CLOSE}::test_a_save_still_in_its_block_at_the_deadline_is_not_released_"
                     "under_it",
+                ),
+                why_not_simulated=_NOT_SIMULATED_CLOSE,
+            ),
+            Mutant(
+                "close-waits-for-local-copies-forever",
+                "close(timeout) waits for local copies still being finished only until the "
+                "deadline, then releases nothing",
+                _close_waits_for_local_copies_forever,
+                (
+                    f"{_CLOSE}::test_a_local_copy_still_being_written_at_the_deadline_is_not_"
+                    "released_under",
                 ),
                 why_not_simulated=_NOT_SIMULATED_CLOSE,
             ),

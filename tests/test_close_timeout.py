@@ -14,6 +14,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from cloudckpt import CheckpointManager
 from cloudckpt.errors import PermissionDeniedError
 from cloudckpt.stores import open_store
@@ -76,7 +78,7 @@ def _close_in_thread(
     closing = threading.Thread(target=close)
     closing.start()
     closing.join(within)
-    assert not closing.is_alive(), f"close(timeout={timeout}) waited on for a hung upload"
+    assert not closing.is_alive(), f"close(timeout={timeout}) waited on past its bound"
     return time.monotonic() - started, (raised[0] if raised else None)
 
 
@@ -219,3 +221,40 @@ def test_exiting_after_a_close_that_timed_out_is_recovered_by_a_restart(file_tar
         assert (tmp_path / "out" / "weights").read_bytes() == b"w1" * 1000
     finally:
         restarted.close(timeout=30)
+
+
+def test_a_local_copy_still_being_written_at_the_deadline_is_not_released_under(
+    file_target, monkeypatch, tmp_path
+):
+    """``save_state``'s staged copy, finished after the commit as the local tier, still
+    being written at the deadline: close() raises TimeoutError (before: it waited for it
+    unbounded); staging stays; the next close() keeps the copy and releases everything."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
+    from cloudckpt.integrations.torch import save_state
+    from cloudckpt.localcopy import COMMITTED_DIR
+    from cloudckpt.staging import Attempt
+
+    gate = threading.Event()
+    real = Attempt.write_files
+
+    def held(self, files, cancelled=None):
+        gate.wait(60)
+        return real(self, files, cancelled)
+
+    monkeypatch.setattr(Attempt, "write_files", held)
+    staging = tmp_path / "s"
+    mgr = CheckpointManager(file_target.url, staging_dir=staging, auto_gc=False, keep_local=1)
+    try:
+        assert save_state(mgr, 1, {"w": torch.ones(1000)}).result(timeout=60).step == 1
+        took, exc = _close_in_thread(mgr, 0.5, within=6)
+        assert isinstance(exc, TimeoutError) and "local copies" in str(exc), exc
+        assert took < 3 and not mgr.closed and mgr.staging._lock_fd is not None
+        gate.set()
+        _, exc = _close_in_thread(mgr, 30, within=40)
+        assert exc is None, exc
+        assert mgr.closed
+        assert [p.name[:12] for p in (staging / COMMITTED_DIR).iterdir()] == ["000000000001"]
+    finally:
+        gate.set()
+        mgr.close(timeout=30)
