@@ -206,11 +206,13 @@ class LocalSave:
         )
         return info
 
-    def close(self) -> None:
-        """Wait for the local copies still being finished (they write into staging)."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Wait (at most ``timeout``) for the local copies still being finished (they write
+        into staging); whether none is left."""
         with self._lock:
             keeping = list(self._keeping)
-        cf.wait(keeping)
+        _, left = cf.wait(keeping, None if timeout is None else max(0.0, timeout))
+        return not left
 
 
 def _stage(

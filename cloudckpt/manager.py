@@ -45,6 +45,20 @@ from cloudckpt.transfer import ProgressCallback, TransferConfig, TransferEngine
 
 log = logging.getLogger("cloudckpt")
 
+#: How long past its timeout ``close()`` waits for the save worker to end once its last
+#: save is done (it only has to wake up).
+CLOSE_SLACK_S = 1.0
+
+
+def _left(deadline: float | None, slack: float = 0.0) -> float | None:
+    """Seconds left until ``deadline`` (None: no deadline), plus ``slack``; at least 0."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic()) + slack
+
+
+def _steps(steps: Sequence[int]) -> str:
+    return ", ".join(str(s) for s in steps)
+
+
 Self = TypeVar("Self", bound="ManagerBase")
 
 
@@ -416,52 +430,107 @@ class ManagerBase:
     # ---------------------------------------------------------------- closing
 
     def check_open(self) -> None:
-        """Raises ConfigurationError once ``close()`` has begun (for integrations that
-        drive the manager's parts themselves, like the DCP writer)."""
+        """Raises ConfigurationError once ``close()`` has stopped the save worker (not after
+        one that timed out with saves still running: the manager stays open), for
+        integrations that drive the manager's parts themselves, like the DCP writer."""
         if self.queue.closing or self._closed:
             raise ConfigurationError("this CheckpointManager is closed")
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` has released everything (not after one that timed out)."""
+        return self._closed
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for pending saves (see ``wait``), then release threads, staging and store.
 
-        ``timeout`` bounds the wait for pending saves, and a running automatic GC gets
-        what is left of it (never more than ``autogc.CLOSE_WAIT_S``, 60 s, the bound
-        without a timeout): GC is safe to interrupt, so one still running is not waited for.
+        ``timeout`` bounds the whole call (plus ``CLOSE_SLACK_S``, 1 s, for the save worker
+        to end): the wait for pending saves and for local copies still being finished; a
+        running automatic GC and the transfer workers get what is left of it (GC never more
+        than ``autogc.CLOSE_WAIT_S``, 60 s, the bound without a timeout): both are safe to
+        leave running once no save is.
+
+        If it expires while saves are still being written, **nothing is released** (their
+        staging, the store, the worker stay; ``closed`` stays False) and a TimeoutError says
+        how many, which steps, and what then: they go on in the background; ``close()``
+        again waits for them (with its own ``timeout``) and releases everything once they
+        are done; or exit, and a restart with the same ``staging_dir`` commits those already
+        durable in staging (docs/design.md §12). Likewise, nothing is released while a local
+        copy of a committed save is still being written into staging.
 
         Raises, after everything is released: the exception of the earliest failed save
         that no one has been told of (``cloudckpt.savequeue``; any further ones are logged, as
-        nothing can raise them later); TimeoutError.
+        nothing can raise them later). TimeoutError (above; nothing is then taken: a later
+        ``close()`` still raises such a failure).
         """
         if self._closed:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            self.queue.wait(timeout)
-        except BaseException:
-            self._shutdown(deadline)
-            for h, exc in self.queue.take_unreported():
-                log.error("the save of step %d also failed: %r", h.step, exc)
-            raise
-        self._shutdown(deadline)
-        # Saves started by other threads after wait() returned are done now too.
-        failures = self.queue.take_unreported()
-        for h, exc in failures[1:]:
-            log.error("the save of step %d also failed: %r", h.step, exc)
-        if failures:
-            raise failures[0][1]
-
-    def _shutdown(self, deadline: float | None = None) -> None:
-        self.queue.stop()
+        pending = self.queue.settle(timeout)
+        # The worker ends within moments of its last save: a little slack past the deadline.
+        # (It may not: a save another thread handed over meanwhile; new saves are then
+        # refused, as close() has begun.)
+        if pending or not self.queue.stop(_left(deadline, CLOSE_SLACK_S)):
+            raise TimeoutError(self._still_saving(pending or self.queue.unfinished(), timeout))
+        if not self._pipeline.close(_left(deadline)):  # they write into staging
+            raise TimeoutError(
+                f"close(timeout={timeout}) timed out: local copies of committed saves are still "
+                "being written into staging (the saves are committed); nothing was released. "
+                "Call close() again to keep waiting"
+            )
         # A running GC gets what is left of close()'s timeout (at most CLOSE_WAIT_S).
-        self.auto_gc.close(None if deadline is None else deadline - time.monotonic())
-        self._pipeline.close()  # local copies being finished write into staging
-        self.engine.close()
+        self.auto_gc.close(_left(deadline))
+        if not self.engine.close(timeout=_left(deadline)):
+            log.warning("close(): transfer workers still running at the deadline; not waited for")
         self.staging.close()
         if self._owns_store:
             self.store.close()
         if self._tmp_staging is not None:
             self._tmp_staging.cleanup()
         self._closed = True
+        # Every save is done: raise the earliest failure no one was told of.
+        failures = self.queue.take_unreported()
+        for h, exc in failures[1:]:
+            log.error("the save of step %d also failed: %r", h.step, exc)
+        if failures:
+            raise failures[0][1]
+
+    def _still_saving(self, pending: builtins.list[SaveHandle], timeout: float | None) -> str:
+        """What a ``close()`` that timed out with ``pending`` saves still running says: how
+        many, which steps, and what becomes of each if the process exits now."""
+        steps = [h.step for h in pending]
+        durable = [h.step for h in pending if self.queue.durable(h)]
+        others = [s for s in steps if s not in durable]
+        message = (
+            f"close(timeout={timeout}) timed out: {len(pending)} save(s) still being written "
+            f"(steps {_steps(steps)}); they go on in the background and nothing was released. "
+            "Call close() again to keep waiting (it releases everything once they are done). "
+        )
+        if self.save_mode.collective:
+            return message + (
+                "Exiting now loses them: a multi-rank manager recovers no staged save; a "
+                "restart resumes from LATEST"
+            )
+        if self._tmp_staging is not None:
+            return message + (
+                "Exiting now loses them: staging is a temporary directory (no staging_dir); "
+                "a restart resumes from LATEST"
+            )
+        message += (
+            "Or exit (a normal exit waits for the transfer threads, as long as the store "
+            "does not answer: os._exit() or the job's kill does not): a restart with the "
+            "same staging_dir resumes from LATEST"
+        )
+        if durable:
+            message += (
+                f" and commits the saves already durable in staging (steps {_steps(durable)}) first"
+            )
+        if others:
+            message += (
+                f"; steps {_steps(others)} are lost (their staged files were not yet flushed "
+                "to disk, or are still being written)"
+            )
+        return message
 
     def __enter__(self: Self) -> Self:
         return self

@@ -10,7 +10,8 @@ or drops the oldest waiting save with a warning (``"drop_oldest"``: newest state
 dropped save's handle raises ``SaveDroppedError``).
 
 ``close()`` waits for every pending save to commit or fail: a save that ``save()``
-accepted is never silently discarded. ``close(timeout=...)`` bounds the wait.
+accepted is never silently discarded. ``close(timeout=...)`` bounds the wait (``settle``);
+saves still running then are left running, nothing released (``ManagerBase.close``).
 
 Failures are never silent. A save that fails after ``save()`` returned (its upload or commit
 on the background thread, or a background writer such as ``save_state`` failing to write its
@@ -71,7 +72,7 @@ from cloudckpt.errors import (
     SaveDroppedError,
     SaverStoppedError,
 )
-from cloudckpt.staging import STAGED, Attempt, StagingArea
+from cloudckpt.staging import DURABLE, STAGED, Attempt, StagingArea
 from cloudckpt.transfer import MemoryFile
 
 log = logging.getLogger("cloudckpt")
@@ -279,8 +280,9 @@ class Pipeline(Protocol):
     def __call__(self, job: QueuedSave) -> CommitInfo:
         """Run the save to its commit; returns its ``CommitInfo`` or raises its failure."""
 
-    def close(self) -> None:
-        """Wait for work the pipeline still does after its saves returned."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Wait (at most ``timeout``) for work the pipeline still does after its saves
+        returned; whether none is left."""
 
 
 class SaveQueue:
@@ -585,13 +587,49 @@ class SaveQueue:
         if self.stopped is not None:
             raise _stopped_error(self.stopped)
 
-    def stop(self) -> None:
-        """End the worker once the queue is empty, and wait for it."""
+    def stop(self, timeout: float | None = None) -> bool:
+        """End the worker once the queue is empty, and wait for it (at most ``timeout``);
+        whether it has ended."""
         with self._cv:
             self.closing = True
             self._cv.notify_all()
-        if self._worker is not None:
-            self._worker.join()
+        worker = self._worker
+        if worker is None or worker is threading.current_thread():
+            return True
+        worker.join(None if timeout is None else max(0.0, timeout))
+        return not worker.is_alive()
+
+    def settle(self, timeout: float | None = None) -> list[SaveHandle]:
+        """Wait, at most ``timeout``, as ``wait`` does (every save handed over so far, and
+        those other threads are still writing), but take no failure; the saves still not
+        done (none: settled). ``close()`` waits here before it releases anything."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        me = threading.get_ident()
+        with self._cv:
+            while any(thread != me for thread in self._open.values()):
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                self._cv.wait(remaining)
+            handles = list(self._handles)
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        wait_interruptibly([h._future for h in handles], remaining)
+        return self.unfinished()
+
+    @staticmethod
+    def durable(handle: SaveHandle) -> bool:
+        """Whether ``handle``'s save is durable in staging: a restart on the same
+        ``staging_dir`` would commit it (``recovery.decide``) if this process died now."""
+        job = handle._job
+        return job is not None and job.attempt.state == DURABLE
+
+    def unfinished(self) -> list[SaveHandle]:
+        """The saves not done yet: those other threads are still writing (inside their
+        block), then those handed over, in order."""
+        me = threading.get_ident()
+        with self._cv:
+            writing = [h for h, thread in self._open.items() if thread != me]
+            return writing + [h for h in self._handles if not h.done()]
 
     # -- reporting failures --
 

@@ -33,6 +33,7 @@ import dataclasses
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -350,11 +351,22 @@ class TransferEngine:
         # Part buffers (uploads): page-aligned (``aligned_buffer``).
         self._part_buffers = BufferPool(aligned_buffer, self.config.concurrency)
 
-    def close(self, *, wait: bool = True) -> None:
-        """Stop the workers; with ``wait=False`` do not wait for the ones still running."""
-        self._pool.shutdown(wait=wait, cancel_futures=True)
+    def close(self, *, wait: bool = True, timeout: float | None = None) -> bool:
+        """Stop the workers; with ``wait=False`` do not wait for the ones still running,
+        with ``timeout`` wait at most that long. Returns whether none still runs."""
+        left: list[threading.Thread] = []
+        if timeout is None or not wait:
+            self._pool.shutdown(wait=wait, cancel_futures=True)
+        else:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            deadline = time.monotonic() + timeout
+            for thread in list(getattr(self._pool, "_threads", ())):  # a ThreadPoolExecutor's
+                thread.join(max(0.0, deadline - time.monotonic()))
+                if thread.is_alive():
+                    left.append(thread)
         self.buffers.clear()
         self._part_buffers.clear()
+        return not left
 
     def __enter__(self) -> TransferEngine:
         return self

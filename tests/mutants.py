@@ -2942,3 +2942,157 @@ MUTANTS.update(
         ]
     }
 )
+
+
+# --------------------------------------------------------------------------- close(timeout) (bounded)
+
+
+def _close_joins_the_worker_forever(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """close() stops the save worker once its wait for the saves expires, and joins it
+    with no timeout (as before: close(timeout) waited as long as a hung upload did)."""
+    import threading
+
+    from cloudckpt import savequeue
+
+    original = savequeue.SaveQueue.settle
+
+    def settle(self: Any, timeout: float | None = None) -> list[Any]:
+        original(self, timeout)
+        return []
+
+    def stop(self: Any, timeout: float | None = None) -> bool:
+        with self._cv:
+            self.closing = True
+            self._cv.notify_all()
+        if self._worker is not None and self._worker is not threading.current_thread():
+            self._worker.join()
+        return True
+
+    setattr_(savequeue.SaveQueue, "settle", settle)
+    setattr_(savequeue.SaveQueue, "stop", stop)
+
+
+def _close_tears_down_under_a_running_save(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A close() that timed out still releases staging and marks the manager closed, under
+    the save still being written."""
+    from cloudckpt import manager
+
+    original = manager.ManagerBase.close
+
+    def close(self: Any, timeout: float | None = None) -> None:
+        try:
+            original(self, timeout)
+        except TimeoutError:
+            if not self._closed:
+                self.queue.stop(0)
+                self.staging.close()
+                if self._tmp_staging is not None:
+                    self._tmp_staging.cleanup()
+                self._closed = True
+            raise
+
+    setattr_(manager.ManagerBase, "close", close)
+
+
+def _close_timeout_takes_the_failure(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A close() that times out has already taken an earlier save's unreported failure
+    (marked told, raised by no one: the next close() returns as if all went well)."""
+    from cloudckpt import savequeue
+
+    original = savequeue.SaveQueue.settle
+
+    def settle(self: Any, timeout: float | None = None) -> list[Any]:
+        pending = original(self, timeout)
+        if pending:
+            for handle in list(self._handles):
+                handle._take_failure()
+        return pending
+
+    setattr_(savequeue.SaveQueue, "settle", settle)
+
+
+def _close_timeout_calls_every_save_durable(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """close()'s TimeoutError says a restart commits every save still being written, even
+    one not yet durable in staging (which a restart abandons)."""
+    from cloudckpt import savequeue
+
+    setattr_(savequeue.SaveQueue, "durable", staticmethod(lambda handle: True))
+
+
+def _close_waits_for_local_copies_forever(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """close(timeout) waits for the local copies still being finished with no bound (as
+    before: a copy written at a low priority on a busy host, or a hung staging disk)."""
+    import concurrent.futures as cf
+
+    from cloudckpt import localsave
+
+    def close(self: Any, timeout: float | None = None) -> bool:
+        with self._lock:
+            keeping = list(self._keeping)
+        cf.wait(keeping)
+        return True
+
+    setattr_(localsave.LocalSave, "close", close)
+
+
+_CLOSE = "tests/test_close_timeout.py"
+_NOT_SIMULATED_CLOSE = "the simulation's managers close without a timeout"
+
+MUTANTS.update(
+    {
+        m.name: m
+        for m in [
+            Mutant(
+                "close-joins-the-worker-forever",
+                "close(timeout) returns within about timeout, even with a save hung mid-upload",
+                _close_joins_the_worker_forever,
+                (f"{_CLOSE}::test_close_with_a_hung_upload_returns_in_time_and_releases_nothing",),
+                why_not_simulated=_NOT_SIMULATED_CLOSE,
+            ),
+            Mutant(
+                "close-tears-down-under-a-running-save",
+                "a close() that timed out with saves still being written releases nothing "
+                "(staging, store, worker) and leaves the manager open",
+                _close_tears_down_under_a_running_save,
+                (
+                    f"{_CLOSE}::test_close_with_a_hung_upload_returns_in_time_and_releases_nothing",
+                    f"{_CLOSE}::test_a_save_still_in_its_block_at_the_deadline_is_not_released_"
+                    "under_it",
+                ),
+                why_not_simulated=_NOT_SIMULATED_CLOSE,
+            ),
+            Mutant(
+                "close-waits-for-local-copies-forever",
+                "close(timeout) waits for local copies still being finished only until the "
+                "deadline, then releases nothing",
+                _close_waits_for_local_copies_forever,
+                (
+                    f"{_CLOSE}::test_a_local_copy_still_being_written_at_the_deadline_is_not_"
+                    "released_under",
+                ),
+                why_not_simulated=_NOT_SIMULATED_CLOSE,
+            ),
+            Mutant(
+                "close-timeout-takes-the-failure",
+                "a close() that timed out takes no unreported failure: the next close() raises it",
+                _close_timeout_takes_the_failure,
+                (
+                    f"{_CLOSE}::test_a_close_that_timed_out_keeps_an_earlier_failure_for_the_"
+                    "next_close",
+                ),
+                why_not_simulated=_NOT_SIMULATED_CLOSE,
+            ),
+            Mutant(
+                "close-timeout-calls-every-save-durable",
+                "close()'s TimeoutError names as lost on exit the saves not yet durable in "
+                "staging (a restart commits only durable ones)",
+                _close_timeout_calls_every_save_durable,
+                (
+                    f"{_CLOSE}::test_a_save_still_in_its_block_at_the_deadline_is_not_released_"
+                    "under_it",
+                ),
+                why_not_simulated=_NOT_SIMULATED_CLOSE,
+            ),
+        ]
+    }
+)

@@ -404,7 +404,9 @@ class DistributedCheckpointManager(ManagerBase):
         try:
             super().close(timeout)
         finally:
-            self._comm.close(wait=True)
+            # Not under saves still running after a timeout: they need the collectives.
+            if self.closed:
+                self._comm.close(wait=True)
 
     def _stored_path(self, rel: str) -> str:
         return f"{rank_dir(self.rank)}/{rel}" if self.per_rank_dirs else rel
@@ -497,8 +499,9 @@ class RankSave:
             send_manifest=self.leaders_keep(),
         )
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> bool:
         """Nothing runs after a save returned."""
+        return True
 
 
 @dataclasses.dataclass(frozen=True)

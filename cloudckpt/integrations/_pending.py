@@ -121,7 +121,7 @@ def finish_pending(
     """Wait for ``handles`` in order (until ``timeout`` seconds in all, if given), call
     ``on_commit`` for each commit, then close ``mgr``, unless a save was still uploading
     at the deadline: then the machine is going away, the staged files stay in staging_dir,
-    and a restart on this host commits them.
+    and a restart on this host commits those already durable there (docs/design.md §12).
 
     Raises: the exception of the earliest save that failed (any later failures are
     logged), else what ``mgr.close()`` raises (a failed save no handle here covered).
@@ -145,8 +145,15 @@ def finish_pending(
         else:
             on_commit(info)
     if not timed_out:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            mgr.close()
+            # Bounded too: a save no handle here covers may still be uploading.
+            mgr.close(remaining)
+        except TimeoutError as exc:
+            if mgr.closed:  # a save's own failure, everything released
+                failures.append((None, exc))
+            else:  # still uploading at the deadline: as above, not a failure
+                log.error("not closing the manager: %s", exc)
         except Exception as exc:
             failures.append((None, exc))
     for step, error in failures[1:]:

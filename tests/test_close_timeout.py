@@ -1,0 +1,260 @@
+"""``close(timeout)`` is bounded in total, and releases nothing a save still being written
+needs: a store that stops answering mid-upload leaves the save running in the background,
+its staging in place and the manager open; ``close()`` again commits it, and a process that
+exits instead is recovered by a restart (``cloudckpt.manager``, docs/design.md §12)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cloudckpt import CheckpointManager
+from cloudckpt.errors import PermissionDeniedError
+from cloudckpt.stores import open_store
+from cloudckpt.testing.faults import Callback, FailBefore, FaultInjectingStore, Rule
+
+CHUNKS = "*/chunks/*"  # a save's data (not LATEST, a manifest or ATTEMPT.json)
+
+
+def _save(mgr: CheckpointManager, step: int):
+    handle = mgr.save(step=step)
+    with handle as d:
+        (d / "weights").write_bytes(b"w%d" % step * 1000)
+    return handle
+
+
+def _hung_store(url: str) -> tuple[FaultInjectingStore, threading.Event, threading.Event]:
+    """A store whose first chunk upload hangs until ``release`` is set (a store that stops
+    answering); ``entered`` is set once it hangs."""
+    store = FaultInjectingStore(open_store(url))
+    entered, release = threading.Event(), threading.Event()
+
+    def hang() -> None:
+        entered.set()
+        release.wait(120)
+
+    store.add(Rule(Callback(before=hang), ops={"put"}, key=CHUNKS, times=1))
+    return store, entered, release
+
+
+def _journals(staging: Path) -> dict[int, str]:
+    """{step: journal state} of the attempts in staging."""
+    found = {}
+    for journal in (staging / "attempts").glob("*/journal.json"):
+        body = json.loads(journal.read_text())
+        found[body["step"]] = body["state"]
+    return found
+
+
+def _until(condition, within: float = 15) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+def _close_in_thread(
+    mgr, timeout: float | None, within: float
+) -> tuple[float, BaseException | None]:
+    """Close ``mgr`` on a thread; fails unless it returns within ``within`` seconds. Returns
+    how long it took and what it raised."""
+    raised: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            mgr.close(timeout=timeout)
+        except BaseException as exc:
+            raised.append(exc)
+
+    started = time.monotonic()
+    closing = threading.Thread(target=close)
+    closing.start()
+    closing.join(within)
+    assert not closing.is_alive(), f"close(timeout={timeout}) waited on past its bound"
+    return time.monotonic() - started, (raised[0] if raised else None)
+
+
+def test_close_with_a_hung_upload_returns_in_time_and_releases_nothing(memory_target, tmp_path):
+    """close(timeout=1) with a save hung mid-upload raises TimeoutError within the bound
+    (before: it joined the worker, waiting as long as the store hung); the save's staging,
+    the store and the manager stay; a second close() after the store answers commits it."""
+    store, entered, release = _hung_store(memory_target.url)
+    staging = tmp_path / "s"
+    mgr = CheckpointManager(store, staging_dir=staging, auto_gc=False)
+    try:
+        handle = _save(mgr, 1)
+        assert entered.wait(15)
+        _until(lambda: _journals(staging) == {1: "durable"})
+        took, exc = _close_in_thread(mgr, 1.0, within=6)
+        assert isinstance(exc, TimeoutError), exc
+        assert 0.8 <= took < 4
+        message = str(exc)
+        assert "1 save(s) still being written (steps 1)" in message
+        assert "close() again" in message and "background" in message
+        assert "durable in staging (steps 1)" in message and "LATEST" in message
+        # Nothing the running save needs was released.
+        assert not mgr.closed and not handle.done()
+        assert _journals(staging) == {1: "durable"}
+        assert list((staging / "attempts").glob("*/files/weights"))
+        assert mgr.staging._lock_fd is not None  # the staging directory is still held
+        release.set()
+        _, exc = _close_in_thread(mgr, 30, within=40)
+        assert exc is None, exc
+        assert mgr.closed and handle.result(timeout=0).step == 1
+    finally:
+        release.set()
+        mgr.close(timeout=30)
+    reader = CheckpointManager(memory_target.url, staging_dir=tmp_path / "r")
+    try:
+        latest = reader.latest()
+        assert latest is not None and latest.step == 1
+    finally:
+        reader.close(timeout=30)
+
+
+def test_a_close_that_timed_out_keeps_an_earlier_failure_for_the_next_close(
+    memory_target, tmp_path
+):
+    """Step 1 fails, step 2 hangs: close(timeout=1) raises TimeoutError (it takes no
+    failure); the close() after the store answers commits step 2 and raises step 1's."""
+    store, entered, release = _hung_store(memory_target.url)
+    denied = store.add(
+        Rule(FailBefore(error=PermissionDeniedError), ops={"put"}, key=CHUNKS, times=1)
+    )
+    store.rules.reverse()  # step 1 meets the failure, step 2 the hang
+    staging = tmp_path / "s"
+    mgr = CheckpointManager(store, staging_dir=staging, auto_gc=False, max_pending=2)
+    try:
+        h1 = _save(mgr, 1)
+        h2 = _save(mgr, 2)
+        assert entered.wait(15) and denied.fired == 1 and h1.done()
+        _, exc = _close_in_thread(mgr, 1.0, within=6)
+        assert isinstance(exc, TimeoutError), exc
+        assert "(steps 2)" in str(exc)
+        assert not mgr.closed
+        release.set()
+        _, exc = _close_in_thread(mgr, 30, within=40)
+        assert isinstance(exc, PermissionDeniedError), exc
+        assert mgr.closed and h2.result(timeout=0).step == 2
+    finally:
+        release.set()
+        mgr.close(timeout=30)
+
+
+def test_a_save_still_in_its_block_at_the_deadline_is_not_released_under_it(
+    memory_target, tmp_path
+):
+    """A save another thread is still writing (inside its block) when the timeout
+    expires: close() raises TimeoutError, its staging stays, and it commits afterwards."""
+    staging = tmp_path / "s"
+    mgr = CheckpointManager(memory_target.url, staging_dir=staging, auto_gc=False)
+    try:
+        handle = mgr.save(step=5)
+        files = handle.__enter__()
+        _, exc = _close_in_thread(mgr, 0.3, within=6)
+        assert isinstance(exc, TimeoutError), exc
+        assert "(steps 5)" in str(exc) and "lost" in str(exc)
+        assert files.is_dir() and not mgr.closed
+        (files / "weights").write_bytes(b"x" * 100)
+        handle.__exit__(None, None, None)
+        assert handle.result(timeout=30).step == 5
+    finally:
+        mgr.close(timeout=30)
+
+
+def test_exiting_after_a_close_that_timed_out_is_recovered_by_a_restart(file_target, tmp_path):
+    """The process exits after close(timeout) raised (the upload still hung): a restart on
+    the same staging_dir commits the durable save, as the TimeoutError said."""
+    staging = tmp_path / "s"
+    script = textwrap.dedent(
+        """
+        import json, os, sys, threading, time
+        from pathlib import Path
+        from cloudckpt import CheckpointManager
+        from cloudckpt.stores import open_store
+        from cloudckpt.testing.faults import Callback, FaultInjectingStore, Rule
+
+        url, staging = sys.argv[1], Path(sys.argv[2])
+        store = FaultInjectingStore(open_store(url))
+        store.add(Rule(Callback(before=lambda: threading.Event().wait()),
+                       ops={"put"}, key="*/chunks/*", times=1))  # never answers
+        mgr = CheckpointManager(store, staging_dir=staging, auto_gc=False)
+        with mgr.save(step=1) as d:
+            (d / "weights").write_bytes(b"w1" * 1000)
+        journal = lambda: [json.loads(p.read_text())["state"]
+                           for p in (staging / "attempts").glob("*/journal.json")]
+        while journal() != ["durable"]:
+            time.sleep(0.02)
+        started = time.monotonic()
+        try:
+            mgr.close(timeout=1)
+        except TimeoutError as exc:
+            print("TIMEOUT", round(time.monotonic() - started, 1), exc, flush=True)
+        os._exit(0)  # a hung transfer thread would hold up the interpreter's own exit
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    done = subprocess.run(
+        [sys.executable, "-c", script, file_target.url, str(staging)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "TIMEOUT" in done.stdout and "durable in staging (steps 1)" in done.stdout, done.stdout
+    assert float(done.stdout.split()[1]) < 4
+    restarted = CheckpointManager(file_target.url, staging_dir=staging)
+    try:
+        info = restarted.claim()
+        assert info is not None and info.step == 1
+        restored = restarted.restore(tmp_path / "out")
+        assert restored.step == 1
+        assert (tmp_path / "out" / "weights").read_bytes() == b"w1" * 1000
+    finally:
+        restarted.close(timeout=30)
+
+
+def test_a_local_copy_still_being_written_at_the_deadline_is_not_released_under(
+    file_target, monkeypatch, tmp_path
+):
+    """``save_state``'s staged copy, finished after the commit as the local tier, still
+    being written at the deadline: close() raises TimeoutError (before: it waited for it
+    unbounded); staging stays; the next close() keeps the copy and releases everything."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
+    from cloudckpt.integrations.torch import save_state
+    from cloudckpt.localcopy import COMMITTED_DIR
+    from cloudckpt.staging import Attempt
+
+    gate = threading.Event()
+    real = Attempt.write_files
+
+    def held(self, files, cancelled=None):
+        gate.wait(60)
+        return real(self, files, cancelled)
+
+    monkeypatch.setattr(Attempt, "write_files", held)
+    staging = tmp_path / "s"
+    mgr = CheckpointManager(file_target.url, staging_dir=staging, auto_gc=False, keep_local=1)
+    try:
+        assert save_state(mgr, 1, {"w": torch.ones(1000)}).result(timeout=60).step == 1
+        took, exc = _close_in_thread(mgr, 0.5, within=6)
+        assert isinstance(exc, TimeoutError) and "local copies" in str(exc), exc
+        assert took < 3 and not mgr.closed and mgr.staging._lock_fd is not None
+        gate.set()
+        _, exc = _close_in_thread(mgr, 30, within=40)
+        assert exc is None, exc
+        assert mgr.closed
+        assert [p.name[:12] for p in (staging / COMMITTED_DIR).iterdir()] == ["000000000001"]
+    finally:
+        gate.set()
+        mgr.close(timeout=30)
