@@ -22,8 +22,9 @@ each part read whole into its buffer, then hashed and CRC'd over it, as before t
 went 1 MiB block by block; ``requests``: the S3 client's per-request savings
 (``_s3_client.SAVINGS``). The differences are what each part costs. (``fused``, the
 digest and CRC32C in two passes, is gone: the pass it switched off, ``leaf_and_crc32c``, is
-no longer on any upload path; ``benchmarks.upload_pass`` compares whole passes.) Nothing is asserted; with the
-machine shared, run it a few times.
+no longer on any upload path; ``benchmarks.upload_pass`` compares whole passes.) Nothing
+is asserted; with the machine shared, run it a few times. Where the rest of the CPU goes:
+``benchmarks.upload_profile``.
 """
 
 from __future__ import annotations
