@@ -3,7 +3,7 @@
     python -m benchmarks.cpu_cost                       # 512 MiB in 4 files, 5 saves each
     python -m benchmarks.cpu_cost --concurrency 2       # fewer transfer threads
     python -m benchmarks.cpu_cost --without digest,crc32c
-    python -m benchmarks.cpu_cost --without fused        # digest, then CRC32C: two passes
+    python -m benchmarks.cpu_cost --without blocks       # each part read whole, then hashed
     python -m benchmarks.cpu_cost --source state        # save_state of tensors in memory
     python -m benchmarks.cpu_cost --without requests     # botocore as before issue 31 item 5
 
@@ -14,11 +14,17 @@ prints each one's client CPU-seconds per GiB (``time.process_time``: every threa
 process) with the ratio of the medians. ``--source state``: cloudckpt saves the same bytes
 as a state of CPU tensors with ``save_state`` (the copy into its host memory included),
 obstore uploads the files. ``--without`` switches parts of cloudckpt's work
-off by replacing them in this process only (``digest``: the digest leaves; ``crc32c``: the
-per-part CRC32C; ``fused``: the one pass that computes both, which becomes two;
-``requests``: the S3 client's per-request savings, ``_s3_client.SAVINGS``): the
-differences are what each part costs. Nothing is asserted; with the
-machine shared, run it a few times.
+off by replacing, in this process only, the pass every part of a whole-file upload goes
+through (``digest.leaves_and_crc32c_as_read``, called by ``TransferEngine.reading_digested``
+for files and ``save_state``'s memory alike): ``digest``: no BLAKE3 leaves (zeros instead);
+``crc32c``: no CRC32C (zero sent, which the benchmark endpoint does not check); ``blocks``:
+each part read whole into its buffer, then hashed and CRC'd over it, as before the pass
+went 1 MiB block by block; ``requests``: the S3 client's per-request savings
+(``_s3_client.SAVINGS``). The differences are what each part costs. (``fused``, the
+digest and CRC32C in two passes, is gone: the pass it switched off, ``leaf_and_crc32c``, is
+no longer on any upload path; ``benchmarks.upload_pass`` compares whole passes.) Nothing
+is asserted; with the machine shared, run it a few times. Where the rest of the CPU goes:
+``benchmarks.upload_profile``.
 """
 
 from __future__ import annotations
@@ -35,25 +41,42 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 
+WITHOUT = ("digest", "crc32c", "blocks", "requests")
+
+
 def _switch_off(without: set[str]) -> None:
     """Replace parts of cloudckpt's per-byte work in this process (``--without``)."""
     from cloudckpt import _crc32c, digest
-    from cloudckpt.stores import _s3_client, s3
+    from cloudckpt.stores import _s3_client
 
     if "requests" in without:
         _s3_client.SAVINGS.update(dict.fromkeys(_s3_client.SAVINGS, False))
+    if not without & {"digest", "crc32c", "blocks"}:
+        return
+    real = digest.leaves_and_crc32c_as_read
 
-    if "digest" in without:
-        digest.leaf = lambda chunk, algorithm=None: b"\0" * 32  # type: ignore[assignment]
-    if "crc32c" in without:
-        s3.payload_crc32c = lambda data: "AAAAAA=="  # type: ignore[assignment]
-    if without & {"digest", "crc32c", "fused"}:
-        # The one pass over a part becomes the parts left on, one after the other.
-        def two_passes(chunk, algorithm=None, crc=0):  # type: ignore[no-untyped-def]
-            leaf = digest.leaf(chunk, algorithm)
-            return leaf, (0 if "crc32c" in without else _crc32c.extend(crc, chunk))
+    def the_pass(buf, read, chunk_size=digest.CHUNK_SIZE, algorithm=None):  # type: ignore[no-untyped-def]
+        if "blocks" in without and read is not None:
+            read(memoryview(buf).cast("B"), 0)  # the part whole, then the pass over it
+            read = None
+        if "digest" not in without and "crc32c" not in without:
+            return real(buf, read, chunk_size, algorithm)
+        size = memoryview(buf).nbytes
+        if "digest" in without:
+            leaves = [b"\0" * 32 for _ in range(0, size, chunk_size)]
+        else:
+            hashers = [digest.hasher(algorithm) for _ in range(0, size, chunk_size)]
+        crc = 0
+        for at, piece in digest.blocks_as_read(buf, read, range(chunk_size, size, chunk_size)):
+            if "digest" not in without:
+                hashers[at // chunk_size].update(piece)
+            if "crc32c" not in without:
+                crc = _crc32c.extend(crc, piece)
+        if "digest" not in without:
+            leaves = [h.digest() for h in hashers]
+        return leaves, crc
 
-        digest.leaf_and_crc32c = two_passes  # type: ignore[assignment]
+    digest.leaves_and_crc32c_as_read = the_pass  # type: ignore[assignment]
 
 
 def _saver(source: str, mgr: Any, files: list[Path]) -> Any:
@@ -78,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--saves", type=int, default=5)
     p.add_argument("--concurrency", type=int, default=16, help="cloudckpt transfer threads")
     p.add_argument("--part-mib", type=int, default=0, help="cloudckpt part size (0: the default)")
-    p.add_argument("--without", default="", help="comma list of digest, crc32c, fused, requests")
+    p.add_argument("--without", default="", help=f"comma list of {', '.join(WITHOUT)}")
     p.add_argument("--source", choices=("files", "state"), default="files")
     args = p.parse_args(argv)
 
@@ -88,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
 
     without = {w.strip() for w in args.without.split(",") if w.strip()}
     without = {"digest" if w == "sha256" else w for w in without}  # the old name
-    if without - {"digest", "crc32c", "fused", "requests"}:
-        raise SystemExit("--without takes digest, crc32c, fused and/or requests")
+    if without - set(WITHOUT):
+        raise SystemExit(f"--without takes {', '.join(WITHOUT)} (fused is gone: see the docstring)")
     _switch_off(without)
 
     part_size = {"part_size": args.part_mib * MiB} if args.part_mib else {}

@@ -279,3 +279,39 @@ def test_a_killed_gpu_benchmark_keeps_what_it_measured(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["complete"] is False and doc["limits"]["memcpy"]["gib_per_s"] > 0
     assert doc["save"]["contenders"]["cloudckpt"]["warmup"][0]["durable"] > 0
+
+
+@pytest.mark.parametrize("without", ["digest", "crc32c", "blocks", "digest,crc32c"])
+def test_cpu_cost_switches_off_only_what_it_names_in_the_pass_uploads_use(without, monkeypatch):
+    """``benchmarks.cpu_cost --without`` replaces the pass every whole-file part goes
+    through (``digest.leaves_and_crc32c_as_read``): what it leaves on is computed over the
+    bytes read, as the real pass computes it, and what it switches off is zero."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks import cpu_cost
+    from cloudckpt import _crc32c, digest
+
+    real = digest.leaves_and_crc32c_as_read
+    monkeypatch.setattr(digest, "leaves_and_crc32c_as_read", real)  # restored afterwards
+    off = set(without.split(","))
+    cpu_cost._switch_off(off)
+    assert digest.leaves_and_crc32c_as_read is not real
+
+    data = os.urandom(2 * digest.CHUNK_SIZE + 3 * digest.FUSED_BLOCK + 5)
+    reads: list[tuple[int, int]] = []
+
+    def read(block: memoryview, at: int) -> None:
+        reads.append((at, len(block)))
+        block[:] = data[at : at + len(block)]
+
+    buf = bytearray(len(data))
+    leaves, crc = digest.leaves_and_crc32c_as_read(buf, read)
+    assert bytes(buf) == data
+    want_leaves, want_crc = real(bytearray(data), None)
+    assert want_crc == _crc32c.value(data)
+    assert leaves == ([b"\0" * 32] * len(want_leaves) if "digest" in off else want_leaves)
+    assert crc == (0 if "crc32c" in off else want_crc)
+    # ``blocks``: the part read whole, once; otherwise block by block.
+    if "blocks" in off:
+        assert reads == [(0, len(data))]
+    else:
+        assert len(reads) == -(-len(data) // digest.FUSED_BLOCK)
