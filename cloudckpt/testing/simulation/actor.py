@@ -81,6 +81,8 @@ class World(CheckedWorld, Protocol):
 
     def new_dir(self, kind: str) -> Path: ...
 
+    def cut_short(self, key: str) -> bool: ...
+
 
 class Actor:
     """One simulated process (restarted in place after a crash)."""
@@ -132,7 +134,7 @@ class Actor:
         port = Port(self.sim, self, self.sim.recorder)
         self.faults = FaultInjectingStore(
             port,
-            self.sim.profile.rules(self.rng) if self.sim.faults_on else [],
+            self.sim.profile.rules(self.rng, self.sim.cut_short) if self.sim.faults_on else [],
             seed=self.rng.getrandbits(32),
         )
         self.port = self.faults
