@@ -2023,7 +2023,7 @@ MUTANTS.update(
                     "tests/test_upload_buffers.py::test_files_uploaded_through_reused_buffers_"
                     "get_the_digests_of_their_bytes",
                 ),
-                # hits 4 (seeds 1, 2 show an I7 violation first)
+                # hits 4, 6 (seed 2: I10, the final save's upload refused)
                 seeds=range(0, 10),
                 violation="does not match its size and digest",
             ),

@@ -10,10 +10,11 @@ back) and may crash the actor before or after it is applied.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -106,6 +107,9 @@ class Actor:
         self.next_call = ""  # the store call this actor is about to make
         self.port: Store | None = None
         self.faults: FaultInjectingStore | None = None
+        # Why it calls the store: "gc" while it collects garbage (the checker judges its
+        # aborts of uploads as GC's, by the grace period; others abandon their own).
+        self.task = "gc" if name == "gc" else ""
         sim.actors.append(self)
 
     def _main(self) -> None:
@@ -139,6 +143,15 @@ class Actor:
         )
         self.port = self.faults
         return self.faults
+
+    @contextlib.contextmanager
+    def doing(self, task: str) -> Iterator[None]:
+        """Calls made meanwhile are for ``task`` (e.g. the final phase collecting garbage)."""
+        before, self.task = self.task, task
+        try:
+            yield
+        finally:
+            self.task = before
 
     def die(self, where: str) -> SimulatedCrash:
         self.dead = True
