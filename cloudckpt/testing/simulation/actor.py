@@ -10,10 +10,11 @@ back) and may crash the actor before or after it is applied.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -81,6 +82,8 @@ class World(CheckedWorld, Protocol):
 
     def new_dir(self, kind: str) -> Path: ...
 
+    def cut_short(self, key: str) -> bool: ...
+
 
 class Actor:
     """One simulated process (restarted in place after a crash)."""
@@ -104,6 +107,9 @@ class Actor:
         self.next_call = ""  # the store call this actor is about to make
         self.port: Store | None = None
         self.faults: FaultInjectingStore | None = None
+        # Why it calls the store: "gc" while it collects garbage (the checker judges its
+        # aborts of uploads as GC's, by the grace period; others abandon their own).
+        self.task = "gc" if name == "gc" else ""
         sim.actors.append(self)
 
     def _main(self) -> None:
@@ -132,11 +138,20 @@ class Actor:
         port = Port(self.sim, self, self.sim.recorder)
         self.faults = FaultInjectingStore(
             port,
-            self.sim.profile.rules(self.rng) if self.sim.faults_on else [],
+            self.sim.profile.rules(self.rng, self.sim.cut_short) if self.sim.faults_on else [],
             seed=self.rng.getrandbits(32),
         )
         self.port = self.faults
         return self.faults
+
+    @contextlib.contextmanager
+    def doing(self, task: str) -> Iterator[None]:
+        """Calls made meanwhile are for ``task`` (e.g. the final phase collecting garbage)."""
+        before, self.task = self.task, task
+        try:
+            yield
+        finally:
+            self.task = before
 
     def die(self, where: str) -> SimulatedCrash:
         self.dead = True

@@ -73,6 +73,7 @@ class Checker:
         # from then on, so no later commit may name their chunks (docs/design.md §11).
         self.gc_owned: set[str] = set()
         self.verified: set[str] = set()  # referenced prefixes verified complete
+        self.upload_owners: dict[str, tuple[str, int]] = {}  # upload id -> (actor, incarnation)
         self.chunk_users: dict[str, set[str]] = collections.defaultdict(set)  # owner -> ckpts
         self._manifests: dict[str, manifests.Manifest | None] = {}  # commit_id -> parsed
         self.op_writes: collections.Counter = collections.Counter()  # (actor, op) -> LATEST writes
@@ -422,11 +423,30 @@ class Checker:
             if born is not None and (now - born).total_seconds() <= grace:
                 self.fail(f"I7: {who} deleted {key} of an attempt younger than grace")
 
+    def upload_created(self, upload: MultipartUpload, actor: Process | None) -> None:
+        """Who began each multipart upload (process and incarnation), for ``before_abort``."""
+        if actor is not None:
+            self.upload_owners[upload.upload_id] = (actor.name, actor.incarnation)
+
     def before_abort(self, upload: MultipartUpload, actor: Process | None) -> None:
-        if actor is None or actor.name not in ("gc", "final"):
-            return  # a writer abandoning its own upload
+        """I7: an abort is GC's (the process is collecting garbage: ``task`` "gc"), judged
+        by the grace period, or a process abandoning an upload it began itself (a save
+        whose upload failed), at any age. Any other abort fails."""
+        if actor is None:
+            return  # not through an actor's store (the final phase's own damage)
         state = self.raw.bucket.uploads.get(upload.upload_id)
         if state is None:
+            return  # already gone: the abort changes nothing
+        counters = self.sim.result.counters
+        if actor.task != "gc":
+            owner = self.upload_owners.get(upload.upload_id)
+            if owner != (actor.name, actor.incarnation):
+                self.fail(
+                    f"I7: {actor.name}#{actor.incarnation} aborted the upload of {upload.key}, "
+                    f"begun by {owner[0] + '#' + str(owner[1]) if owner else 'no one seen'}, "
+                    "outside GC"
+                )
+            counters["uploads_abandoned_by_their_process"] += 1
             return
         # GC may abort an upload older than grace, or any upload of an attempt older
         # than grace (such an attempt can no longer commit: StaleAttemptError).
@@ -436,7 +456,10 @@ class Checker:
         born = self.first_write.get(prefix) if prefix else None
         ages = [now - t for t in (state.initiated, born) if t]
         if all(age.total_seconds() <= grace for age in ages):
-            self.fail(f"I7: GC aborted the upload of {upload.key}, younger than grace")
+            self.fail(
+                f"I7: GC ({actor.name}) aborted the upload of {upload.key}, younger than grace"
+            )
+        counters["uploads_aborted_by_gc"] += 1
 
     # -- after every tick --
 

@@ -92,6 +92,7 @@ class Recorder(ForwardingStore):
     def create_multipart(self, key: str) -> MultipartUpload:
         upload = self.inner.create_multipart(key)
         self._touch(key)
+        self.sim.checker.upload_created(upload, self.sim.current)
         return upload
 
     def complete_multipart(self, upload, parts, *, mode=None):

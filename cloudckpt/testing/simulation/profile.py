@@ -8,6 +8,7 @@ import functools
 import json
 import random
 import struct
+from collections.abc import Callable
 
 from cloudckpt import digest
 from cloudckpt.errors import OutcomeUnknownError, PreconditionFailedError
@@ -66,6 +67,13 @@ class Profile:
     # start and end inside 1 MiB blocks: a writer chunking by tensor cuts its chunks there
     # (``chunks.plan``, ``digest.blocks_as_read``). Drawn by ``draw_tensors``.
     p_safetensors: float = 0.0
+    # Sticky short reads: the share of data keys (files, chunks) whose ranged answers are
+    # all cut short for a while from their first ranged read (a bad cache node, a proxy
+    # with a body limit), so that every retry of a read answers short. That is a store
+    # failure, not damage: a restore fails (and is tried again later), it never judges the
+    # checkpoint damaged or falls back. Drawn by ``draw_sticky_short`` (a generator of its
+    # own); the world keeps each key's window (``Simulation.cut_short``).
+    p_sticky_short: float = 0.0
 
     @classmethod
     def draw(
@@ -74,8 +82,11 @@ class Profile:
         retention_rng: random.Random | None = None,
         reads_rng: random.Random | None = None,
         tensors_rng: random.Random | None = None,
+        sticky_rng: random.Random | None = None,
     ) -> Profile:
         profile = cls._draw(rng)
+        if sticky_rng is not None:
+            profile = profile.draw_sticky_short(sticky_rng)
         if retention_rng is not None:
             profile = profile.draw_retention(retention_rng)
         if tensors_rng is not None:
@@ -89,6 +100,11 @@ class Profile:
     def draw_short_reads(self, rng: random.Random) -> Profile:
         """The rate of short ranged reads of data (none in half the seeds)."""
         return dataclasses.replace(self, p_short_read=rng.choice([0, 0, 0.02, 0.05, 0.15]))
+
+    def draw_sticky_short(self, rng: random.Random) -> Profile:
+        """The share of data keys whose answers are all cut short for a while (none in
+        half the seeds)."""
+        return dataclasses.replace(self, p_sticky_short=rng.choice([0, 0, 0.1, 0.3]))
 
     def draw_retention(self, rng: random.Random) -> Profile:
         """The retention rules by metric and by time: keep-best of 1-3 by "loss" (min) or
@@ -155,8 +171,12 @@ class Profile:
             deterministic=rng.random() < 0.5,
         )
 
-    def rules(self, rng: random.Random) -> list[Rule]:
-        """Fault rules for one actor's store (probabilities from the seed)."""
+    def rules(
+        self, rng: random.Random, cut_short: Callable[[str], bool] | None = None
+    ) -> list[Rule]:
+        """Fault rules for one actor's store (probabilities from the seed). ``cut_short``:
+        whether a ranged answer of a key is cut short now (the sticky short reads, last, so
+        that the other rules draw as they did without them)."""
         writes = {"put", "delete", "upload_part", "complete_multipart", "create_multipart"}
         reads = {"get", "get_range", "head", "list", "list_multipart"}
         rules = [
@@ -200,6 +220,8 @@ class Profile:
                 probability=self.p_short_read,
             ),
         ]
+        if self.p_sticky_short and cut_short is not None:
+            rules.append(Rule(StickyShortRead(), ops={"get_range"}, key=cut_short, times=None))
         return [r for r in rules if r.probability > 0]
 
     def content(self, key: str) -> dict[str, bytes]:
@@ -232,6 +254,13 @@ class Profile:
             stage = int(parts[2]) // 4 if len(parts) > 2 and parts[2].isdigit() else 0
             files["model.safetensors"] = _safetensors(tensors, stage % 3)
         return files
+
+
+@dataclasses.dataclass
+class StickyShortRead(ShortRead):
+    """``ShortRead`` on every ranged answer of a key for a while (counted apart)."""
+
+    name = "sticky_short_read"
 
 
 @functools.lru_cache(maxsize=3)

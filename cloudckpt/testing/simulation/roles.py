@@ -21,7 +21,8 @@ from cloudckpt.testing.simulation.result import SimResult
 
 
 class Process(Protocol):
-    """An actor as the checker sees it: who wrote, in which incarnation and operation."""
+    """An actor as the checker sees it: who wrote, in which incarnation and operation,
+    and why (``task``: "gc" while it collects garbage)."""
 
     @property
     def name(self) -> str: ...
@@ -34,6 +35,9 @@ class Process(Protocol):
 
     @property
     def writer_id(self) -> str | None: ...
+
+    @property
+    def task(self) -> str: ...
 
 
 class CheckedWorld(Protocol):
@@ -63,6 +67,8 @@ class WriteChecks(Protocol):
     def latest_written(self, body: bytes, mode: PutMode | None, actor: Process | None) -> None: ...
 
     def before_delete(self, key: str, actor: Process | None) -> None: ...
+
+    def upload_created(self, upload: MultipartUpload, actor: Process | None) -> None: ...
 
     def before_abort(self, upload: MultipartUpload, actor: Process | None) -> None: ...
 

@@ -52,7 +52,11 @@ class Simulation:
             random.Random(f"{seed}/retention"),
             random.Random(f"{seed}/short-reads"),
             random.Random(f"{seed}/tensors"),
+            random.Random(f"{seed}/sticky-short"),
         )
+        # Each data key's window of sticky short reads (store seconds since the world
+        # began, from its first ranged read under faults; empty for most keys).
+        self._sticky: dict[str, tuple[float, float]] = {}
         self.sched_rng = random.Random(f"{seed}/scheduler")
         self.crash_rng = random.Random(f"{seed}/crash")
         self.id_rng = random.Random(f"{seed}/ids")
@@ -285,6 +289,22 @@ class Simulation:
             random.setstate(random_state)
 
     # -- for the actors --
+
+    def cut_short(self, key: str) -> bool:
+        """Whether a ranged answer of ``key`` is cut short now (``p_sticky_short``): for
+        a share of data keys, every answer from the key's first ranged read under faults
+        until 20 s to 10 min of store time later, each key drawn from a generator of its
+        own (the seed and the key), so the windows do not depend on the order of reads."""
+        if not self.faults_on or not ("/files/" in key or "/chunks/" in key):
+            return False
+        window = self._sticky.get(key)
+        now = self.elapsed()
+        if window is None:
+            rng = random.Random(f"{self.seed}/sticky-short/{key}")
+            cut = rng.random() < self.profile.p_sticky_short
+            window = (now, now + rng.uniform(20, 600)) if cut else (0.0, 0.0)
+            self._sticky[key] = window
+        return window[0] <= now < window[1]
 
     def new_dir(self, kind: str) -> Path:
         """A fresh directory under the seed's work dir (numbered in the order of asking)."""

@@ -37,7 +37,7 @@ def run(actor: Actor, port: Store, engine: TransferEngine) -> None:
     _flip_bits(sim, actor.rng, port, engine, current, manifest)
     _forge(sim, actor.rng, port, engine, current, manifest)
     _forge_with_latest(sim, actor.rng, port, engine, current, manifest)
-    _delete_latest(sim, port, engine)
+    _delete_latest(actor, port, engine)
 
 
 def _flip_bits(
@@ -72,8 +72,9 @@ def _flip_bits(
         sim.result.counters["bit_flips_detected"] += 1
 
 
-def _delete_latest(sim: World, port: Store, engine: TransferEngine) -> None:
+def _delete_latest(actor: Actor, port: Store, engine: TransferEngine) -> None:
     """LATEST deleted: readers fall back to the commit records, GC refuses."""
+    sim = actor.sim
     c, raw = sim.checker, sim.memory
     original, _ = raw.get(protocol.LATEST_KEY)
     raw.delete(protocol.LATEST_KEY)
@@ -83,7 +84,8 @@ def _delete_latest(sim: World, port: Store, engine: TransferEngine) -> None:
         c.fail("I9: restore without LATEST did not say it used the commit records")
     c.check_restore(res, 0, sim.elapsed(), "restore without LATEST")
     try:
-        collect_garbage(port)
+        with actor.doing("gc"):
+            collect_garbage(port)
     except NeedsRepairError:
         pass
     else:

@@ -29,7 +29,8 @@ def run(actor: Actor) -> None:
     port = actor.new_incarnation()
     engine = inline_engine(transfer_config())
     _restart_and_save(actor, port)
-    latest = _gc_converges(sim, port)
+    with actor.doing("gc"):
+        latest = _gc_converges(sim, port)
     _every_retained_restores(sim, latest, port, engine)
     # Damage: every single bit flip is detected (I9); a missing LATEST falls back.
     sim.checks_on = False

@@ -64,7 +64,8 @@ def run(actor: Actor, port: Store, engine: TransferEngine) -> None:
     sim.clock.advance(sim.profile.grace * 2 + 1)  # everything old enough for GC
     try:
         _meet(sim, "a restore", lambda: _restore(sim, port, engine))
-        _meet(sim, "GC", lambda: collect_garbage(port))
+        with actor.doing("gc"):
+            _meet(sim, "GC", lambda: collect_garbage(port))
         _meet(sim, "repair", lambda: repair(port))
         _meet(sim, "repair --force", lambda: repair(port, force=True))
         _meet(sim, "a writer's claim", lambda: _claim(actor, port))
