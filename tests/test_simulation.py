@@ -92,7 +92,10 @@ def test_seeds():
         "latency",
         "truncate",
         "short_read",
+        "sticky_short_read",
     }
+    # GC aborted abandoned uploads (I7 judges each against the grace period).
+    assert c["uploads_aborted_by_gc"] > 0
 
 
 def test_a_seed_replays_exactly():
