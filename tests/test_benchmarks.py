@@ -51,6 +51,25 @@ def test_quick_benchmark_runs_every_group_and_writes_its_json(tmp_path):
     assert " / cloudckpt = " in proc.stdout and "ratio" in proc.stdout
 
 
+@pytest.mark.timeout(240)
+def test_request_cost_lean_contender_is_accepted_by_the_endpoint_in_one_and_four_threads():
+    """The lean experiment (issue 31): its UploadPart and ranged GET are checked inside the
+    benchmark (200 and an ETag that completes the upload to the part's bytes; the GET's bytes
+    equal the object's), which raises otherwise."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for threads in ("1", "4"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.request_cost", "--ops", "get,part",
+             "--contenders", "lean,cloudckpt", "--requests", "40", "--rounds", "1",
+             "--threads", threads],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=110,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        for row in ("get   lean", "part  lean", "get   cloudckpt", "part  cloudckpt"):
+            assert row in proc.stdout, proc.stdout
+        assert f"in {threads} thread(s)" in proc.stdout
+
+
 @pytest.mark.timeout(300)
 def test_quick_dcp_benchmark_loads_at_2_and_3_ranks(tmp_path):
     """The dcp group (issue 23): torchrun jobs save with 2 ranks, load with 2 and with 3
