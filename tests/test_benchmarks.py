@@ -70,6 +70,44 @@ def test_request_cost_lean_contender_is_accepted_by_the_endpoint_in_one_and_four
         assert f"in {threads} thread(s)" in proc.stdout
 
 
+@pytest.mark.timeout(120)
+def test_request_cost_lean_requests_pass_a_server_that_checks_signatures(seaweedfs_server):
+    """The benchmark endpoint checks no signatures; SeaweedFS does: the lean experiment's
+    SigV4 (botocore's signer, UNSIGNED-PAYLOAD, a key that needs quoting) is accepted with
+    the right secret and refused with a wrong one, and its part completes the upload."""
+    import importlib
+
+    from botocore.credentials import Credentials
+
+    from cloudckpt.stores.base import crc32c_b64
+    from cloudckpt.testing.seaweedfs_server import TEST_KEY, TEST_REGION, TEST_SECRET
+
+    lean_s3 = importlib.import_module("benchmarks.request_cost")._LeanS3
+    seaweedfs_server.create_bucket("lean-sigv4")
+    client = seaweedfs_server.client()
+    data, obj = b"q" * 4096, bytes(range(256)) * 256
+    client.put_object(Bucket="lean-sigv4", Key="a b/obj", Body=obj)
+    upload = client.create_multipart_upload(
+        Bucket="lean-sigv4", Key="a b/mp", ChecksumAlgorithm="CRC32C"
+    )["UploadId"]
+    bad = lean_s3(seaweedfs_server.endpoint_url, "lean-sigv4", Credentials(TEST_KEY, "x" * 12),
+                  TEST_REGION)  # fmt: skip
+    with pytest.raises(AssertionError, match="403"):
+        bad.upload_part("a b/mp", upload, 1, memoryview(data), crc32c_b64(data))
+    with pytest.raises(AssertionError, match="403"):
+        bad.get_range_into("a b/obj", 0, memoryview(bytearray(10)))
+    lean = lean_s3(seaweedfs_server.endpoint_url, "lean-sigv4",
+                   Credentials(TEST_KEY, TEST_SECRET), TEST_REGION)  # fmt: skip
+    etag = lean.upload_part("a b/mp", upload, 1, memoryview(data), crc32c_b64(data))
+    buf = memoryview(bytearray(1000))
+    assert lean.get_range_into("a b/obj", 100, buf) == 1000 and bytes(buf) == obj[100:1100]
+    client.complete_multipart_upload(
+        Bucket="lean-sigv4", Key="a b/mp", UploadId=upload,
+        MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": etag, "ChecksumCRC32C": crc32c_b64(data)}]},
+    )  # fmt: skip
+    assert client.get_object(Bucket="lean-sigv4", Key="a b/mp")["Body"].read() == data
+
+
 @pytest.mark.timeout(300)
 def test_quick_dcp_benchmark_loads_at_2_and_3_ranks(tmp_path):
     """The dcp group (issue 23): torchrun jobs save with 2 ranks, load with 2 and with 3
