@@ -5,6 +5,8 @@
     python -m benchmarks.request_cost --profile get       # cProfile (CPU clock) of one loop
     python -m benchmarks.request_cost --off timestamps --contenders cloudckpt,cloudckpt-before
                                                           # one saving alone
+    python -m benchmarks.request_cost --ops get,part --contenders lean,cloudckpt,obstore \
+        --threads 16                                      # 16 threads at once
 
 Against the benchmark S3 endpoint (``benchmarks/s3_endpoint.py``, its own process, loopback,
 unsigned payload), one thread, in loops of ``--requests`` requests:
@@ -23,7 +25,18 @@ before the body (``--size`` is small). The contenders, in rotating order each ro
   (``_s3_client.SAVINGS``: built in this process, same code otherwise);
 - ``botocore``: a plain botocore client (``boto3.client("s3")``, the same config), calling
   ``get_object`` and reading the body / ``put_object`` / ``upload_part`` with our CRC32C;
-- ``obstore``: ``obstore.get_range`` / ``obstore.put`` (no multipart part call: skipped).
+- ``obstore``: ``obstore.get_range`` / ``obstore.put`` (no multipart part call: skipped);
+- ``lean`` (experiment, issue 31): UploadPart and ranged GET over ``http.client`` (one
+  kept-alive connection per thread), each request signed by botocore's own SigV4 signer
+  (``S3SigV4Auth``, UNSIGNED-PAYLOAD) with the headers ``S3Store`` sends (our
+  ``x-amz-checksum-crc32c`` on parts), the part body sent as one ``sendall`` of a memoryview,
+  the GET body ``readinto`` the destination buffer. No retries, error mapping, redirects,
+  TLS, proxies... (see docs/performance.md); a wrong status, a missing ETag or wrong bytes
+  raise (checked before the rounds and after every loop). No ``put``.
+
+``--threads N`` runs each loop in N threads at once (each ``--requests`` / N requests, one
+client shared as the transfers share theirs, lean's connection per thread) and divides the
+process's CPU by all the requests.
 
 Prints the median over rounds of each contender's microseconds of CPU per request.
 Nothing is asserted; with the machine shared, run it a few times.
@@ -34,16 +47,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import os
 import pstats
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 KiB = 1 << 10
 OPS = ("get", "put", "part")
-CONTENDERS = ("cloudckpt", "cloudckpt-before", "botocore", "obstore")
+CONTENDERS = ("cloudckpt", "cloudckpt-before", "botocore", "obstore", "lean")
 
 
 @contextlib.contextmanager
@@ -73,6 +88,8 @@ def _loops(
         return _cloudckpt_loops(s3t, contender, prefix, data, obj, off)
     if contender == "botocore":
         return _botocore_loops(s3t, prefix, data, crc32c_b64(data), obj)
+    if contender == "lean":
+        return _lean_loops(s3t, prefix, data, crc32c_b64(data), obj)
     return _obstore_loops(s3t, prefix, data, obj)
 
 
@@ -154,6 +171,181 @@ def _obstore_loops(
     return {"get": get, "put": put}
 
 
+class _LeanS3:
+    """The experiment: S3 requests over ``http.client``, signed by botocore's SigV4 signer.
+
+    Path-style addressing on a plain-HTTP endpoint, one kept-alive connection per thread.
+    Not a store: no retries, no error mapping, no redirects (see the module docstring)."""
+
+    def __init__(self, endpoint_url: str, bucket: str, credentials: Any, region: str) -> None:
+        import threading
+        import urllib.parse
+
+        from botocore.auth import S3SigV4Auth
+
+        class _Unsigned(S3SigV4Auth):
+            # What ``payload_signing_enabled=False`` (--signing unsigned) gives botocore.
+            def _should_sha256_sign_payload(self, request: Any) -> bool:
+                return False
+
+        url = urllib.parse.urlsplit(endpoint_url)
+        assert url.scheme == "http" and url.hostname, endpoint_url
+        self.host, self.port = url.hostname, url.port or 80
+        self.base = f"{endpoint_url.rstrip('/')}/{urllib.parse.quote(bucket)}/"
+        self.path0 = f"/{urllib.parse.quote(bucket)}/"
+        self.signer = _Unsigned(credentials, "s3", region)
+        self._local = threading.local()
+
+    def _conn(self) -> Any:
+        import http.client
+
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = http.client.HTTPConnection(self.host, self.port)
+        return conn
+
+    def _send(
+        self, method: str, key: str, query: str, headers: dict[str, str], body: memoryview | None
+    ) -> Any:
+        """Sign, send the head and (one sendall) the body; return the response, head read."""
+        import urllib.parse
+
+        from botocore.awsrequest import AWSRequest
+
+        path = urllib.parse.quote(key, safe="/~")
+        req = AWSRequest(method=method, url=self.base + path + query, headers=headers)
+        self.signer.add_auth(req)
+        conn = self._conn()
+        conn.putrequest(method, self.path0 + path + query, skip_accept_encoding=True)
+        for name, value in req.headers.items():
+            conn.putheader(name, value)
+        conn.endheaders()
+        if body is not None:
+            conn.sock.sendall(body)
+        return conn.getresponse()
+
+    def upload_part(
+        self, key: str, upload_id: str, part_number: int, data: memoryview, crc: str
+    ) -> str:
+        """UploadPart with our CRC32C, as S3Store sends it; return the ETag."""
+        import urllib.parse
+
+        resp = self._send(
+            "PUT",
+            key,
+            f"?partNumber={part_number}&uploadId={urllib.parse.quote(upload_id, safe='')}",
+            {
+                "x-amz-sdk-checksum-algorithm": "CRC32C",
+                "x-amz-checksum-crc32c": crc,
+                "Content-Length": str(data.nbytes),
+            },
+            data,
+        )
+        resp.read()
+        etag = resp.getheader("ETag")
+        if resp.status != 200 or not etag:
+            raise AssertionError(f"lean UploadPart: {resp.status} {resp.reason}, ETag {etag!r}")
+        return str(etag)
+
+    def get_range_into(self, key: str, start: int, buf: memoryview) -> int:
+        """Ranged GET, the body read straight into ``buf``; return the bytes read."""
+        resp = self._send("GET", key, "", {"Range": f"bytes={start}-{start + len(buf) - 1}"}, None)
+        if resp.status != 206:
+            resp.read()
+            raise AssertionError(f"lean GET: {resp.status} {resp.reason}")
+        got = 0
+        while got < len(buf):
+            n = resp.readinto(buf[got:])
+            if not n:
+                break
+            got += n
+        if got != len(buf) or resp.read(1):
+            raise AssertionError(f"lean GET: {got} bytes for a range of {len(buf)}")
+        return got
+
+
+def _lean_loops(
+    s3t: Any, prefix: str, data: bytes, crc: str, obj: bytes
+) -> dict[str, Callable[[int], None]]:
+    client = s3t.boto3_client("unsigned")  # set-up only: the object and the upload
+    bucket = s3t.bucket
+    client.put_object(Bucket=bucket, Key=prefix + "obj", Body=obj)
+    upload_id = client.create_multipart_upload(
+        Bucket=bucket, Key=prefix + "mp", ChecksumAlgorithm="CRC32C"
+    )["UploadId"]
+    creds = client._request_signer._credentials.get_frozen_credentials()
+    lean = _LeanS3(s3t.endpoint_url, bucket, creds, client.meta.region_name)
+    body = memoryview(data)
+    want = obj[: len(data)]
+
+    def get(n: int) -> None:
+        buf = memoryview(bytearray(len(data)))
+        for _ in range(n):
+            lean.get_range_into(prefix + "obj", 0, buf)
+        if buf != want:
+            raise AssertionError("lean GET: the bytes differ from the object's")
+
+    def part(n: int) -> None:
+        for _ in range(n):
+            lean.upload_part(prefix + "mp", upload_id, 1, body, crc)
+
+    # Correctness, once, before any round: the endpoint takes a lean part (200, an ETag
+    # that CompleteMultipartUpload accepts, the object then holds the part's bytes) and a
+    # lean GET returns the object's bytes.
+    check = client.create_multipart_upload(
+        Bucket=bucket, Key=prefix + "check", ChecksumAlgorithm="CRC32C"
+    )["UploadId"]
+    etag = lean.upload_part(prefix + "check", check, 1, body, crc)
+    client.complete_multipart_upload(
+        Bucket=bucket,
+        Key=prefix + "check",
+        UploadId=check,
+        MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": etag, "ChecksumCRC32C": crc}]},
+    )
+    if client.get_object(Bucket=bucket, Key=prefix + "check")["Body"].read() != data:
+        raise AssertionError("lean UploadPart: the completed object differs from the part")
+    get(1)
+    return {"get": get, "part": part}
+
+
+def _timer(
+    pool: ThreadPoolExecutor | None, threads: int
+) -> Callable[[Callable[[int], None], int], float]:
+    """``timed(run, n)``: process CPU seconds of ``n`` requests, in ``threads`` threads at once
+    (``n / threads`` each)."""
+
+    def timed(run_op: Callable[[int], None], n: int) -> float:
+        c0 = time.process_time()
+        if pool is None:
+            run_op(n)
+        else:
+            for f in [pool.submit(run_op, -(-n // threads)) for _ in range(threads)]:
+                f.result()
+        return time.process_time() - c0
+
+    return timed
+
+
+def _rounds(
+    loops: dict[str, dict[str, Callable[[int], None]]],
+    contenders: list[str],
+    ops: list[str],
+    rounds: int,
+    n: int,
+    timed: Callable[[Callable[[int], None], int], float],
+) -> dict[tuple[str, str], list[float]]:
+    """``(op, contender) -> [us of CPU per request, per round]``, contenders rotating."""
+    cpu: dict[tuple[str, str], list[float]] = {}
+    for r in range(rounds):
+        order = contenders[r % len(contenders) :] + contenders[: r % len(contenders)]
+        for op in ops:
+            for c in order:
+                run_op = loops[c].get(op)
+                if run_op is not None:
+                    cpu.setdefault((op, c), []).append(timed(run_op, n) / n * 1e6)
+    return cpu
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.request_cost", description=__doc__.split("\n")[0]
@@ -163,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, default=4 * KiB, help="bytes per request body")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma list of {', '.join(OPS)}")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--threads", type=int, default=1, help="run each loop in N threads at once")
     p.add_argument(
         "--off", default="", help="the savings cloudckpt-before goes without (default: all)"
     )
@@ -176,6 +369,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--ops takes {', '.join(OPS)}; --contenders {', '.join(CONTENDERS)}")
 
     from benchmarks.harness import S3Target
+
+    threads = max(1, args.threads)
+    pool = ThreadPoolExecutor(threads) if threads > 1 else None
+    timed = _timer(pool, threads)
 
     s3t = S3Target("bench")
     try:
@@ -191,24 +388,18 @@ def main(argv: list[str] | None = None) -> int:
         for c in contenders:  # warm-up: connections, models, caches
             for op, run in loops[c].items():
                 if op in ops:
-                    run(50)
-        cpu: dict[tuple[str, str], list[float]] = {}
-        for r in range(args.rounds):
-            order = contenders[r % len(contenders) :] + contenders[: r % len(contenders)]
-            for op in ops:
-                for c in order:
-                    run_op = loops[c].get(op)
-                    if run_op is None:
-                        continue
-                    c0 = time.process_time()
-                    run_op(args.requests)
-                    us = (time.process_time() - c0) / args.requests * 1e6
-                    cpu.setdefault((op, c), []).append(us)
+                    timed(run, 50 * threads)
+        cpu = _rounds(
+            loops, contenders, ops, args.rounds, -(-args.requests // threads) * threads, timed
+        )
     finally:
+        if pool is not None:
+            pool.shutdown()
         s3t.close()
     print(
         f"client CPU per request, us (median of {args.rounds} rounds of {args.requests} "
-        f"requests of {args.size} bytes; rounds sorted)"
+        f"requests of {args.size} bytes in {threads} thread(s); rounds sorted; "
+        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())})"
     )
     for op in ops:
         for c in contenders:

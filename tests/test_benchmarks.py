@@ -51,6 +51,63 @@ def test_quick_benchmark_runs_every_group_and_writes_its_json(tmp_path):
     assert " / cloudckpt = " in proc.stdout and "ratio" in proc.stdout
 
 
+@pytest.mark.timeout(240)
+def test_request_cost_lean_contender_is_accepted_by_the_endpoint_in_one_and_four_threads():
+    """The lean experiment (issue 31): its UploadPart and ranged GET are checked inside the
+    benchmark (200 and an ETag that completes the upload to the part's bytes; the GET's bytes
+    equal the object's), which raises otherwise."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for threads in ("1", "4"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.request_cost", "--ops", "get,part",
+             "--contenders", "lean,cloudckpt", "--requests", "40", "--rounds", "1",
+             "--threads", threads],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=110,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        for row in ("get   lean", "part  lean", "get   cloudckpt", "part  cloudckpt"):
+            assert row in proc.stdout, proc.stdout
+        assert f"in {threads} thread(s)" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_request_cost_lean_requests_pass_a_server_that_checks_signatures(seaweedfs_server):
+    """The benchmark endpoint checks no signatures; SeaweedFS does: the lean experiment's
+    SigV4 (botocore's signer, UNSIGNED-PAYLOAD, a key that needs quoting) is accepted with
+    the right secret and refused with a wrong one, and its part completes the upload."""
+    import importlib
+
+    from botocore.credentials import Credentials
+
+    from cloudckpt.stores.base import crc32c_b64
+    from cloudckpt.testing.seaweedfs_server import TEST_KEY, TEST_REGION, TEST_SECRET
+
+    lean_s3 = importlib.import_module("benchmarks.request_cost")._LeanS3
+    seaweedfs_server.create_bucket("lean-sigv4")
+    client = seaweedfs_server.client()
+    data, obj = b"q" * 4096, bytes(range(256)) * 256
+    client.put_object(Bucket="lean-sigv4", Key="a b/obj", Body=obj)
+    upload = client.create_multipart_upload(
+        Bucket="lean-sigv4", Key="a b/mp", ChecksumAlgorithm="CRC32C"
+    )["UploadId"]
+    bad = lean_s3(seaweedfs_server.endpoint_url, "lean-sigv4", Credentials(TEST_KEY, "x" * 12),
+                  TEST_REGION)  # fmt: skip
+    with pytest.raises(AssertionError, match="403"):
+        bad.upload_part("a b/mp", upload, 1, memoryview(data), crc32c_b64(data))
+    with pytest.raises(AssertionError, match="403"):
+        bad.get_range_into("a b/obj", 0, memoryview(bytearray(10)))
+    lean = lean_s3(seaweedfs_server.endpoint_url, "lean-sigv4",
+                   Credentials(TEST_KEY, TEST_SECRET), TEST_REGION)  # fmt: skip
+    etag = lean.upload_part("a b/mp", upload, 1, memoryview(data), crc32c_b64(data))
+    buf = memoryview(bytearray(1000))
+    assert lean.get_range_into("a b/obj", 100, buf) == 1000 and bytes(buf) == obj[100:1100]
+    client.complete_multipart_upload(
+        Bucket="lean-sigv4", Key="a b/mp", UploadId=upload,
+        MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": etag, "ChecksumCRC32C": crc32c_b64(data)}]},
+    )  # fmt: skip
+    assert client.get_object(Bucket="lean-sigv4", Key="a b/mp")["Body"].read() == data
+
+
 @pytest.mark.timeout(300)
 def test_quick_dcp_benchmark_loads_at_2_and_3_ranks(tmp_path):
     """The dcp group (issue 23): torchrun jobs save with 2 ranks, load with 2 and with 3
