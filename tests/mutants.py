@@ -3060,6 +3060,14 @@ def _worker_ends_under_an_open_block(setattr_: Callable[[Any, str, Any], None]) 
     setattr_(savequeue.SaveQueue, "_writing", lambda self: False)
 
 
+def _finish_pending_drops_an_untold_failure(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The integrations' ``finish_pending``, its ``close()`` timed out, drops the manager
+    without taking the failures no handle covered: no one is ever told of them."""
+    from cloudckpt.integrations import _pending
+
+    setattr_(_pending, "_untold", lambda mgr: [])
+
+
 _CLOSE = "tests/test_close_timeout.py"
 _NOT_SIMULATED_CLOSE = "the simulation's managers close without a timeout"
 
@@ -3135,6 +3143,17 @@ MUTANTS.update(
                     "[settle]",
                     f"{_CLOSE}::test_close_without_a_timeout_waits_for_a_save_begun_during_its_"
                     "wait",
+                ),
+                why_not_simulated=_NOT_SIMULATED_CLOSE,
+            ),
+            Mutant(
+                "finish-pending-drops-an-untold-failure",
+                "finish_pending, when close() times out, raises the failures no handle covered "
+                "(the manager it drops would never raise them)",
+                _finish_pending_drops_an_untold_failure,
+                (
+                    f"{_CLOSE}::test_finish_pending_raises_a_failure_no_handle_covered_when_"
+                    "close_times_out",
                 ),
                 why_not_simulated=_NOT_SIMULATED_CLOSE,
             ),

@@ -355,3 +355,29 @@ def test_a_save_begun_as_close_stops_the_worker_is_run_or_refused(
         assert got["handle"].result(timeout=0).step == 2
     else:
         assert "closed" in str(got.get("raised")), got
+
+
+def test_finish_pending_raises_a_failure_no_handle_covered_when_close_times_out(
+    memory_target, tmp_path
+):
+    """The integrations' finish_pending drops the manager when its close() times out: step
+    1's failure (no handle given covers it) must be raised then, not lost (before: it
+    returned normally, and no one was ever told)."""
+    from cloudckpt.integrations._pending import finish_pending
+
+    store, entered, release = _hung_store(memory_target.url)
+    denied = store.add(
+        Rule(FailBefore(error=PermissionDeniedError), ops={"put"}, key=CHUNKS, times=1)
+    )
+    store.rules.reverse()  # step 1 meets the failure, step 2 the hang
+    mgr = CheckpointManager(store, staging_dir=tmp_path / "s", auto_gc=False, max_pending=2)
+    try:
+        h1 = _save(mgr, 1)
+        _save(mgr, 2)
+        assert entered.wait(15) and denied.fired == 1 and h1.done()
+        with pytest.raises(PermissionDeniedError):
+            finish_pending(mgr, [], 1.0, lambda info: None)
+        assert not mgr.closed
+    finally:
+        release.set()
+        mgr.close(timeout=30)
