@@ -3068,6 +3068,20 @@ def _finish_pending_drops_an_untold_failure(setattr_: Callable[[Any, str, Any], 
     setattr_(_pending, "_untold", lambda mgr: [])
 
 
+def _attempt_state_before_its_journal(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """An attempt says its new state before its journal is written (as before), so a
+    close() that timed out names as durable a save whose journal a restart reads otherwise."""
+    from cloudckpt import staging
+
+    original = staging.Attempt.set_state
+
+    def set_state(self: Any, state: str, *, sync: bool = True, **extra: Any) -> None:
+        self.state = state
+        original(self, state, sync=sync, **extra)
+
+    setattr_(staging.Attempt, "set_state", set_state)
+
+
 _CLOSE = "tests/test_close_timeout.py"
 _NOT_SIMULATED_CLOSE = "the simulation's managers close without a timeout"
 
@@ -3155,6 +3169,14 @@ MUTANTS.update(
                     f"{_CLOSE}::test_finish_pending_raises_a_failure_no_handle_covered_when_"
                     "close_times_out",
                 ),
+                why_not_simulated=_NOT_SIMULATED_CLOSE,
+            ),
+            Mutant(
+                "attempt-state-before-its-journal",
+                "an attempt says durable only once its journal does (close()'s TimeoutError "
+                "names the saves a restart commits by it)",
+                _attempt_state_before_its_journal,
+                (f"{_CLOSE}::test_an_attempt_is_durable_only_once_its_journal_says_so",),
                 why_not_simulated=_NOT_SIMULATED_CLOSE,
             ),
         ]

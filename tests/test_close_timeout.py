@@ -381,3 +381,46 @@ def test_finish_pending_raises_a_failure_no_handle_covered_when_close_times_out(
     finally:
         release.set()
         mgr.close(timeout=30)
+
+
+def test_an_attempt_is_durable_only_once_its_journal_says_so(tmp_path, monkeypatch):
+    """close()'s TimeoutError names as durable (a restart commits them) the saves whose
+    attempt says ``durable``: that must be so only once the journal is on disk, not while
+    its write hangs (a stuck disk) nor after it failed (before: set at once)."""
+    from cloudckpt import staging as staging_module
+    from cloudckpt.errors import StagingError
+    from cloudckpt.staging import DURABLE, StagingArea
+
+    area = StagingArea(tmp_path / "s")
+    try:
+        attempt = area.new_attempt("a1", 1, {}, {})
+        before = attempt.state
+        entered, release = threading.Event(), threading.Event()
+        fsync = os.fsync
+
+        def hung_fsync(fd: int) -> None:
+            entered.set()
+            assert release.wait(15)
+            fsync(fd)
+
+        monkeypatch.setattr(staging_module.os, "fsync", hung_fsync)
+        writing = threading.Thread(target=attempt.set_state, args=(DURABLE,))
+        writing.start()
+        assert entered.wait(15)
+        assert attempt.state == before  # the journal is still being written
+        release.set()
+        writing.join(15)
+        assert attempt.state == DURABLE
+        monkeypatch.setattr(staging_module.os, "fsync", fsync)
+
+        attempt2 = area.new_attempt("a2", 2, {}, {})
+
+        def failing_replace(src: object, dst: object) -> None:
+            raise OSError(5, "I/O error")
+
+        monkeypatch.setattr(staging_module.os, "replace", failing_replace)
+        with pytest.raises(StagingError):
+            attempt2.set_state(DURABLE)
+        assert attempt2.state != DURABLE
+    finally:
+        area.close()
