@@ -467,10 +467,16 @@ class ManagerBase:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = self.queue.settle(timeout)
+        # Saves other threads began meanwhile: wait for them too, within the deadline.
+        while pending and deadline is not None and time.monotonic() < deadline:
+            pending = self.queue.settle(_left(deadline))
         # The worker ends within moments of its last save: a little slack past the deadline.
-        # (It may not: a save another thread handed over meanwhile; new saves are then
-        # refused, as close() has begun.)
-        if pending or not self.queue.stop(_left(deadline, CLOSE_SLACK_S)):
+        # (It may not: a save another thread began meanwhile, which the worker waits for
+        # and runs; new saves are then refused, as close() has begun.) Without a timeout,
+        # such saves are waited for there.
+        if (pending and deadline is not None) or not self.queue.stop(
+            _left(deadline, CLOSE_SLACK_S)
+        ):
             raise TimeoutError(self._still_saving(pending or self.queue.unfinished(), timeout))
         if not self._pipeline.close(_left(deadline)):  # they write into staging
             raise TimeoutError(

@@ -326,6 +326,7 @@ class SaveQueue:
         self._worker: threading.Thread | None = None
         #: Set by ``stop()``: the worker ends once the queue is empty.
         self.closing = False
+        self._closer: int | None = None  # the thread that called stop()
         #: Why the worker stopped for good (``_fail_queued``): every new save is refused.
         self.stopped: BaseException | None = None
         #: Test hook (cloudckpt.testing.simulation): run each save in the thread that
@@ -359,6 +360,8 @@ class SaveQueue:
                     continue
                 self._cv.wait()
             self.check_running()  # it may have stopped while this save waited for a slot
+            if self.closing:  # the worker may end any moment: it would never run this save
+                raise ConfigurationError("this CheckpointManager is closed")
             self._reserved += 1
             self._open[handle] = threading.get_ident()
         try:
@@ -517,7 +520,13 @@ class SaveQueue:
     def _run(self, until_idle: bool = False) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self.closing and not until_idle:
+                # Closing, it still waits for the blocks other threads have open: their
+                # saves, handed over, are for it to run (close() waits for them).
+                while (
+                    not self._queue
+                    and not until_idle
+                    and not (self.closing and not self._writing())
+                ):
                     self._cv.wait()
                 if not self._queue:
                     return
@@ -592,12 +601,18 @@ class SaveQueue:
         whether it has ended."""
         with self._cv:
             self.closing = True
+            self._closer = threading.get_ident()
             self._cv.notify_all()
         worker = self._worker
         if worker is None or worker is threading.current_thread():
             return True
         worker.join(None if timeout is None else max(0.0, timeout))
         return not worker.is_alive()
+
+    def _writing(self) -> bool:
+        """Whether a thread other than the one closing has a save's block open (under
+        ``_cv``)."""
+        return any(thread != self._closer for thread in self._open.values())
 
     def settle(self, timeout: float | None = None) -> list[SaveHandle]:
         """Wait, at most ``timeout``, as ``wait`` does (every save handed over so far, and

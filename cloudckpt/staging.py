@@ -157,8 +157,9 @@ class Attempt:
     def set_state(self, state: str, *, sync: bool = True, **extra: Any) -> None:
         """Record ``state`` atomically (temp file, replace); durably (fsync) unless
         ``sync=False``, which suits states recovery ignores anyway (open, staged): the
-        caller of save() should not wait for a disk flush."""
-        self.state = state
+        caller of save() should not wait for a disk flush. ``state`` says it only once the
+        journal does: a ``close()`` that timed out tells which saves a restart commits by it
+        (``SaveQueue.durable``)."""
         self.extra.update(extra)
         body = json.dumps(
             {
@@ -185,6 +186,7 @@ class Attempt:
                 _fsync_dir(self.dir)
         except OSError as exc:
             raise _staging_error(exc, f"write the journal of attempt {self.id}") from None
+        self.state = state
 
     def list_files(self) -> list[tuple[str, Path]]:
         """(relative '/'-path, local path) of every file, sorted. Symlinks to files are

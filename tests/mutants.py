@@ -3036,6 +3036,53 @@ def _close_waits_for_local_copies_forever(setattr_: Callable[[Any, str, Any], No
     setattr_(localsave.LocalSave, "close", close)
 
 
+def _queue_opens_after_closing(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A save's block opens though close() has told the worker to stop (the queue does not
+    check ``closing``): the worker may have ended, and the save, accepted, never runs."""
+    from cloudckpt import savequeue
+
+    original = savequeue.SaveQueue.open
+
+    def open_(self: Any, handle: Any) -> Any:
+        closing, self.closing = self.closing, False
+        try:
+            return original(self, handle)
+        finally:
+            self.closing = closing or self.closing
+
+    setattr_(savequeue.SaveQueue, "open", open_)
+
+
+def _worker_ends_under_an_open_block(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """Told to stop, the save worker ends once its queue is empty, though another thread
+    still has a save's block open: that save is handed over to no one."""
+    from cloudckpt import savequeue
+
+    setattr_(savequeue.SaveQueue, "_writing", lambda self: False)
+
+
+def _finish_pending_drops_an_untold_failure(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The integrations' ``finish_pending``, its ``close()`` timed out, drops the manager
+    without taking the failures no handle covered: no one is ever told of them."""
+    from cloudckpt.integrations import _pending
+
+    setattr_(_pending, "_untold", lambda mgr: [])
+
+
+def _attempt_state_before_its_journal(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """An attempt says its new state before its journal is written (as before), so a
+    close() that timed out names as durable a save whose journal a restart reads otherwise."""
+    from cloudckpt import staging
+
+    original = staging.Attempt.set_state
+
+    def set_state(self: Any, state: str, *, sync: bool = True, **extra: Any) -> None:
+        self.state = state
+        original(self, state, sync=sync, **extra)
+
+    setattr_(staging.Attempt, "set_state", set_state)
+
+
 _CLOSE = "tests/test_close_timeout.py"
 _NOT_SIMULATED_CLOSE = "the simulation's managers close without a timeout"
 
@@ -3092,6 +3139,45 @@ MUTANTS.update(
                     f"{_CLOSE}::test_a_save_still_in_its_block_at_the_deadline_is_not_released_"
                     "under_it",
                 ),
+                why_not_simulated=_NOT_SIMULATED_CLOSE,
+            ),
+            Mutant(
+                "queue-opens-after-closing",
+                "once close() has told the save worker to stop, a new save's block is refused",
+                _queue_opens_after_closing,
+                (f"{_CLOSE}::test_a_save_begun_as_close_stops_the_worker_is_run_or_refused[stop]",),
+                why_not_simulated=_NOT_SIMULATED_CLOSE,
+            ),
+            Mutant(
+                "worker-ends-under-an-open-block",
+                "told to stop, the save worker still runs the saves other threads have open "
+                "(close() waits for them before it releases anything)",
+                _worker_ends_under_an_open_block,
+                (
+                    f"{_CLOSE}::test_a_save_begun_as_close_stops_the_worker_is_run_or_refused"
+                    "[settle]",
+                    f"{_CLOSE}::test_close_without_a_timeout_waits_for_a_save_begun_during_its_"
+                    "wait",
+                ),
+                why_not_simulated=_NOT_SIMULATED_CLOSE,
+            ),
+            Mutant(
+                "finish-pending-drops-an-untold-failure",
+                "finish_pending, when close() times out, raises the failures no handle covered "
+                "(the manager it drops would never raise them)",
+                _finish_pending_drops_an_untold_failure,
+                (
+                    f"{_CLOSE}::test_finish_pending_raises_a_failure_no_handle_covered_when_"
+                    "close_times_out",
+                ),
+                why_not_simulated=_NOT_SIMULATED_CLOSE,
+            ),
+            Mutant(
+                "attempt-state-before-its-journal",
+                "an attempt says durable only once its journal does (close()'s TimeoutError "
+                "names the saves a restart commits by it)",
+                _attempt_state_before_its_journal,
+                (f"{_CLOSE}::test_an_attempt_is_durable_only_once_its_journal_says_so",),
                 why_not_simulated=_NOT_SIMULATED_CLOSE,
             ),
         ]

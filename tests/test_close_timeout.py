@@ -258,3 +258,169 @@ def test_a_local_copy_still_being_written_at_the_deadline_is_not_released_under(
     finally:
         gate.set()
         mgr.close(timeout=30)
+
+
+def test_close_without_a_timeout_waits_for_a_save_begun_during_its_wait(memory_target, tmp_path):
+    """close() waits for step 1's hung upload; meanwhile another thread opens step 2's block
+    (close() has not yet stopped the worker). close() (no timeout) then waits for step 2 as
+    well and commits it (before: it raised 'close(timeout=None) timed out')."""
+    store, entered, release = _hung_store(memory_target.url)
+    mgr = CheckpointManager(store, staging_dir=tmp_path / "s", auto_gc=False)
+    try:
+        _save(mgr, 1)
+        assert entered.wait(15)
+        closing = threading.Thread(target=lambda: _close_in_thread(mgr, None, within=20))
+        closing.start()
+        time.sleep(0.3)  # close() is waiting for step 1
+        handle = mgr.save(step=2)
+        files = handle.__enter__()
+        release.set()
+        time.sleep(0.3)  # step 1 commits: close() sees step 2 still in its block
+        (files / "w").write_bytes(b"x")
+        handle.__exit__(None, None, None)
+        closing.join(25)
+        assert not closing.is_alive()
+        assert mgr.closed and handle.result(timeout=0).step == 2
+    finally:
+        release.set()
+        mgr.close(timeout=30)
+
+
+def _save_racing_close(mgr: CheckpointManager, *, opens_after: str) -> dict:
+    """Another thread's ``save()`` passes ``check_open`` before ``close()`` stops the worker,
+    and opens its block either after ``settle`` returned (``opens_after="settle"``) or after
+    the worker was told to stop (``"stop"``); returns what that thread got."""
+    checked, go, opened = threading.Event(), threading.Event(), threading.Event()
+    caller = threading.get_ident()
+    check_open, settle, stop = mgr.check_open, mgr.queue.settle, mgr.queue.stop
+
+    def held_check_open() -> None:
+        check_open()
+        if threading.get_ident() != caller:
+            checked.set()
+            assert go.wait(10)
+
+    def racing(original):
+        def call(timeout=None):
+            if original is stop and opens_after == "settle":
+                go.set()  # the block opens before the worker is told to stop
+                assert opened.wait(10)
+            result = original(timeout)
+            if original is stop and opens_after == "stop":
+                go.set()
+                opened.wait(2)
+            return result
+
+        return call
+
+    mgr.check_open = held_check_open
+    mgr.queue.settle, mgr.queue.stop = racing(settle), racing(stop)
+    got: dict = {}
+
+    def saver() -> None:
+        try:
+            handle = mgr.save(step=2)
+            with handle as files:
+                opened.set()
+                time.sleep(0.3)
+                (files / "w").write_bytes(b"x" * 1000)
+            got["handle"] = handle
+        except BaseException as exc:
+            got["raised"] = exc
+            opened.set()
+
+    thread = threading.Thread(target=saver)
+    thread.start()
+    assert checked.wait(10)
+    _, got["close"] = _close_in_thread(mgr, None, within=20)
+    thread.join(10)
+    return got
+
+
+@pytest.mark.parametrize("opens_after", ["settle", "stop"])
+def test_a_save_begun_as_close_stops_the_worker_is_run_or_refused(
+    memory_target, tmp_path, opens_after
+):
+    """A save whose block opens after close() waited for the saves: opened before the
+    worker is told to stop, the worker waits for it, runs it, and close() releases
+    nothing until it committed; opened after, it is refused. Before: the worker ended,
+    close() released staging under the block, and the save, accepted, never ran."""
+    mgr = CheckpointManager(memory_target.url, staging_dir=tmp_path / "s", auto_gc=False)
+    _save(mgr, 1).result(timeout=15)
+    got = _save_racing_close(mgr, opens_after=opens_after)
+    assert got["close"] is None, got["close"]
+    assert mgr.closed
+    if opens_after == "settle":
+        assert "raised" not in got, got
+        assert got["handle"].result(timeout=0).step == 2
+    else:
+        assert "closed" in str(got.get("raised")), got
+
+
+def test_finish_pending_raises_a_failure_no_handle_covered_when_close_times_out(
+    memory_target, tmp_path
+):
+    """The integrations' finish_pending drops the manager when its close() times out: step
+    1's failure (no handle given covers it) must be raised then, not lost (before: it
+    returned normally, and no one was ever told)."""
+    from cloudckpt.integrations._pending import finish_pending
+
+    store, entered, release = _hung_store(memory_target.url)
+    denied = store.add(
+        Rule(FailBefore(error=PermissionDeniedError), ops={"put"}, key=CHUNKS, times=1)
+    )
+    store.rules.reverse()  # step 1 meets the failure, step 2 the hang
+    mgr = CheckpointManager(store, staging_dir=tmp_path / "s", auto_gc=False, max_pending=2)
+    try:
+        h1 = _save(mgr, 1)
+        _save(mgr, 2)
+        assert entered.wait(15) and denied.fired == 1 and h1.done()
+        with pytest.raises(PermissionDeniedError):
+            finish_pending(mgr, [], 1.0, lambda info: None)
+        assert not mgr.closed
+    finally:
+        release.set()
+        mgr.close(timeout=30)
+
+
+def test_an_attempt_is_durable_only_once_its_journal_says_so(tmp_path, monkeypatch):
+    """close()'s TimeoutError names as durable (a restart commits them) the saves whose
+    attempt says ``durable``: that must be so only once the journal is on disk, not while
+    its write hangs (a stuck disk) nor after it failed (before: set at once)."""
+    from cloudckpt import staging as staging_module
+    from cloudckpt.errors import StagingError
+    from cloudckpt.staging import DURABLE, StagingArea
+
+    area = StagingArea(tmp_path / "s")
+    try:
+        attempt = area.new_attempt("a1", 1, {}, {})
+        before = attempt.state
+        entered, release = threading.Event(), threading.Event()
+        fsync = os.fsync
+
+        def hung_fsync(fd: int) -> None:
+            entered.set()
+            assert release.wait(15)
+            fsync(fd)
+
+        monkeypatch.setattr(staging_module.os, "fsync", hung_fsync)
+        writing = threading.Thread(target=attempt.set_state, args=(DURABLE,))
+        writing.start()
+        assert entered.wait(15)
+        assert attempt.state == before  # the journal is still being written
+        release.set()
+        writing.join(15)
+        assert attempt.state == DURABLE
+        monkeypatch.setattr(staging_module.os, "fsync", fsync)
+
+        attempt2 = area.new_attempt("a2", 2, {}, {})
+
+        def failing_replace(src: object, dst: object) -> None:
+            raise OSError(5, "I/O error")
+
+        monkeypatch.setattr(staging_module.os, "replace", failing_replace)
+        with pytest.raises(StagingError):
+            attempt2.set_state(DURABLE)
+        assert attempt2.state != DURABLE
+    finally:
+        area.close()

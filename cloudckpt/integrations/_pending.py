@@ -124,7 +124,8 @@ def finish_pending(
     and a restart on this host commits those already durable there (docs/design.md §12).
 
     Raises: the exception of the earliest save that failed (any later failures are
-    logged), else what ``mgr.close()`` raises (a failed save no handle here covered).
+    logged), else what ``mgr.close()`` raises (a failed save no handle here covered; also
+    when it timed out, the manager left unclosed, as nothing would raise it later).
     Every handle is waited for, and the manager closed, before anything is raised.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -154,9 +155,16 @@ def finish_pending(
                 failures.append((None, exc))
             else:  # still uploading at the deadline: as above, not a failure
                 log.error("not closing the manager: %s", exc)
+                failures.extend(_untold(mgr))
         except Exception as exc:
             failures.append((None, exc))
     for step, error in failures[1:]:
         log.error("the save of step %s also failed: %s", step, error)
     if failures:
         raise failures[0][1]
+
+
+def _untold(mgr: CheckpointManager) -> list[tuple[int | None, BaseException]]:
+    """The failures of saves no handle here covered and no one was told of, taken from a
+    manager left unclosed: nothing raises them later (the caller drops the manager)."""
+    return [(h.step, exc) for h, exc in mgr.queue.take_unreported()]
