@@ -3083,6 +3083,15 @@ def _attempt_state_before_its_journal(setattr_: Callable[[Any, str, Any], None])
     setattr_(staging.Attempt, "set_state", set_state)
 
 
+def _close_ignores_a_failed_phase_s_rank_work(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A multi-rank manager's close() does not wait for this rank's work that a phase
+    failed on a CollectiveError left running (as before): it releases staging and the
+    engine under an upload still going on."""
+    from cloudckpt.distributed import _manager
+
+    setattr_(_manager.RankSave, "close", lambda self, timeout=None: True)
+
+
 _CLOSE = "tests/test_close_timeout.py"
 _NOT_SIMULATED_CLOSE = "the simulation's managers close without a timeout"
 
@@ -3178,6 +3187,17 @@ MUTANTS.update(
                 "names the saves a restart commits by it)",
                 _attempt_state_before_its_journal,
                 (f"{_CLOSE}::test_an_attempt_is_durable_only_once_its_journal_says_so",),
+                why_not_simulated=_NOT_SIMULATED_CLOSE,
+            ),
+            Mutant(
+                "close-ignores-a-failed-phase-s-rank-work",
+                "a multi-rank close() releases nothing while this rank's work of a failed "
+                "collective phase still runs, and is bounded by its timeout",
+                _close_ignores_a_failed_phase_s_rank_work,
+                (
+                    "tests/test_distributed_close.py::test_close_is_bounded_and_releases_"
+                    "nothing_under_a_failed_phase_s_work",
+                ),
                 why_not_simulated=_NOT_SIMULATED_CLOSE,
             ),
         ]

@@ -119,12 +119,25 @@ class Comm:
         #: The first collective failure seen under ``guard``; the group is unusable after it.
         self.broken: CollectiveError | None = None
         self._helper = cf.ThreadPoolExecutor(1, thread_name_prefix="cloudckpt-rank-work")
+        # The helper's latest work and its phase: one worker, so once it is done all are.
+        # A phase that failed on a CollectiveError leaves it running (an upload into a
+        # store that stopped answering): close() must not release what it uses meanwhile.
+        self._work: cf.Future[Any] | None = None
+        self._work_what = ""
         self._seq = 0  # collectives entered: the same count on every rank, in lockstep
         self.whereabouts = Whereabouts.of(dist, group, rank, world, timeout)
 
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0
+
+    def still_working(self, timeout: float | None) -> str | None:
+        """Waits up to ``timeout`` (None: for good) for this rank's work on the helper to
+        end; returns the phase still running then, or None."""
+        work = self._work
+        if work is None or cf.wait([work], timeout=timeout).not_done == set():
+            return None
+        return self._work_what
 
     def close(self, wait: bool = True) -> None:
         self._helper.shutdown(wait=wait)
@@ -250,6 +263,8 @@ class Comm:
         with every rank until no rank is busy. ``cancel`` is set once any rank has failed,
         to cut short work the failure made pointless."""
         fut = self._helper.submit(work) if work is not None else None
+        if fut is not None:
+            self._work, self._work_what = fut, what
         code = _OK
         try:
             while True:

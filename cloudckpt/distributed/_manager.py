@@ -405,8 +405,9 @@ class DistributedCheckpointManager(ManagerBase):
             super().close(timeout)
         finally:
             # Not under saves still running after a timeout: they need the collectives.
+            # Once closed, the helper is idle (RankSave.close waited for it): no wait here.
             if self.closed:
-                self._comm.close(wait=True)
+                self._comm.close(wait=False)
 
     def _stored_path(self, rel: str) -> str:
         return f"{rank_dir(self.rank)}/{rel}" if self.per_rank_dirs else rel
@@ -500,7 +501,18 @@ class RankSave:
         )
 
     def close(self, timeout: float | None = None) -> bool:
-        """Nothing runs after a save returned."""
+        """Waits (up to ``timeout``) for this rank's own work on the collectives' helper,
+        which a phase that failed on a CollectiveError leaves running (an upload into a
+        store that stopped answering): nothing (staging, engine, store) is released under
+        it. Raises TimeoutError naming it if it still runs then."""
+        what = self.comm.still_working(timeout)
+        if what is not None:
+            raise TimeoutError(
+                f"close(timeout={timeout}) timed out: this rank's work of a failed collective "
+                f"phase ({what}) is still running (a store that does not answer?); nothing "
+                "was released. Call close() again to keep waiting (it releases everything "
+                "once that work ends)"
+            )
         return True
 
 
