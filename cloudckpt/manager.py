@@ -59,6 +59,12 @@ def _steps(steps: Sequence[int]) -> str:
     return ", ".join(str(s) for s in steps)
 
 
+def close_call(timeout: float | None) -> str:
+    """``close(timeout=...)`` as a message names it (a caller's remaining time, such as
+    ``finish_pending``'s, is a long float: three figures say enough)."""
+    return "close()" if timeout is None else f"close(timeout={timeout:.3g})"
+
+
 Self = TypeVar("Self", bound="ManagerBase")
 
 
@@ -480,7 +486,7 @@ class ManagerBase:
             raise TimeoutError(self._still_saving(pending or self.queue.unfinished(), timeout))
         if not self._pipeline.close(_left(deadline)):  # they write into staging
             raise TimeoutError(
-                f"close(timeout={timeout}) timed out: local copies of committed saves are still "
+                f"{close_call(timeout)} timed out: local copies of committed saves are still "
                 "being written into staging (the saves are committed); nothing was released. "
                 "Call close() again to keep waiting"
             )
@@ -504,11 +510,17 @@ class ManagerBase:
     def _still_saving(self, pending: builtins.list[SaveHandle], timeout: float | None) -> str:
         """What a ``close()`` that timed out with ``pending`` saves still running says: how
         many, which steps, and what becomes of each if the process exits now."""
+        if not pending:  # every save is done, but the worker had not ended within the slack
+            return (
+                f"{close_call(timeout)} timed out: the save worker had not ended "
+                f"{CLOSE_SLACK_S:g} s after its last save; nothing was released. Call close() "
+                "again to keep waiting"
+            )
         steps = [h.step for h in pending]
         durable = [h.step for h in pending if self.queue.durable(h)]
         others = [s for s in steps if s not in durable]
         message = (
-            f"close(timeout={timeout}) timed out: {len(pending)} save(s) still being written "
+            f"{close_call(timeout)} timed out: {len(pending)} save(s) still being written "
             f"(steps {_steps(steps)}); they go on in the background and nothing was released. "
             "Call close() again to keep waiting (it releases everything once they are done). "
         )

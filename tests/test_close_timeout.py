@@ -18,6 +18,7 @@ import pytest
 
 from cloudckpt import CheckpointManager
 from cloudckpt.errors import PermissionDeniedError
+from cloudckpt.manager import close_call
 from cloudckpt.stores import open_store
 from cloudckpt.testing.faults import Callback, FailBefore, FaultInjectingStore, Rule
 
@@ -97,6 +98,7 @@ def test_close_with_a_hung_upload_returns_in_time_and_releases_nothing(memory_ta
         assert isinstance(exc, TimeoutError), exc
         assert 0.8 <= took < 4
         message = str(exc)
+        assert message.startswith("close(timeout=1) timed out: ")
         assert "1 save(s) still being written (steps 1)" in message
         assert "close() again" in message and "background" in message
         assert "durable in staging (steps 1)" in message and "LATEST" in message
@@ -118,6 +120,12 @@ def test_close_with_a_hung_upload_returns_in_time_and_releases_nothing(memory_ta
         assert latest is not None and latest.step == 1
     finally:
         reader.close(timeout=30)
+
+
+def test_a_timeout_is_named_in_three_figures():
+    """finish_pending passes what is left of its deadline: the message names it readably."""
+    assert close_call(0.9999932) == "close(timeout=1)"
+    assert close_call(12.345678) == "close(timeout=12.3)" and close_call(None) == "close()"
 
 
 def test_a_close_that_timed_out_keeps_an_earlier_failure_for_the_next_close(

@@ -508,7 +508,7 @@ class RankSave:
         what = self.comm.still_working(timeout)
         if what is not None:
             raise TimeoutError(
-                f"close(timeout={timeout}) timed out: this rank's work of a failed collective "
+                "close() ran out of its timeout: this rank's work of a failed collective "
                 f"phase ({what}) is still running (a store that does not answer?); nothing "
                 "was released. Call close() again to keep waiting (it releases everything "
                 "once that work ends)"
