@@ -619,17 +619,22 @@ class SaveQueue:
         those other threads are still writing), but take no failure; the saves still not
         done (none: settled). ``close()`` waits here before it releases anything."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        handles, _ = self._handed_over(deadline)
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        wait_interruptibly([h._future for h in handles], remaining)
+        return self.unfinished()
+
+    def _handed_over(self, deadline: float | None) -> tuple[list[SaveHandle], bool]:
+        """Wait until no other thread has a save's block open (or ``deadline``); the saves
+        handed over by then, and whether the blocks all closed in time."""
         me = threading.get_ident()
         with self._cv:
             while any(thread != me for thread in self._open.values()):
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    break
+                    return list(self._handles), False
                 self._cv.wait(remaining)
-            handles = list(self._handles)
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        wait_interruptibly([h._future for h in handles], remaining)
-        return self.unfinished()
+            return list(self._handles), True
 
     @staticmethod
     def durable(handle: SaveHandle) -> bool:
@@ -653,14 +658,9 @@ class SaveQueue:
         threads are still writing, committed or failed. Raises the earliest unreported
         failure; TimeoutError."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        me = threading.get_ident()
-        with self._cv:
-            while any(thread != me for thread in self._open.values()):
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"saves still being written after {timeout}s")
-                self._cv.wait(remaining)
-            handles = list(self._handles)
+        handles, in_time = self._handed_over(deadline)
+        if not in_time:
+            raise TimeoutError(f"saves still being written after {timeout}s")
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         if not wait_interruptibly([h._future for h in handles], remaining):
             pending = sum(not h.done() for h in handles)

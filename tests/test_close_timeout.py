@@ -239,18 +239,12 @@ def test_a_local_copy_still_being_written_at_the_deadline_is_not_released_under(
     unbounded); staging stays; the next close() keeps the copy and releases everything."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("safetensors")
+    from test_resume_state import hold_staged_writes
+
     from cloudckpt.integrations.torch import save_state
     from cloudckpt.localcopy import COMMITTED_DIR
-    from cloudckpt.staging import Attempt
 
-    gate = threading.Event()
-    real = Attempt.write_files
-
-    def held(self, files, cancelled=None):
-        gate.wait(60)
-        return real(self, files, cancelled)
-
-    monkeypatch.setattr(Attempt, "write_files", held)
+    gate = hold_staged_writes(monkeypatch)
     staging = tmp_path / "s"
     mgr = CheckpointManager(file_target.url, staging_dir=staging, auto_gc=False, keep_local=1)
     try:

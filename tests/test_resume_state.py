@@ -424,13 +424,9 @@ def test_a_crash_while_keeping_the_local_copy(memory_target, tmp_path, monkeypat
     again.close()
 
 
-def test_the_commit_does_not_wait_for_the_local_copy_but_buffer_reuse_does(
-    memory_target, tmp_path, monkeypatch
-):
-    """save_state's staged copy is finished after the commit (it is written at a low
-    priority): the commit is reported at once, the host buffers stay reserved until the
-    copy is on disk, and close() waits for it."""
-    from cloudckpt.integrations import torch as ct
+def hold_staged_writes(monkeypatch) -> threading.Event:
+    """Hold every staged copy's writing (``Attempt.write_files``) until the returned event
+    is set (at most 60 s)."""
     from cloudckpt.staging import Attempt
 
     gate = threading.Event()
@@ -441,6 +437,18 @@ def test_the_commit_does_not_wait_for_the_local_copy_but_buffer_reuse_does(
         return real(self, files, cancelled)
 
     monkeypatch.setattr(Attempt, "write_files", held)
+    return gate
+
+
+def test_the_commit_does_not_wait_for_the_local_copy_but_buffer_reuse_does(
+    memory_target, tmp_path, monkeypatch
+):
+    """save_state's staged copy is finished after the commit (it is written at a low
+    priority): the commit is reported at once, the host buffers stay reserved until the
+    copy is on disk, and close() waits for it."""
+    from cloudckpt.integrations import torch as ct
+
+    gate = hold_staged_writes(monkeypatch)
     staging = tmp_path / "staging"
     mgr = CheckpointManager(memory_target.url, staging_dir=staging)
     handle = save_state(mgr, 1, _state(1))
