@@ -53,6 +53,7 @@ from cloudckpt.errors import (
 )
 from cloudckpt.stores._s3_client import make_client, parse_options, request_body
 from cloudckpt.stores._s3_errors import S3Errors, client_error_info
+from cloudckpt.stores._s3_fast_get import FastGet
 from cloudckpt.stores.base import (
     CREATE,
     INTERNAL_PREFIX,
@@ -154,6 +155,7 @@ class S3Store(Store):
         self._endpoint = redact_url(self._client.meta.endpoint_url or "")
         self._errors = S3Errors(self.url, bucket, self._endpoint, secrets)
         self._op_members: dict[str, frozenset[str]] = {}
+        self._fast = FastGet(self._client, bucket, self._with_extra("GetObject", {}))
 
     # --- helpers --------------------------------------------------------------------
 
@@ -275,27 +277,32 @@ class S3Store(Store):
             raise
 
     def get_range_into(self, key: str, start: int, buf: memoryview) -> int:
-        """Read ``len(buf)`` bytes from offset ``start`` into ``buf`` (from the socket
-        straight into the buffer where botocore allows); return how many the store sent
+        """Read ``len(buf)`` bytes from offset ``start`` into ``buf`` (through the lean
+        path of ``_s3_fast_get`` once it is ready, else botocore's GetObject, from the
+        socket straight into the buffer where botocore allows); return how many the store sent
         (fewer only at the end of the object). Raises like ``get_range``; a response cut
         short raises TransientStoreError."""
         length = len(buf)
         if length <= 0:
             self.head(key)
             return 0
-        params = self._with_extra(
-            "GetObject",
-            {
-                "Bucket": self.bucket,
-                "Key": self._full(key),
-                "Range": f"bytes={start}-{start + length - 1}",
-            },
-        )
+        full = self._full(key)
+        if self._fast.ready:
+            got = self._fast.get_range_into(full, start, buf)
+            if got is not None:
+                self.read_paths.hit("lean")
+                return got
+            self.read_paths.hit("fallback")  # (the lean path refused the answer: botocore's turn)
+        rng = f"bytes={start}-{start + length - 1}"
+        params = self._with_extra("GetObject", {"Bucket": self.bucket, "Key": full, "Range": rng})
+        self._fast.expect()
         try:
             with self._errors("get_object", key):
                 resp = self._client.get_object(**params)
                 try:
-                    return _read_body_into(resp, buf, self.read_paths)
+                    got = _read_body_into(resp, buf, self.read_paths)
+                    self._fast.promote(full, rng)  # (only a GET that succeeded teaches it)
+                    return got
                 except (OSError, http.client.HTTPException) as exc:
                     raise TransientStoreError(
                         f"get_object {self._errors.where(key)}: the response broke off "
