@@ -174,7 +174,10 @@ class FastGet:
         self._pending.request = None
         if self.refused is not None or self._shape is not None or request is None:
             return
-        reason, shape = self._learn(request, full_key, range_header)
+        try:
+            reason, shape = self._learn(request, full_key, range_header)
+        except Exception as exc:  # (a botocore whose request looks otherwise) never raise
+            reason, shape = f"it could not be read ({type(exc).__name__})", None
         with self._lock:
             if reason is not None:
                 self._off(f"the request botocore sent: {reason}")

@@ -23,7 +23,10 @@ environment variables including ``AWS_ENDPOINT_URL[_S3]``, config and credential
 the region falls back to ``AWS_REGION`` and then ``us-east-1``.
 
 ``cloudckpt.stores._s3_client`` sets up the client from these options;
-``cloudckpt.stores._s3_errors`` maps botocore's failures into ``cloudckpt.errors``.
+``cloudckpt.stores._s3_errors`` maps botocore's failures into ``cloudckpt.errors``;
+``cloudckpt.stores._s3_fast_get`` sends ``get_range_into``'s ranged GETs without botocore's
+per-call machinery once botocore has shown one that succeeded (anything but an exact 206
+goes back to botocore).
 """
 
 from __future__ import annotations
