@@ -16,7 +16,7 @@ path sends the same request (same URL, headers and SigV4 signature) with less Py
   configured signature version is the default or ``s3v4``; the learned request carries
   only the headers this path reproduces (Range, User-Agent, the SigV4 ones, botocore's
   invocation headers: so no checksum mode, no S3 Express session token), is signed with
-  plain ``AWS4-HMAC-SHA256`` (not SigV4a, not anonymous), has no query string and its URL
+  plain ``AWS4-HMAC-SHA256`` for the signing name ``s3`` (not SigV4a, not anonymous), has no query string and its URL
   ends with the key quoted as botocore quotes it; botocore would use no proxy for it.
 - **Sent through botocore's own HTTP session** (``client._endpoint.http_session``), so TLS
   verification (``verify=``, CA bundles, client certificates), timeouts and connection
@@ -199,6 +199,8 @@ class FastGet:
             return "its Range header is not the one asked for", None
         if auth is None:
             return "it is not signed with plain SigV4 (AWS4-HMAC-SHA256)", None
+        if auth.group(2) != "s3":  # (S3 Express signs for s3express, with its own session)
+            return f"it is signed for {auth.group(2)!r}, not 's3'", None
         if "x-amz-content-sha256" not in headers:
             return "it has no payload hash", None
         if self._session._proxy_config.proxy_url_for(url):
