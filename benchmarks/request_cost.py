@@ -22,12 +22,15 @@ before the body (``--size`` is small). The contenders, in rotating order each ro
 
 - ``cloudckpt``: ``S3Store`` as it is;
 - ``cloudckpt-before``: ``S3Store`` with the per-request savings of issue 31 item 5 off
-  (``_s3_client.SAVINGS``: built in this process, same code otherwise);
+  (``_s3_client.SAVINGS``: built in this process, same code otherwise; ``lean_get``, the
+  lean ranged GET, is one of them: ``--off lean_get`` for botocore's GET against the
+  lean one);
 - ``botocore``: a plain botocore client (``boto3.client("s3")``, the same config), calling
   ``get_object`` and reading the body / ``put_object`` / ``upload_part`` with our CRC32C;
 - ``obstore``: ``obstore.get_range`` / ``obstore.put`` (no multipart part call: skipped);
-- ``lean`` (experiment, issue 31): UploadPart and ranged GET over ``http.client`` (one
-  kept-alive connection per thread), each request signed by botocore's own SigV4 signer
+- ``lean`` (the experiment of issue 31, before ``_s3_fast_get`` was built; that one sends
+  through botocore's HTTP session instead): UploadPart and ranged GET over ``http.client``
+  (one kept-alive connection per thread), each request signed by botocore's own SigV4 signer
   (``S3SigV4Auth``, UNSIGNED-PAYLOAD) with the headers ``S3Store`` sends (our
   ``x-amz-checksum-crc32c`` on parts), the part body sent as one ``sendall`` of a memoryview,
   the GET body ``readinto`` the destination buffer. No retries, error mapping, redirects,

@@ -10,7 +10,8 @@ reads of the same bytes (a safetensors file) into new tensors in the same rounds
 (``--variants``): ``before`` (the buffers as they were: ``bytearray`` scratch buffers, new
 tensors' pages faulted in one by one), ``unpopulated`` (page-aligned scratch buffers, pages
 faulted in one by one) and ``now`` (what cloudckpt does: also each range's pages mapped in
-one call before it lands). ``--same-host``: load from the writer's kept local copy instead. Prints each one's
+one call before it lands); ``botocore-get`` (``now`` with every ranged GET through botocore,
+not the lean GET of ``cloudckpt/stores/_s3_fast_get.py``). ``--same-host``: load from the writer's kept local copy instead. Prints each one's
 client CPU-seconds per GiB (``time.process_time``) and wall time: median and range.
 Nothing is asserted; with the machine shared, compare within one run.
 
@@ -65,6 +66,20 @@ def _unpopulated() -> Iterator[None]:
         yield
     finally:
         tr.populate = saved
+
+
+@contextlib.contextmanager
+def _botocore_get() -> Iterator[None]:
+    """What cloudckpt does, but every ranged GET through botocore (the lean GET of
+    ``_s3_fast_get`` never ready: as ``SAVINGS["lean_get"]`` off, for stores already made)."""
+    from cloudckpt.stores import _s3_fast_get
+
+    saved = _s3_fast_get.FastGet.ready
+    _s3_fast_get.FastGet.ready = property(lambda self: False)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        _s3_fast_get.FastGet.ready = saved  # type: ignore[method-assign]
 
 
 def kept_copy_pass(mib: int, rounds: int) -> None:
@@ -136,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         "before": _before,
         "unpopulated": _unpopulated,
         "now": contextlib.nullcontext,
+        "botocore-get": _botocore_get,
     }
     wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
     if set(wanted) - set(variants):

@@ -3203,3 +3203,98 @@ MUTANTS.update(
         ]
     }
 )
+
+
+# --------------------------------------------------------------- the lean ranged GET of S3
+
+
+def _lean_get_accepts_a_200(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A 200 (the whole object, the Range ignored) taken as the range's bytes."""
+    from cloudckpt.stores import _s3_fast_get as fg
+
+    original = fg.FastGet._read
+
+    def read(response: Any, start: int, end: int, buf: memoryview) -> tuple[str | None, int]:
+        if response.status_code == 200:
+            want = min(len(buf), int(response.headers["content-length"]))
+            got = 0
+            while got < want:
+                got += response.raw._fp.readinto(buf[got:want]) or want
+            return None, got
+        return original(response, start, end, buf)
+
+    setattr_(fg.FastGet, "_read", staticmethod(read))
+
+
+def _lean_get_ignores_the_range_start(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """Only the length of the answered range is checked, not where it starts."""
+    from cloudckpt.stores import _s3_fast_get as fg
+
+    def matches(first: int, last: int, total: int, start: int, end: int) -> bool:
+        return last - first == end - start or total == last + 1
+
+    setattr_(fg, "_range_matches", matches)
+
+
+def _lean_get_reuses_a_refused_connection(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """A refused answer's connection goes back to the pool, its body unread."""
+    from cloudckpt.stores import _s3_fast_get as fg
+
+    setattr_(fg, "_discard", lambda raw: raw.release_conn())
+
+
+def _lean_get_learns_from_any_get(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The request's shape is promoted as botocore sends it, before its answer is known."""
+    from urllib.parse import unquote, urlsplit
+
+    from cloudckpt.stores import _s3_fast_get as fg
+
+    def seen(self: Any, request: Any, **_: Any) -> None:
+        self._pending.request = request
+        path = unquote(urlsplit(request.url).path)
+        full_key = path[len(self._bucket) + 2 :]
+        self.promote(full_key, fg._text(request.headers["Range"]))
+
+    setattr_(fg.FastGet, "_seen", seen)
+
+
+_FAST = "tests/test_s3_fast_get.py"
+_NOT_SIMULATED_LEAN = (
+    "the simulation's stores are in memory: the S3 store's HTTP requests are not in it"
+)
+
+MUTANTS.update(
+    {
+        m.name: m
+        for m in [
+            Mutant(
+                "lean-get-accepts-a-200",
+                "the lean ranged GET accepts only a 206 (anything else: botocore's answer)",
+                _lean_get_accepts_a_200,
+                (f"{_FAST}::test_a_spoiled_answer_falls_back_to_botocores_bytes[200]",),
+                why_not_simulated=_NOT_SIMULATED_LEAN,
+            ),
+            Mutant(
+                "lean-get-ignores-the-range-start",
+                "the lean ranged GET accepts only a Content-Range that starts where asked",
+                _lean_get_ignores_the_range_start,
+                (f"{_FAST}::test_a_spoiled_answer_falls_back_to_botocores_bytes[shifted]",),
+                why_not_simulated=_NOT_SIMULATED_LEAN,
+            ),
+            Mutant(
+                "lean-get-reuses-a-refused-connection",
+                "a connection whose answer the lean GET refused is never used again",
+                _lean_get_reuses_a_refused_connection,
+                (f"{_FAST}::test_a_refused_answers_connection_is_never_used_again",),
+                why_not_simulated=_NOT_SIMULATED_LEAN,
+            ),
+            Mutant(
+                "lean-get-learns-from-any-get",
+                "the lean GET learns the request's shape only from a botocore GET that succeeded",
+                _lean_get_learns_from_any_get,
+                (f"{_FAST}::test_nothing_is_learned_from_a_get_that_failed",),
+                why_not_simulated=_NOT_SIMULATED_LEAN,
+            ),
+        ]
+    }
+)

@@ -23,7 +23,10 @@ environment variables including ``AWS_ENDPOINT_URL[_S3]``, config and credential
 the region falls back to ``AWS_REGION`` and then ``us-east-1``.
 
 ``cloudckpt.stores._s3_client`` sets up the client from these options;
-``cloudckpt.stores._s3_errors`` maps botocore's failures into ``cloudckpt.errors``.
+``cloudckpt.stores._s3_errors`` maps botocore's failures into ``cloudckpt.errors``;
+``cloudckpt.stores._s3_fast_get`` sends ``get_range_into``'s ranged GETs without botocore's
+per-call machinery once botocore has shown one that succeeded (anything but an exact 206
+goes back to botocore).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from cloudckpt.errors import (
 )
 from cloudckpt.stores._s3_client import make_client, parse_options, request_body
 from cloudckpt.stores._s3_errors import S3Errors, client_error_info
+from cloudckpt.stores._s3_fast_get import FastGet
 from cloudckpt.stores.base import (
     CREATE,
     INTERNAL_PREFIX,
@@ -154,6 +158,7 @@ class S3Store(Store):
         self._endpoint = redact_url(self._client.meta.endpoint_url or "")
         self._errors = S3Errors(self.url, bucket, self._endpoint, secrets)
         self._op_members: dict[str, frozenset[str]] = {}
+        self._fast = FastGet(self._client, bucket, self._with_extra("GetObject", {}))
 
     # --- helpers --------------------------------------------------------------------
 
@@ -275,27 +280,32 @@ class S3Store(Store):
             raise
 
     def get_range_into(self, key: str, start: int, buf: memoryview) -> int:
-        """Read ``len(buf)`` bytes from offset ``start`` into ``buf`` (from the socket
-        straight into the buffer where botocore allows); return how many the store sent
+        """Read ``len(buf)`` bytes from offset ``start`` into ``buf`` (through the lean
+        path of ``_s3_fast_get`` once it is ready, else botocore's GetObject, from the
+        socket straight into the buffer where botocore allows); return how many the store sent
         (fewer only at the end of the object). Raises like ``get_range``; a response cut
         short raises TransientStoreError."""
         length = len(buf)
         if length <= 0:
             self.head(key)
             return 0
-        params = self._with_extra(
-            "GetObject",
-            {
-                "Bucket": self.bucket,
-                "Key": self._full(key),
-                "Range": f"bytes={start}-{start + length - 1}",
-            },
-        )
+        full = self._full(key)
+        if self._fast.ready:
+            got = self._fast.get_range_into(full, start, buf)
+            if got is not None:
+                self.read_paths.hit("lean")
+                return got
+            self.read_paths.hit("fallback")  # (the lean path refused the answer: botocore's turn)
+        rng = f"bytes={start}-{start + length - 1}"
+        params = self._with_extra("GetObject", {"Bucket": self.bucket, "Key": full, "Range": rng})
+        self._fast.expect()
         try:
             with self._errors("get_object", key):
                 resp = self._client.get_object(**params)
                 try:
-                    return _read_body_into(resp, buf, self.read_paths)
+                    got = _read_body_into(resp, buf, self.read_paths)
+                    self._fast.promote(full, rng)  # (only a GET that succeeded teaches it)
+                    return got
                 except (OSError, http.client.HTTPException) as exc:
                     raise TransientStoreError(
                         f"get_object {self._errors.where(key)}: the response broke off "
