@@ -3258,6 +3258,27 @@ def _lean_get_learns_from_any_get(setattr_: Callable[[Any, str, Any], None]) -> 
     setattr_(fg.FastGet, "_seen", seen)
 
 
+def _lean_get_learns_from_an_answer_never_sent(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """Any successful GetObject teaches the lean path, one a before-send handler answered
+    (nothing sent) too."""
+    from cloudckpt.stores import s3
+
+    setattr_(s3, "_came_over_the_network", lambda resp: True)
+
+
+def _lean_get_counts_every_fallback(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """Errors every client meets (throttling, a missing key) count toward turning the lean
+    path off, as answers it cannot take do."""
+    from cloudckpt.stores import _s3_fast_get as fg
+
+    original = fg.FastGet._fell_back
+
+    def fell_back(self: Any, why: str, counts: bool = True) -> None:
+        original(self, why, True)
+
+    setattr_(fg.FastGet, "_fell_back", fell_back)
+
+
 _FAST = "tests/test_s3_fast_get.py"
 _NOT_SIMULATED_LEAN = (
     "the simulation's stores are in memory: the S3 store's HTTP requests are not in it"
@@ -3293,6 +3314,23 @@ MUTANTS.update(
                 "the lean GET learns the request's shape only from a botocore GET that succeeded",
                 _lean_get_learns_from_any_get,
                 (f"{_FAST}::test_nothing_is_learned_from_a_get_that_failed",),
+                why_not_simulated=_NOT_SIMULATED_LEAN,
+            ),
+            Mutant(
+                "lean-get-learns-from-an-answer-never-sent",
+                "the lean GET learns only from a GetObject whose answer came over the network",
+                _lean_get_learns_from_an_answer_never_sent,
+                (f"{_FAST}::test_an_answer_that_never_went_over_the_network_teaches_nothing",),
+                why_not_simulated=_NOT_SIMULATED_LEAN,
+            ),
+            Mutant(
+                "lean-get-counts-every-fallback",
+                "only answers the lean GET cannot take turn it off, not errors every client meets",
+                _lean_get_counts_every_fallback,
+                (
+                    f"{_FAST}::test_answers_every_client_gets_do_not_turn_the_path_off",
+                    f"{_FAST}::test_a_burst_of_throttling_does_not_turn_the_path_off",
+                ),
                 why_not_simulated=_NOT_SIMULATED_LEAN,
             ),
         ]

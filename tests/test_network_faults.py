@@ -26,7 +26,7 @@ from cloudckpt import (
 )
 from cloudckpt.committer import read_latest
 from cloudckpt.restore import restore
-from cloudckpt.stores import open_store
+from cloudckpt.stores import _s3_client, open_store
 from cloudckpt.testing.proxy import FaultProxy, ProxyRule
 from cloudckpt.transfer import TransferEngine
 
@@ -161,14 +161,17 @@ def test_persistent_faults_fail_cleanly_and_lose_nothing(proxied, tmp_path):
         mgr.close()
 
 
-@pytest.fixture(params=["s3", "seaweedfs"])
-def read_proxied(request, behind_proxy):
+@pytest.fixture(params=["s3", "seaweedfs", "seaweedfs-lean"])
+def read_proxied(request, behind_proxy, monkeypatch):
     """``proxied`` on moto and on SeaweedFS. On moto the client asks for response
     checksums (``response_checksum_validation="when_supported"``, botocore's default, not
     the store's): moto then sends the object's CRC32C and botocore wraps the body in its
-    checksum reader, so moto's downloads take the S3 store's copy read path and
-    SeaweedFS's the direct one, and the faults meet both."""
-    target = request.getfixturevalue(f"{request.param}_target")
+    checksum reader, so moto's downloads take the S3 store's copy read path. On SeaweedFS
+    with the lean ranged GET switched off they take the direct one; with it on (the
+    default), the lean one after the first: the faults meet all three."""
+    if request.param == "seaweedfs":
+        monkeypatch.setitem(_s3_client.SAVINGS, "lean_get", False)
+    target = request.getfixturevalue(f"{request.param.split('-')[0]}_target")
     proxy, options = behind_proxy(target, seed=5, stall_seconds=1.2)
     options["config_kwargs"] = {**CLIENT, "retries": {"mode": "standard", "max_attempts": 1}}
     if request.param == "s3":
@@ -178,7 +181,7 @@ def read_proxied(request, behind_proxy):
 
 #: The S3 store's read path each server's ranged downloads take (``S3Store.read_paths``)
 #: under ``read_proxied``'s options, and with the store's defaults.
-READ_PATH = {"s3": "copy", "seaweedfs": "direct"}
+READ_PATH = {"s3": "copy", "seaweedfs": "direct", "seaweedfs-lean": "lean"}
 DEFAULT_READ_PATH = {"s3": "direct", "seaweedfs": "direct"}
 
 
@@ -213,6 +216,10 @@ def test_restore_under_network_faults_is_verified_or_fails_clearly(read_proxied,
     print(f"\n{fault}: {outcomes}")
     assert "ok" in outcomes and proxy.injected[fault] > 0
     assert store.read_paths[READ_PATH[server]] > 0, store.read_paths
+    if server == "seaweedfs-lean":  # faults met the lean path, and botocore took over
+        assert store.read_paths["fallback"] > 0, store.read_paths
+    else:
+        assert store.read_paths["lean"] == 0, store.read_paths
 
 
 def _media(target: str) -> bool:

@@ -19,12 +19,14 @@ import time
 import uuid
 
 import botocore.credentials
+import botocore.exceptions
 import pytest
 
 from cloudckpt.errors import ObjectNotFoundError, StoreError
 from cloudckpt.stores import _s3_client
 from cloudckpt.stores._s3_fast_get import MAX_FALLBACKS
 from cloudckpt.stores.s3 import S3Store
+from cloudckpt.testing.proxy import FaultProxy, ProxyRule
 
 KEY = "obj"
 DATA = os.urandom(300_000)
@@ -133,14 +135,47 @@ def test_a_missing_key_and_a_range_past_the_end_fall_back_to_botocores_answers(m
     assert store.read_paths["lean"] == 1 and store._fast._fallbacks == 0
 
 
-def test_the_path_turns_itself_off_after_fallbacks_in_a_row(moto_server, caplog):
+def test_answers_every_client_gets_do_not_turn_the_path_off(moto_server):
+    """A missing key and a range past the end are answered to botocore too: they say
+    nothing about the lean path, however many come in a row."""
     store = _store(moto_server, _bucket(moto_server))
     store.put(KEY, DATA)
     _learned(store)
-    caplog.set_level(logging.INFO, logger="cloudckpt.stores.s3")
     for _ in range(MAX_FALLBACKS + 2):
         with pytest.raises(ObjectNotFoundError):
             _read(store, "missing", 0, 10)
+        assert _read(store, KEY, len(DATA), 10) == b""
+    assert store.read_paths["fallback"] == 2 * (MAX_FALLBACKS + 2)
+    assert store._fast.ready and store._fast.refused is None
+    assert _read(store, KEY, 0, 10) == DATA[:10] and store.read_paths["lean"] == 1
+
+
+def test_a_burst_of_throttling_does_not_turn_the_path_off(seaweedfs_server):
+    """503s that botocore's retries ride out, more than MAX_FALLBACKS of them: every read
+    gets its bytes, and the lean path stays on."""
+    bucket = _bucket(seaweedfs_server)
+    with FaultProxy(seaweedfs_server.endpoint_url) as proxy:
+        store = _store(seaweedfs_server, bucket, endpoint_url=proxy.endpoint_url)
+        store.put(KEY, DATA)
+        _learned(store)
+        for i in range(MAX_FALLBACKS + 2):
+            rule = proxy.add(ProxyRule("503", methods={"GET"}, times=1))
+            assert _read(store, KEY, i, 10) == DATA[i : i + 10]
+            assert rule.fired == 1
+        assert store.read_paths["fallback"] == MAX_FALLBACKS + 2
+        assert store._fast.ready and store._fast.refused is None
+        assert _read(store, KEY, 0, 10) == DATA[:10] and store.read_paths["lean"] == 1
+
+
+def test_the_path_turns_itself_off_after_refused_answers_in_a_row(stub_store, caplog):
+    """2xx answers the path cannot take (here a 200 for a ranged GET), MAX_FALLBACKS in a
+    row: the store's answers do not fit the path; off for good, said once at INFO."""
+    stub, store = stub_store
+    caplog.set_level(logging.INFO, logger="cloudckpt.stores.s3")
+    stub.faults = ["200", ""] * MAX_FALLBACKS  # each lean try spoiled, botocore's not
+    for i in range(MAX_FALLBACKS):
+        assert _read(store, KEY, i, 10) == DATA[i : i + 10]
+    assert stub.faults == []
     assert store.read_paths["fallback"] == MAX_FALLBACKS
     assert not store._fast.ready and "fallbacks in a row" in store._fast.refused
     offs = [r for r in caplog.records if "lean ranged GETs off" in r.getMessage()]
@@ -333,6 +368,40 @@ def test_the_switch_off_keeps_new_stores_on_botocore(moto_server, monkeypatch):
     for _ in range(3):
         assert _read(store, KEY, 0, 10) == DATA[:10]
     assert store.read_paths["lean"] == 0 and not store._fast.ready
+
+
+def test_an_answer_that_never_went_over_the_network_teaches_nothing(monkeypatch, tmp_path):
+    """moto's in-process ``mock_aws`` answers botocore from a before-send handler: nothing
+    was sent, so nothing may be learned (the lean path would then send real requests to
+    AWS's endpoint). Every real send is refused here, so a failing run contacts nothing."""
+    import botocore.httpsession
+    import moto
+
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+    }.items():
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    sent = []
+
+    def refuse(self, request):
+        sent.append(request.url)
+        raise botocore.exceptions.EndpointConnectionError(endpoint_url=request.url)
+
+    monkeypatch.setattr(botocore.httpsession.URLLib3Session, "send", refuse)
+    with moto.mock_aws():
+        store = S3Store("mock-bucket", "run")
+        store._client.create_bucket(Bucket="mock-bucket")
+        store.put(KEY, DATA)
+        for i in range(MAX_FALLBACKS + 2):
+            assert _read(store, KEY, i, 10) == DATA[i : i + 10]
+    assert sent == [] and not store._fast.ready and store._fast.refused is None
+    assert store.read_paths["lean"] == 0 and store.read_paths["fallback"] == 0
 
 
 # --- end to end --------------------------------------------------------------------------

@@ -29,8 +29,13 @@ path sends the same request (same URL, headers and SigV4 signature) with less Py
   with ``readinto`` straight into the caller's buffer. Anything else (another status, a
   header missing or mismatched, a connection error, a body cut short, a timeout) discards
   that connection and returns None: the caller does the request again through botocore,
-  which has the retries and the error mapping. After ``MAX_FALLBACKS`` in a row the path
-  turns itself off for the store and logs once (INFO) why.
+  which has the retries and the error mapping. After ``MAX_FALLBACKS`` in a row *that say
+  the path does not fit this store* (a 2xx it refused, a redirect, a 4xx other than 404,
+  408, 416 and 429, a failure of its own before sending) the path turns itself off for the
+  store and logs once (INFO) why; errors botocore meets as well and rides out or reports
+  (5xx, throttling, a missing key, a reset or timed-out connection) do not count, so a
+  burst of throttling across threads does not turn it off for good. Each such error costs
+  the lean try besides botocore's (one request more; a stalled one, one read timeout more).
 
 Nothing here raises except what the caller's thread is interrupted with
 (KeyboardInterrupt, ...).
@@ -49,6 +54,7 @@ from urllib.parse import urlsplit
 import botocore
 import botocore.auth
 import botocore.awsrequest
+import botocore.exceptions
 import botocore.utils
 
 from cloudckpt.stores._s3_client import SAVINGS
@@ -73,6 +79,11 @@ _KNOWN_HEADERS = frozenset(
 )
 _AUTH = re.compile(r"AWS4-HMAC-SHA256 Credential=[^/]+/\d{8}/([^/]+)/([^/]+)/aws4_request,")
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+# Answers botocore meets as well and rides out or reports: no sign the path does not fit.
+_STORE_ANSWERS = frozenset({404, 408, 416, 429})
+# Transport failures (botocore's own wrappers, and the socket's under ``readinto``): the
+# same for botocore's try; no sign the path does not fit.
+_TRANSPORT_ERRORS = (botocore.exceptions.HTTPClientError, OSError, http.client.HTTPException)
 
 
 @dataclass(frozen=True)
@@ -159,8 +170,10 @@ class FastGet:
 
     def _seen(self, request: Any, **_: Any) -> None:
         """``before-send``: remember this thread's last GetObject (returns None: a value
-        would replace the response)."""
-        self._pending.request = request
+        would replace the response). Once the path is off there is nothing to learn: keep
+        nothing (the hook stays: unregistering while other threads emit is not safe)."""
+        if self.refused is None:
+            self._pending.request = request
 
     def expect(self) -> None:
         """A botocore GetObject of ``get_range_into`` starts: forget older ones."""
@@ -220,7 +233,11 @@ class FastGet:
             self._shape = None
             log.info("lean ranged GETs off for this S3 store: %s", reason)
 
-    def _fell_back(self, why: str) -> None:
+    def _fell_back(self, why: str, counts: bool = True) -> None:
+        """A lean try was given up; ``counts``: it says the path does not fit this store
+        (toward ``MAX_FALLBACKS``), rather than an error botocore meets as well."""
+        if not counts:
+            return
         with self._lock:
             self._fallbacks += 1
             if self._fallbacks >= MAX_FALLBACKS:
@@ -249,19 +266,23 @@ class FastGet:
             request.stream_output = True
             response = self._session.send(request.prepare())
         except Exception as exc:  # (botocore maps the transport's errors) any: botocore
-            self._fell_back(f"the request failed ({type(exc).__name__})")
+            failed = f"the request failed ({type(exc).__name__})"
+            self._fell_back(failed, counts=not isinstance(exc, _TRANSPORT_ERRORS))
             return None
         raw = response.raw
+        status = response.status_code
+        counts = status < 500 and status not in _STORE_ANSWERS
         try:
             why, got = self._read(response, start, end, buf)
         except Exception as exc:
             why, got = f"the body broke off ({type(exc).__name__})", None
+            counts = not isinstance(exc, _TRANSPORT_ERRORS)
         except BaseException:
             _discard(raw)
             raise
         if why is not None:
             _discard(raw)
-            self._fell_back(why)
+            self._fell_back(why, counts)
             return None
         raw.release_conn()
         with self._lock:

@@ -123,6 +123,14 @@ def _read_body_into(resp: Mapping[str, Any], buf: memoryview, paths: _ReadPaths)
     return got
 
 
+def _came_over_the_network(resp: Mapping[str, Any]) -> bool:
+    """Whether a GetObject's answer was read from a socket. Only such an answer may teach
+    the lean path: a ``before-send`` handler (moto's ``mock_aws``, a user's stub) can answer
+    in botocore's place a request that was never sent."""
+    raw = getattr(resp["Body"], "_raw_stream", None)
+    return isinstance(getattr(raw, "_fp", None), http.client.HTTPResponse)
+
+
 class _ReadPaths(collections.Counter):
     """How ``get_range_into`` read its bodies: "direct" (socket straight into the buffer)
     or "copy" (botocore's ``read()``). Tests check it, so that a fault test meant for the
@@ -302,9 +310,11 @@ class S3Store(Store):
         try:
             with self._errors("get_object", key):
                 resp = self._client.get_object(**params)
+                sent = _came_over_the_network(resp)
                 try:
                     got = _read_body_into(resp, buf, self.read_paths)
-                    self._fast.promote(full, rng)  # (only a GET that succeeded teaches it)
+                    if sent:
+                        self._fast.promote(full, rng)  # (only a GET that succeeded teaches it)
                     return got
                 except (OSError, http.client.HTTPException) as exc:
                     raise TransientStoreError(
