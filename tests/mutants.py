@@ -3330,6 +3330,7 @@ MUTANTS.update(
                 (
                     f"{_FAST}::test_answers_every_client_gets_do_not_turn_the_path_off",
                     f"{_FAST}::test_a_burst_of_throttling_does_not_turn_the_path_off",
+                    f"{_FAST}::test_bodies_cut_short_do_not_turn_the_path_off",
                 ),
                 why_not_simulated=_NOT_SIMULATED_LEAN,
             ),

@@ -167,6 +167,19 @@ def test_a_burst_of_throttling_does_not_turn_the_path_off(seaweedfs_server):
         assert _read(store, KEY, 0, 10) == DATA[:10] and store.read_paths["lean"] == 1
 
 
+def test_bodies_cut_short_do_not_turn_the_path_off(stub_store):
+    """A connection closed mid-body is the network's doing, as a reset is: botocore's read
+    gets the bytes, and the lean path stays on however many come in a row."""
+    stub, store = stub_store
+    stub.faults = ["cut", ""] * (MAX_FALLBACKS + 1)  # each lean try cut, botocore's not
+    for i in range(MAX_FALLBACKS + 1):
+        assert _read(store, KEY, i, 50_000) == DATA[i : i + 50_000]
+    assert stub.faults == []
+    assert store.read_paths["fallback"] == MAX_FALLBACKS + 1
+    assert store._fast.ready and store._fast.refused is None
+    assert _read(store, KEY, 0, 10) == DATA[:10] and store.read_paths["lean"] == 1
+
+
 def test_the_path_turns_itself_off_after_refused_answers_in_a_row(stub_store, caplog):
     """2xx answers the path cannot take (here a 200 for a ranged GET), MAX_FALLBACKS in a
     row: the store's answers do not fit the path; off for good, said once at INFO."""

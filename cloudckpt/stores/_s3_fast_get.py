@@ -33,7 +33,7 @@ path sends the same request (same URL, headers and SigV4 signature) with less Py
   the path does not fit this store* (a 2xx it refused, a redirect, a 4xx other than 404,
   408, 416 and 429, a failure of its own before sending) the path turns itself off for the
   store and logs once (INFO) why; errors botocore meets as well and rides out or reports
-  (5xx, throttling, a missing key, a reset or timed-out connection) do not count, so a
+  (5xx, throttling, a missing key, a reset or timed-out connection, a body cut short) do not count, so a
   burst of throttling across threads does not turn it off for good. Each such error costs
   the lean try besides botocore's (one request more; a stalled one, one read timeout more).
 
@@ -312,7 +312,7 @@ class FastGet:
         got = 0
         while got < length:
             n = fp.readinto(buf[got:length])
-            if not n:
-                return f"the body broke off after {got} of {length} bytes", 0
+            if not n:  # the connection closed early: transport, as a reset is
+                raise http.client.IncompleteRead(bytes(buf[:0]), length - got)
             got += n
         return None, got
