@@ -211,6 +211,52 @@ def manager_factory(tmp_path):
             mgr.close(timeout=60)
 
 
+# CI time. The README's command runs the suite in 4 xdist workers (`-n 4`). Each test file
+# runs whole on one worker, so its module fixtures (some take minutes: the install
+# resolutions, the terraform init, the framework runs) are set up once; only
+# test_mutations.py's tests (each an independent pytest subprocess, 5-230 s) are handed out
+# one by one. Workers take files in this order, the longest first (per-file worker time of a
+# 4-worker run, 2026-12-07: test_install 750 s, test_benchmarks 544 s, the mutation guards
+# 3,409 s in all), so that no long file starts last while the other workers sit idle.
+# (xdist's own `--dist loadgroup` cannot do this with pytest 9.2: it renames `item._nodeid`,
+# which pytest no longer reads.)
+LONGEST_FIRST = (
+    "test_install.py",
+    "test_benchmarks.py",
+    "test_terraform.py",
+    "test_mutations.py",
+    "test_network_faults.py",
+    "test_watch.py",
+    "test_examples.py",
+    "test_simulation.py",
+    "test_integration_hf.py",
+    "test_distributed_timeouts.py",
+    "test_cli.py",
+    "test_crash_kill.py",
+    "test_integration_lightning.py",
+    "test_integration_deepspeed.py",
+)
+SPREAD_ONE_BY_ONE = ("test_mutations.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Whole files to a worker, in collection order (pyproject's addopts turn xdist's
+    reordering by test count off), but each of SPREAD_ONE_BY_ONE's tests on its own."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return nodeid if path.endswith(SPREAD_ONE_BY_ONE) else path
+
+    return FileScheduling(config, log)
+
+
 def pytest_configure(config):
     """``CLOUDCKPT_MUTANT=<name>``: run the session with one safety rule broken on purpose
     (``tests/mutants.py``; ``tests/test_mutations.py`` checks that its guards fail)."""
