@@ -3273,8 +3273,21 @@ def _lean_get_counts_every_fallback(setattr_: Callable[[Any, str, Any], None]) -
 
     original = fg.FastGet._fell_back
 
-    def fell_back(self: Any, why: str, counts: bool = True) -> None:
-        original(self, why, True)
+    def fell_back(self: Any, why: str, counts: bool = True, rest: bool = False) -> None:
+        original(self, why, True, rest)
+
+    setattr_(fg.FastGet, "_fell_back", fell_back)
+
+
+def _lean_get_keeps_trying_a_failing_store(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """The store's own trouble (a 503, a reset) does not rest the lean path: a store that
+    fails every read gets a lean try besides botocore's on each."""
+    from cloudckpt.stores import _s3_fast_get as fg
+
+    original = fg.FastGet._fell_back
+
+    def fell_back(self: Any, why: str, counts: bool = True, rest: bool = False) -> None:
+        original(self, why, counts, False)
 
     setattr_(fg.FastGet, "_fell_back", fell_back)
 
@@ -3332,6 +3345,13 @@ MUTANTS.update(
                     f"{_FAST}::test_a_burst_of_throttling_does_not_turn_the_path_off",
                     f"{_FAST}::test_bodies_cut_short_do_not_turn_the_path_off",
                 ),
+                why_not_simulated=_NOT_SIMULATED_LEAN,
+            ),
+            Mutant(
+                "lean-get-keeps-trying-a-failing-store",
+                "the store's own trouble rests the lean GET until botocore reads again",
+                _lean_get_keeps_trying_a_failing_store,
+                (f"{_FAST}::test_a_store_that_fails_every_read_costs_one_lean_request_in_all",),
                 why_not_simulated=_NOT_SIMULATED_LEAN,
             ),
         ]

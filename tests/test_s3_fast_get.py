@@ -167,6 +167,33 @@ def test_a_burst_of_throttling_does_not_turn_the_path_off(seaweedfs_server):
         assert _read(store, KEY, 0, 10) == DATA[:10] and store.read_paths["lean"] == 1
 
 
+def test_a_store_that_fails_every_read_costs_one_lean_request_in_all(seaweedfs_server):
+    """503 for every GET: the first lean try rests the path, and the reads after it are
+    botocore's alone (its attempts), not a lean try besides each; once the store
+    answers, botocore's read wakes the path and the next read is lean again."""
+    bucket = _bucket(seaweedfs_server)
+    retries = {"config_kwargs": {"retries": {"mode": "standard", "max_attempts": 1}}}
+    with FaultProxy(seaweedfs_server.endpoint_url) as proxy:
+        store = _store(seaweedfs_server, bucket, endpoint_url=proxy.endpoint_url, **retries)
+        store.put(KEY, DATA)
+        _learned(store)
+        rule = proxy.add(ProxyRule("503", methods={"GET"}))
+        sent = []  # GETs each read sent
+        for i in range(3):
+            before = rule.fired
+            with pytest.raises(StoreError):
+                _read(store, KEY, i, 10)
+            sent.append(rule.fired - before)
+        attempts = sent[1]  # botocore's alone
+        assert attempts >= 1 and sent == [attempts + 1, attempts, attempts], sent
+        assert store.read_paths["fallback"] == 1 and store.read_paths["lean"] == 0
+        assert not store._fast.ready and store._fast.refused is None  # resting, not off
+        rule.times = 0  # the store answers again
+        assert _read(store, KEY, 5, 10) == DATA[5:15]  # botocore's, which wakes the path
+        assert store._fast.ready and store.read_paths["lean"] == 0
+        assert _read(store, KEY, 6, 10) == DATA[6:16] and store.read_paths["lean"] == 1
+
+
 def test_bodies_cut_short_do_not_turn_the_path_off(stub_store):
     """A connection closed mid-body is the network's doing, as a reset is: botocore's read
     gets the bytes, and the lean path stays on however many come in a row."""

@@ -34,8 +34,11 @@ path sends the same request (same URL, headers and SigV4 signature) with less Py
   408, 416 and 429, a failure of its own before sending) the path turns itself off for the
   store and logs once (INFO) why; errors botocore meets as well and rides out or reports
   (5xx, throttling, a missing key, a reset or timed-out connection, a body cut short) do not count, so a
-  burst of throttling across threads does not turn it off for good. Each such error costs
-  the lean try besides botocore's (one request more; a stalled one, one read timeout more).
+  burst of throttling across threads does not turn it off for good. Such an error of the
+  store's (a 5xx, 408 or 429, a reset, a timeout, a body cut short; not a 404 or 416, which
+  botocore is answered as well) **rests** the path: every read goes straight to botocore
+  until one of botocore's reads of the store succeeds. So a store that fails every read
+  costs one lean request (and, stalled, one read timeout) more in all, not one per read.
 
 Nothing here raises except what the caller's thread is interrupted with
 (KeyboardInterrupt, ...).
@@ -81,6 +84,9 @@ _AUTH = re.compile(r"AWS4-HMAC-SHA256 Credential=[^/]+/\d{8}/([^/]+)/([^/]+)/aws
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 # Answers botocore meets as well and rides out or reports: no sign the path does not fit.
 _STORE_ANSWERS = frozenset({404, 408, 416, 429})
+# Of those, the store's trouble (a timeout, throttling), which rests the path; a missing key
+# or a range past the end is an answer about the object, and the next read may differ.
+_STORE_TROUBLE = frozenset({408, 429})
 # Transport failures (botocore's own wrappers, and the socket's under ``readinto``): the
 # same for botocore's try; no sign the path does not fit.
 _TRANSPORT_ERRORS = (botocore.exceptions.HTTPClientError, OSError, http.client.HTTPException)
@@ -141,6 +147,8 @@ class FastGet:
         self._lock = threading.Lock()
         self._shape: _Shape | None = None
         self._fallbacks = 0
+        # The store's own trouble met a lean try: botocore's turn until it reads once.
+        self._resting = False
         self.refused: str | None = None
         self._session: Any = None
         self._signer: Any = None
@@ -166,7 +174,8 @@ class FastGet:
 
     @property
     def ready(self) -> bool:
-        return self._shape is not None
+        """A shape is learned and the path is not resting after the store's trouble."""
+        return self._shape is not None and not self._resting
 
     def _seen(self, request: Any, **_: Any) -> None:
         """``before-send``: remember this thread's last GetObject (returns None: a value
@@ -181,8 +190,10 @@ class FastGet:
             self._pending.request = None
 
     def promote(self, full_key: str, range_header: str) -> None:
-        """This thread's botocore GetObject for ``full_key`` succeeded: learn its shape,
-        or refuse the store for good with the reason."""
+        """This thread's botocore GetObject for ``full_key`` succeeded: the store answers
+        again (the path rests no more); learn its shape, or refuse the store for good with
+        the reason."""
+        self._resting = False
         request = getattr(self._pending, "request", None)
         self._pending.request = None
         if self.refused is not None or self._shape is not None or request is None:
@@ -233,9 +244,12 @@ class FastGet:
             self._shape = None
             log.info("lean ranged GETs off for this S3 store: %s", reason)
 
-    def _fell_back(self, why: str, counts: bool = True) -> None:
+    def _fell_back(self, why: str, counts: bool = True, rest: bool = False) -> None:
         """A lean try was given up; ``counts``: it says the path does not fit this store
-        (toward ``MAX_FALLBACKS``), rather than an error botocore meets as well."""
+        (toward ``MAX_FALLBACKS``), rather than an error botocore meets as well; ``rest``:
+        it was the store's own trouble (the path rests until botocore reads again)."""
+        if rest:
+            self._resting = True
         if not counts:
             return
         with self._lock:
@@ -267,22 +281,25 @@ class FastGet:
             response = self._session.send(request.prepare())
         except Exception as exc:  # (botocore maps the transport's errors) any: botocore
             failed = f"the request failed ({type(exc).__name__})"
-            self._fell_back(failed, counts=not isinstance(exc, _TRANSPORT_ERRORS))
+            transport = isinstance(exc, _TRANSPORT_ERRORS)
+            self._fell_back(failed, counts=not transport, rest=transport)
             return None
         raw = response.raw
         status = response.status_code
         counts = status < 500 and status not in _STORE_ANSWERS
+        rest = status >= 500 or status in _STORE_TROUBLE
         try:
             why, got = self._read(response, start, end, buf)
         except Exception as exc:
             why, got = f"the body broke off ({type(exc).__name__})", None
             counts = not isinstance(exc, _TRANSPORT_ERRORS)
+            rest = rest or not counts
         except BaseException:
             _discard(raw)
             raise
         if why is not None:
             _discard(raw)
-            self._fell_back(why, counts)
+            self._fell_back(why, counts, rest)
             return None
         raw.release_conn()
         with self._lock:
