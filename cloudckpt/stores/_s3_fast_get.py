@@ -35,8 +35,8 @@ path sends the same request (same URL, headers and SigV4 signature) with less Py
   store and logs once (INFO) why; errors botocore meets as well and rides out or reports
   (5xx, throttling, a missing key, a reset or timed-out connection, a body cut short) do not count, so a
   burst of throttling across threads does not turn it off for good. Such an error of the
-  store's (a 5xx, 408 or 429, a reset, a timeout, a body cut short; not a 404 or 416, which
-  botocore is answered as well) **rests** the path: every read goes straight to botocore
+  store's (a 5xx, 408 or 429, a reset, a timeout, a body cut short; not a 404 or 416,
+  answers about the object that botocore gets too) **rests** the path: every read goes straight to botocore
   until one of botocore's reads of the store succeeds. So a store that fails every read
   costs one lean request (and, stalled, one read timeout) more in all, not one per read.
 
