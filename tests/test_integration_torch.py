@@ -204,21 +204,26 @@ def test_the_upload_reads_the_host_buffers_and_the_staged_copy_is_written_beside
     real_read = MemoryFile.read
 
     def held_read(self, offset, length):
-        release.wait(30)  # the upload is slow; the local copy does not wait for it
+        # The upload is slow; the local copy does not wait for it. Held until the test has
+        # looked (the bound only keeps a failed test from hanging): a hold that ran out on a
+        # loaded CI machine let the save commit and leave attempts/ before the test looked.
+        release.wait(240)
         return real_read(self, offset, length)
 
     monkeypatch.setattr(MemoryFile, "read", held_read)
     handle = save_state(mgr, 1, {"w": torch.arange(100_000.0), "b": torch.ones(3)})
     attempts = mgr.staging.attempts_dir
-    deadline = time.monotonic() + 30
-    journal: dict = {}
-    while time.monotonic() < deadline and journal.get("state") != "durable":
-        found = list(attempts.glob("*/journal.json"))
-        journal = json.loads(found[0].read_text()) if found else {}
-        time.sleep(0.02)
-    assert journal.get("state") == "durable"  # a crash now would be recovered from it
-    staged = next(attempts.glob("*/files/tensors.safetensors")).read_bytes()
-    release.set()
+    try:
+        deadline = time.monotonic() + 120
+        journal: dict = {}
+        while time.monotonic() < deadline and journal.get("state") != "durable":
+            found = list(attempts.glob("*/journal.json"))
+            journal = json.loads(found[0].read_text()) if found else {}
+            time.sleep(0.02)
+        assert journal.get("state") == "durable"  # a crash now would be recovered from it
+        staged = next(attempts.glob("*/files/tensors.safetensors")).read_bytes()
+    finally:
+        release.set()
     assert handle.result(timeout=60).step == 1
     handle._job.wait_until_buffers_free()  # the staged copy is finished after the commit
     assert not list(attempts.iterdir())  # ... and leaves attempts/
